@@ -1,0 +1,15 @@
+"""Model builders keyed by config name (`conf/model/*.yaml` -> `create_model`)."""
+
+from models._registry import create_model, list_models, model_kwargs_error, register_model
+from models.bert import BERT_SIZES, BertForPreTrainingMaskedLM, build_bert_config, pad_vocab_size
+
+__all__ = [
+    "BERT_SIZES",
+    "BertForPreTrainingMaskedLM",
+    "build_bert_config",
+    "create_model",
+    "list_models",
+    "model_kwargs_error",
+    "pad_vocab_size",
+    "register_model",
+]

@@ -1,0 +1,100 @@
+"""BERT for pretraining from a transformers BertConfig, with NVIDIA's speed choices.
+
+Speed choices (NVIDIA DeepLearningExamples BERT): SDPA attention, the vocabulary padded to a multiple of 8
+for tensor cores, and MLM logits computed only at the masked positions (the full-sequence decoder is most of
+a small model's step). The weights are plain `BertForPreTraining` weights, so `save_pretrained` output loads
+back in stock transformers.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import BertConfig, BertForPreTraining
+
+from models._registry import register_model
+
+# hidden size, layers, attention heads, feed-forward size. "xl" is the SLAMB paper's 2.8B-parameter scale:
+# 36 x 12 x 2560^2 ≈ 2.83B in the encoder [derived from the paper's parameter count; the exact shape is
+# not stated in the material we have].
+BERT_SIZES: dict[str, tuple[int, int, int, int]] = {
+    "tiny": (128, 2, 2, 512),
+    "base": (768, 12, 12, 3072),
+    "large": (1024, 24, 16, 4096),
+    "xl": (2560, 36, 40, 10240),
+}
+
+
+def pad_vocab_size(vocab_size: int, multiple: int = 8) -> int:
+    """Round the embedding rows up so the decoder GEMM has tensor-core friendly shapes (30522 -> 30528)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_bert_config(
+    size: str = "large",
+    vocab_size: int = 30522,
+    pad_vocab_to_multiple_of: int = 8,
+    max_position_embeddings: int = 512,
+    hidden_dropout_prob: float = 0.1,
+    attention_probs_dropout_prob: float = 0.1,
+    hidden_size: int | None = None,
+    num_hidden_layers: int | None = None,
+    num_attention_heads: int | None = None,
+    intermediate_size: int | None = None,
+) -> BertConfig:
+    """A BertConfig for a named size; explicit shape arguments override the size's values (for tests)."""
+    if size not in BERT_SIZES:
+        raise ValueError(f"unknown BERT size '{size}'; known sizes: {', '.join(BERT_SIZES)}")
+    hidden, layers, heads, ffn = BERT_SIZES[size]
+    hidden = hidden_size or hidden
+    heads = num_attention_heads or heads
+    if hidden % heads:
+        raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+    return BertConfig(
+        vocab_size=pad_vocab_size(vocab_size, pad_vocab_to_multiple_of),
+        hidden_size=hidden,
+        num_hidden_layers=num_hidden_layers or layers,
+        num_attention_heads=heads,
+        intermediate_size=intermediate_size or ffn,
+        max_position_embeddings=max_position_embeddings,
+        hidden_dropout_prob=hidden_dropout_prob,
+        attention_probs_dropout_prob=attention_probs_dropout_prob,
+        attn_implementation="sdpa",
+    )
+
+
+class BertForPreTrainingMaskedLM(BertForPreTraining):
+    """`BertForPreTraining` whose forward decodes only the given masked positions.
+
+    `masked_lm_positions` has a fixed width P (max predictions per sequence), so the gather has a static
+    shape: no host sync and no data-dependent shapes, unlike boolean indexing of the labels.
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        masked_lm_positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return MLM logits [B, P, V] at `masked_lm_positions` [B, P] and NSP logits [B, 2]."""
+        sequence_output, pooled_output = self.bert(
+            input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask, return_dict=False
+        )[:2]
+        index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, sequence_output.size(-1))
+        masked_output = torch.gather(sequence_output, 1, index)
+        return self.cls.predictions(masked_output), self.cls.seq_relationship(pooled_output)
+
+
+@register_model
+def bert_pretraining(**config_kwargs) -> BertForPreTrainingMaskedLM:
+    """BERT with MLM + NSP heads; keyword arguments are those of `build_bert_config`."""
+    model = BertForPreTrainingMaskedLM(build_bert_config(**config_kwargs))
+    # Exports name the stock class so any transformers install can load them.
+    model.config.architectures = ["BertForPreTraining"]
+    return model
+
+
+# Advertise build_bert_config's arguments so config keys are checked against them before launch.
+bert_pretraining.__signature__ = inspect.signature(build_bert_config)  # type: ignore[attr-defined]

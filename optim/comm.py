@@ -1,0 +1,137 @@
+"""The one layer that talks to the process group, counting the bytes this rank sends per collective.
+
+Bytes are the payload a rank contributes to a collective (`numel * element_size` of its input), which is
+what compression changes; how the backend moves them (ring, tree) is not modelled. Algorithm traffic
+(gradients, momenta, parameters) and control traffic (stop and overflow flags) are counted apart, so the
+headline metric, bits per parameter per step, holds only the algorithm's own data.
+"""
+
+# No `from __future__ import annotations`: DDP inspects the hook's annotations as real types.
+import torch
+import torch.distributed as dist
+
+
+class Comm:
+    """Collectives over one process group with byte counters.
+
+    With no initialised process group (or a group of one) every collective is the identity and nothing is
+    counted: no bytes leave the process.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self.group = process_group
+        self.initialized = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(process_group) if self.initialized else 1
+        self.rank = dist.get_rank(process_group) if self.initialized else 0
+        self.bytes_sent = 0
+        self.control_bytes_sent = 0
+        self.collectives = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        self.collectives += 1
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
+        """In-place all-reduce of algorithm data; returns the Work handle when `async_op`."""
+        if not self.distributed:
+            return _completed(tensor) if async_op else None
+        self._count(tensor)
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place mean over ranks (sum, then divide)."""
+        self.all_reduce(tensor)
+        if self.distributed:
+            tensor.div_(self.world_size)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """In-place broadcast from `src`; only the source rank is charged the bytes."""
+        if not self.distributed:
+            return
+        if self.rank == src:
+            self._count(tensor)
+        dist.broadcast(tensor, src=src, group=self.group)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Gather every rank's `tensor` into `output` (rank-major); a rank is charged its own input."""
+        if not self.distributed:
+            output.copy_(tensor.reshape(output.shape))
+            return
+        self._count(tensor)
+        dist.all_gather_into_tensor(output, tensor, group=self.group)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on any rank (control traffic, e.g. a stop request)."""
+        if not self.distributed:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self._control_device())
+        self.control_bytes_sent += value.element_size()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
+    def average_control(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks of a few reporting values (losses for the log): control traffic."""
+        if not self.distributed:
+            return tensor
+        tensor = tensor.to(self._control_device())
+        self.control_bytes_sent += tensor.numel() * tensor.element_size()
+        dist.all_reduce(tensor, group=self.group)
+        return tensor / self.world_size
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        """Send a small picklable object (a run directory, say) from `src` to all ranks."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def take_counts(self) -> dict[str, int]:
+        """Counters since the previous call, then reset: call once per optimizer step."""
+        counts = {"bytes": self.bytes_sent, "control_bytes": self.control_bytes_sent, "collectives": self.collectives}
+        self.bytes_sent = self.control_bytes_sent = self.collectives = 0
+        return counts
+
+    def _control_device(self) -> torch.device:
+        backend = dist.get_backend(self.group)
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _completed(tensor: torch.Tensor):
+    """A finished Work-like handle for the single-process case, so callers can `.wait()` uniformly."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result([tensor])
+    return _DoneWork(future)
+
+
+class _DoneWork:
+    __slots__ = ("_future",)
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        self._future = future
+
+    def wait(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def counting_allreduce_hook(comm: Comm, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the mean all-reduce of default DDP, with the bucket's bytes counted by `comm`.
+
+    Register with `ddp_model.register_comm_hook(comm, counting_allreduce_hook)`; it matches DDP with no hook
+    (divide by the world size, then sum) so results are unchanged.
+    """
+    buffer = bucket.buffer().div_(comm.world_size)
+    work = comm.all_reduce(buffer, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])

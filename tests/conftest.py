@@ -1,0 +1,64 @@
+"""Shared fixtures: the real config tree, composed and shrunk to test scale."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A model and batch small enough for ~10 ms steps, on the real config tree.
+TINY = [
+    "model.hidden_size=32",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "model.intermediate_size=64",
+    "data.max_seq_len=32",
+    "data.max_predictions=5",
+    "data.dupe_factor=1",
+    "trainer.max_steps=6",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=4",
+    "trainer.log_every=1",
+    "trainer.checkpoint_every=2",
+    "trainer.device=cpu",
+    "logger.progress_bar=false",
+    "logger.tensorboard=false",
+    "logger.wandb=disabled",
+]
+
+
+def compose(overrides: list[str] | None = None):
+    """The config `python -m train <overrides>` would run with."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from train.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides or [])
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path: Path) -> list[str]:
+    return [*TINY, f"hydra.run.dir={tmp_path / 'run'}"]
+
+
+def run_train(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m train <args>` in a subprocess, from the repository root."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "train", *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout, **kwargs,
+    )

@@ -1,0 +1,78 @@
+"""The communication layer: byte counts, the single-process identity, and the DDP hook against plain DDP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed_harness import run_on_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from optim.comm import Comm, counting_allreduce_hook
+
+
+def test_single_process_is_identity_and_counts_nothing():
+    comm = Comm()
+    tensor = torch.arange(4.0)
+    comm.all_reduce(tensor)
+    comm.broadcast(tensor)
+    assert comm.all_reduce(tensor, async_op=True).wait()
+    assert torch.equal(tensor, torch.arange(4.0))
+    assert comm.any(True) and not comm.any(False)
+    assert comm.take_counts() == {"bytes": 0, "control_bytes": 0, "collectives": 0}
+
+
+def _collectives(rank, world_size):
+    comm = Comm()
+    x = torch.full((10,), float(rank + 1))
+    comm.all_reduce(x)
+    y = torch.ones(6, dtype=torch.float16)
+    comm.average(y)
+    z = torch.zeros(3)
+    if rank == 0:
+        z += 7
+    comm.broadcast(z)
+    out = torch.empty(world_size * 2)
+    comm.all_gather_into_tensor(out, torch.full((2,), float(rank)))
+    stop = comm.any(rank == world_size - 1)
+    return x.tolist(), y.tolist(), z.tolist(), out.tolist(), stop, comm.take_counts()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_and_byte_counts(world_size):
+    results = run_on_ranks(_collectives, world_size)
+    total = sum(range(1, world_size + 1))
+    for rank, (x, y, z, gathered, stop, counts) in enumerate(results):
+        assert x == [float(total)] * 10
+        assert y == [1.0] * 6
+        assert z == [7.0] * 3
+        assert gathered == [float(r) for r in range(world_size) for _ in range(2)]
+        assert stop is True
+        broadcast_bytes = 3 * 4 if rank == 0 else 0
+        assert counts["bytes"] == 10 * 4 + 6 * 2 + broadcast_bytes + 2 * 4
+        assert counts["control_bytes"] == 4
+        assert counts["collectives"] == (4 if rank == 0 else 3)
+
+
+def _ddp_grads(rank, world_size, use_hook):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    comm = Comm()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.0005)  # several buckets
+    if use_hook:
+        ddp.register_comm_hook(comm, counting_allreduce_hook)
+    g = torch.Generator().manual_seed(100 + rank)
+    ddp(torch.randn(5, 8, generator=g)).pow(2).sum().backward()
+    return [p.grad.clone() for p in model.parameters()], comm.take_counts()["bytes"]
+
+
+def test_counting_hook_matches_plain_ddp():
+    plain = run_on_ranks(_ddp_grads, 2, False)
+    hooked = run_on_ranks(_ddp_grads, 2, True)
+    numel = 8 * 16 + 16 + 16 * 3 + 3
+    for (plain_grads, plain_bytes), (hooked_grads, hooked_bytes) in zip(plain, hooked, strict=True):
+        for a, b in zip(plain_grads, hooked_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert plain_bytes == 0
+        assert hooked_bytes == numel * 4  # every gradient element once, fp32
+    torch.testing.assert_close(hooked[0][0][0], hooked[1][0][0], rtol=0, atol=0)

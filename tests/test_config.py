@@ -1,0 +1,108 @@
+"""The config tree: recipes resolve exactly, bad keys and values fail early with the key named."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TINY, compose, run_train
+
+from train.config import ConfigError, batch_geometry, validate
+
+
+def test_demo_is_the_default():
+    assert compose().name == "demo"
+    assert compose(["+experiment=demo"]).name == "demo"
+
+
+def test_bert_large_phase1_carries_nvidia_recipe():
+    cfg = compose(["+experiment=bert_large_phase1"])
+    assert cfg.model.size == "large"
+    assert (cfg.data.max_seq_len, cfg.data.max_predictions) == (128, 20)
+    assert cfg.trainer.global_batch_size == 65536
+    assert cfg.trainer.max_steps == 7038
+    assert cfg.optim.name == "lamb"
+    assert cfg.optim.lr == pytest.approx(6e-3)
+    assert list(cfg.optim.betas) == [0.9, 0.999]
+    assert cfg.optim.eps == pytest.approx(1e-6)
+    assert cfg.optim.weight_decay == pytest.approx(0.01)
+    assert cfg.trainer.grad_clip == 1.0
+    assert cfg.schedule.name == "poly_warmup"
+    assert cfg.schedule.kwargs.warmup_fraction == pytest.approx(0.2843)
+    assert cfg.schedule.kwargs.degree == 0.5
+    validate(cfg)
+
+
+def test_bert_large_phase2_derives_from_phase1():
+    cfg = compose(["+experiment=bert_large_phase2"])
+    assert (cfg.data.max_seq_len, cfg.data.max_predictions) == (512, 80)
+    assert cfg.trainer.global_batch_size == 32768
+    assert cfg.trainer.max_steps == 1563
+    assert cfg.optim.lr == pytest.approx(4e-3)
+    assert cfg.schedule.kwargs.warmup_fraction == pytest.approx(0.128)
+    assert cfg.schedule.kwargs.degree == 0.5
+    assert cfg.optim.weight_decay == pytest.approx(0.01)  # inherited
+    assert cfg.trainer.grad_clip == 1.0
+    assert "bert_large_phase1" in cfg.trainer.init_from
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "micro", "world", "accumulation"),
+    [(65536, 64, 8, 128), (65536, 256, 8, 32), (32768, 8, 8, 512), (32, 32, 1, 1), (32, 8, 2, 2)],
+)
+def test_accumulation_derives_from_global_batch(global_batch, micro, world, accumulation):
+    cfg = compose([f"trainer.global_batch_size={global_batch}", f"trainer.micro_batch_size={micro}"])
+    assert batch_geometry(cfg.trainer, world).accumulation_steps == accumulation
+
+
+def test_indivisible_batch_is_an_error():
+    cfg = compose(["trainer.global_batch_size=100", "trainer.micro_batch_size=32"])
+    with pytest.raises(ConfigError, match=r"trainer.global_batch_size=100 .* micro_batch_size=32"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("optim.lr=-1", "optim.lr"),
+        ("data.masking=sometimes", "data.masking"),
+        ("+optim.momentum=0.9", "optim.momentum"),
+        ("+model.depth=3", "model.depth"),
+        ("optim.name=sgdd", "optim.name"),
+        ("data.max_predictions=200", "data.max_predictions"),
+        ("schedule.kwargs.warmup_fraction=1.5", "schedule"),
+    ],
+)
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
+        validate(compose([override]))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_cli_rejects_bad_key_and_value_before_training(tmp_path):
+    bad_key = run_train(["trainer.no_such_key=1", f"hydra.run.dir={tmp_path}"], timeout=120)
+    assert bad_key.returncode != 0
+    assert "trainer.no_such_key" in bad_key.stderr
+    bad_value = run_train(["trainer.global_batch_size=33", f"hydra.run.dir={tmp_path}"], timeout=120)
+    assert bad_value.returncode == 2
+    assert bad_value.stderr.strip().splitlines()[-1].startswith("config error: trainer.global_batch_size=33")
+    assert not (tmp_path / "checkpoints").exists()
+    bad_enum = run_train(["precision.dtype=fp8", f"hydra.run.dir={tmp_path}"], timeout=120)
+    assert bad_enum.returncode != 0 and "precision.dtype" in bad_enum.stderr
+
+
+@pytest.mark.slow
+def test_cli_prints_phase1_recipe():
+    result = run_train(["+experiment=bert_large_phase1", "--cfg", "job"], timeout=120)
+    assert result.returncode == 0, result.stderr
+    for fragment in ("global_batch_size: 65536", "lr: 0.006", "warmup_fraction: 0.2843", "max_steps: 7038"):
+        assert fragment in result.stdout
+
+
+@pytest.mark.slow
+def test_multirun_sweep(tmp_path):
+    args = [*TINY, "trainer.max_steps=2", "-m", "optim=lamb,adamw", f"hydra.sweep.dir={tmp_path}"]
+    result = run_train(args, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(p.name for p in tmp_path.iterdir() if (p / "metrics.jsonl").exists())
+    assert runs == ["0", "1"], runs

@@ -1,0 +1,152 @@
+"""The trainer end to end on a tiny BERT: learning, accumulation, precision, exact resume, signals, DDP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, compose, run_train
+from transformers import BertForPreTraining
+
+from train.metrics import read_metrics
+from train.run import run
+
+NO_DROPOUT = ["model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0"]
+
+
+def _train(tmp_path: Path, *overrides: str) -> list[dict]:
+    run(compose([*TINY, *overrides]), tmp_path)
+    return read_metrics(tmp_path)
+
+
+def test_run_trains_checkpoints_and_exports(tmp_path):
+    records = _train(tmp_path, "trainer.max_steps=8", "trainer.keep_last=2")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert all(r["comm_bytes_per_step"] == 0 for r in records)  # one process sends nothing
+    for key in ("loss", "mlm_loss", "nsp_loss", "lr", "grad_norm", "seq_per_s", "comm_bits_per_param"):
+        assert key in records[0]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
+    exported = BertForPreTraining.from_pretrained(tmp_path / "hf_model")
+    assert exported.config.vocab_size == 30528
+    assert (tmp_path / "hf_model" / "vocab.txt").exists()
+
+
+def test_rerunning_a_finished_run_does_nothing(tmp_path):
+    _train(tmp_path, "trainer.max_steps=2")
+    stamp = (tmp_path / "checkpoints" / "step_00000002" / "shared.pt").stat().st_mtime_ns
+    _train(tmp_path, "trainer.max_steps=2")
+    assert (tmp_path / "checkpoints" / "step_00000002" / "shared.pt").stat().st_mtime_ns == stamp
+
+
+def test_resume_false_refuses_to_overwrite(tmp_path):
+    _train(tmp_path, "trainer.max_steps=2")
+    with pytest.raises(RuntimeError, match="already has checkpoint"):
+        _train(tmp_path, "trainer.max_steps=4", "trainer.resume=false")
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path):
+    accumulated = _train(tmp_path / "a", *NO_DROPOUT, "trainer.max_steps=3", "trainer.micro_batch_size=2")
+    single = _train(tmp_path / "b", *NO_DROPOUT, "trainer.max_steps=3", "trainer.micro_batch_size=8")
+    for a, b in zip(accumulated, single, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_schedule_sets_lr_per_optimizer_step(tmp_path):
+    records = _train(tmp_path, "trainer.max_steps=10", "schedule.kwargs.warmup_fraction=0.5", "optim.lr=0.01")
+    lrs = [r["lr"] for r in records]
+    assert lrs[0] == pytest.approx(0.01 * 0.1 / 0.5)  # progress 1/10 of a 0.5 warm-up
+    assert max(lrs) == pytest.approx(lrs[4])  # the peak ends the warm-up
+    assert lrs[-1] < lrs[5]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_runs(tmp_path, precision):
+    records = _train(tmp_path, f"precision={precision}", "trainer.max_steps=3")
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert ("loss_scale" in records[-1]) == (precision == "fp16")
+
+
+def test_non_finite_loss_stops_without_saving(tmp_path):
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        _train(tmp_path, "optim=adamw", "optim.lr=1e30", "trainer.grad_clip=0", "trainer.checkpoint_every=1")
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    for name in saved:
+        state = torch.load(tmp_path / "checkpoints" / name / "shared.pt", weights_only=False)
+        assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        if records and records[-1]["step"] >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early:\n{proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def _popen(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_repeats_the_loss_series_exactly(tmp_path):
+    args = [*TINY, "trainer.max_steps=14", "trainer.checkpoint_every=3", "data.masking=dynamic"]
+    reference = run_train([*args, f"hydra.run.dir={tmp_path / 'ref'}"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    killed_dir = tmp_path / "killed"
+    proc = _popen([*args, f"hydra.run.dir={killed_dir}"])
+    _wait_for_step(killed_dir, 8, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    resumed = run_train([*args, f"hydra.run.dir={killed_dir}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+
+    def series(run_dir):
+        return [(r["step"], r["loss"], r["mlm_loss"], r["nsp_loss"], r["grad_norm"]) for r in read_metrics(run_dir)]
+
+    assert series(killed_dir) == series(tmp_path / "ref")  # bit-identical floats, every step once
+    assert len(series(killed_dir)) == 14
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+    proc = _popen([*TINY, "trainer.max_steps=100000", "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"])
+    _wait_for_step(tmp_path, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    last_logged = read_metrics(tmp_path)[-1]["step"]
+    assert (tmp_path / "checkpoints" / f"step_{last_logged:08d}" / "shared.pt").exists()
+    assert not (tmp_path / "hf_model").exists()  # not finished, so not exported
+
+
+@pytest.mark.slow
+def test_two_local_workers_log_communicated_bytes(tmp_path):
+    # global 8 = micro 2 x 2 ranks x 2 accumulation steps: the all-reduce must run once per step.
+    result = run_train([*TINY, "trainer.nproc_per_node=2", "trainer.micro_batch_size=2", "trainer.max_steps=4",
+                        f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    shared = torch.load(tmp_path / "checkpoints" / "step_00000004" / "shared.pt", weights_only=False)
+    assert shared["world_size"] == 2
+    assert (tmp_path / "checkpoints" / "step_00000004" / "rank_00001.pt").exists()
+    for record in records:
+        # Every fp32 gradient goes out exactly once per step: 32 bits per parameter, not 64.
+        assert record["comm_bytes_per_step"] > 0
+        assert record["comm_bits_per_param"] == pytest.approx(32.0)

@@ -1,0 +1,1 @@
+"""The trainer: entry point, loop, checkpointing, logging and launching."""

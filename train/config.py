@@ -1,0 +1,210 @@
+"""Typed config schema (registered with Hydra) and the checks that run before any worker starts."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message is one line naming the key."""
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class WandbMode(str, Enum):
+    disabled = "disabled"
+    offline = "offline"
+    online = "online"
+
+
+@dataclass
+class TaskConfig:
+    name: str = MISSING  # a task in train/tasks (bert_pretraining)
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # demo: the embedded pydoc corpus
+    max_seq_len: int = MISSING  # tokens per sequence (128 in phase 1, 512 in phase 2)
+    max_predictions: int = MISSING  # masked positions per sequence (20 / 80)
+    masked_lm_prob: float = MISSING
+    short_seq_prob: float = MISSING
+    dupe_factor: int = MISSING  # passes over the corpus with different masks and pairings
+    masking: str = MISSING  # static (fixed at preparation) or dynamic (redrawn per epoch)
+    vocab_path: str | None = None  # null: the vendored bert-base-uncased vocab
+    num_workers: int = 0  # loader worker processes per rank
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = MISSING  # poly_warmup | linear_warmup_cosine | constant
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the schedule's own arguments
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Precision = Precision.fp32  # autocast dtype; fp16 adds a GradScaler
+    init_scale: float = 65536.0  # fp16 loss scale at the start (NVIDIA BERT: 2^20)
+    growth_interval: int = 2000  # fp16 steps without overflow before the scale doubles
+
+
+@dataclass
+class TrainerConfig:
+    seed: int = 42
+    max_steps: int = MISSING  # optimizer steps of the whole run
+    global_batch_size: int = MISSING  # sequences per optimizer step over all ranks: the source of truth
+    micro_batch_size: int = MISSING  # sequences per forward pass on one rank; accumulation is derived
+    grad_clip: float = 1.0  # global grad-norm clip; 0 disables
+    device: str = "auto"  # auto | cpu | cuda
+    nproc_per_node: int = 1  # >1: start that many local workers (torch elastic); under torchrun/srun: 1
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    log_every: int = 10  # optimizer steps between metric records
+    checkpoint_every: int = 200  # optimizer steps between checkpoints; 0 keeps only the final one
+    keep_last: int = 3  # checkpoints kept
+    resume: bool = True  # continue from the run directory's newest checkpoint
+    steps_this_run: int | None = None  # stop (with a checkpoint) after this many steps, for time-boxed jobs
+    init_from: str | None = None  # weights to start from (a checkpoint dir or a save_pretrained dir)
+    compile: bool = False  # torch.compile the model
+
+
+@dataclass
+class LoggerConfig:
+    progress_bar: bool = True
+    tensorboard: bool = True
+    wandb: WandbMode = WandbMode.disabled
+    wandb_project: str = "slamb-trainer"
+
+
+@dataclass
+class Config:
+    name: str = MISSING  # run name: the run directory is runs/<name> unless hydra.run.dir says otherwise
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: dict[str, Any] = field(default_factory=dict)  # `name` + the builder's keyword arguments
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: dict[str, Any] = field(default_factory=dict)  # `name` + the optimizer's keyword arguments
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    """How the global batch splits over ranks and micro-batches."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int
+    accumulation_steps: int
+
+
+def batch_geometry(trainer: TrainerConfig | DictConfig, world_size: int) -> BatchGeometry:
+    """Derive accumulation from the global batch; an indivisible combination is an error."""
+    per_step = trainer.micro_batch_size * world_size
+    if trainer.global_batch_size % per_step:
+        raise ConfigError(
+            f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by "
+            f"trainer.micro_batch_size={trainer.micro_batch_size} x world size {world_size}"
+        )
+    return BatchGeometry(
+        trainer.global_batch_size, trainer.micro_batch_size, world_size, trainer.global_batch_size // per_step
+    )
+
+
+def launch_world_size(cfg: DictConfig) -> int:
+    """World size the run will have: from torchrun/srun's environment, else trainer.nproc_per_node."""
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return cfg.trainer.nproc_per_node
+
+
+def _positive(cfg: DictConfig, *keys: str) -> None:
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if value is None or value <= 0:
+            raise ConfigError(f"{key}={value} must be positive")
+
+
+def _in_range(cfg: DictConfig, key: str, low: float, high: float) -> None:
+    value = OmegaConf.select(cfg, key)
+    if not low <= value <= high:
+        raise ConfigError(f"{key}={value} must be in [{low}, {high}]")
+
+
+def _kwargs_error(kind: str, cfg_node: DictConfig) -> str | None:
+    """Check a `name` + kwargs node (model, optim) against its registry before anything is built."""
+    if "name" not in cfg_node:
+        return f"{kind}.name is missing"
+    kwargs = {k: v for k, v in cfg_node.items() if k != "name"}
+    if kind == "model":
+        from models import model_kwargs_error
+
+        return model_kwargs_error(cfg_node.name, kwargs)
+    from optim import get_optimizer_spec
+
+    try:
+        spec = get_optimizer_spec(cfg_node.name)
+    except ValueError as err:
+        return f"optim.name: {err}"
+    params = inspect.signature(spec.cls).parameters
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        return f"optim.{unknown[0]} is not an option of optimizer '{spec.name}'; options: {', '.join(params)}"
+    return None
+
+
+def validate(cfg: DictConfig) -> BatchGeometry:
+    """Fail fast, before workers start, on values that cannot work; return the batch geometry."""
+    _positive(cfg, "trainer.max_steps", "trainer.global_batch_size", "trainer.micro_batch_size",
+              "trainer.nproc_per_node", "trainer.log_every", "trainer.keep_last",
+              "data.max_seq_len", "data.max_predictions", "data.dupe_factor", "optim.lr")
+    if cfg.trainer.checkpoint_every < 0:
+        raise ConfigError(f"trainer.checkpoint_every={cfg.trainer.checkpoint_every} must be >= 0")
+    if cfg.trainer.grad_clip < 0:
+        raise ConfigError(f"trainer.grad_clip={cfg.trainer.grad_clip} must be >= 0 (0 disables clipping)")
+    if cfg.trainer.steps_this_run is not None and cfg.trainer.steps_this_run <= 0:
+        raise ConfigError(f"trainer.steps_this_run={cfg.trainer.steps_this_run} must be positive or null")
+    for key, allowed in (("trainer.device", ("auto", "cpu", "cuda")),
+                         ("trainer.backend", ("auto", "gloo", "nccl")),
+                         ("data.masking", ("static", "dynamic"))):
+        if OmegaConf.select(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be one of {', '.join(allowed)}")
+    _in_range(cfg, "data.masked_lm_prob", 0.0, 1.0)
+    _in_range(cfg, "data.short_seq_prob", 0.0, 1.0)
+    if cfg.data.max_predictions >= cfg.data.max_seq_len:
+        raise ConfigError(
+            f"data.max_predictions={cfg.data.max_predictions} must be below data.max_seq_len={cfg.data.max_seq_len}"
+        )
+    for kind in ("model", "optim"):
+        error = _kwargs_error(kind, cfg[kind])
+        if error:
+            raise ConfigError(error)
+    from optim import build_lr_schedule
+
+    try:
+        build_lr_schedule(cfg.schedule.name, total_steps=cfg.trainer.max_steps, **cfg.schedule.kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"schedule: {err}") from None
+    from train.tasks import get_task
+
+    try:
+        get_task(cfg.task.name)
+    except ValueError as err:
+        raise ConfigError(f"task.name: {err}") from None
+    return batch_geometry(cfg.trainer, launch_world_size(cfg))

@@ -1,0 +1,83 @@
+"""Process-group set-up for single process, our own local workers, torchrun and srun alike."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from optim.comm import Comm
+
+_SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
+
+
+def launched_externally() -> bool:
+    """True under torchrun, srun or our own elastic workers: the environment already describes the world."""
+    return "RANK" in os.environ or "SLURM_PROCID" in os.environ
+
+
+def adopt_slurm_environment() -> None:
+    """Map srun's variables onto torch's; MASTER_ADDR/MASTER_PORT come from the job script."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    for slurm, torch_name in _SLURM_TO_TORCH.items():
+        os.environ[torch_name] = os.environ[slurm]
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing and int(os.environ["WORLD_SIZE"]) > 1:
+        raise RuntimeError(
+            f"running under srun without {', '.join(missing)}: export them in the job script "
+            "(see docker/slurm.sbatch), e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_NODELIST | head -n1)"
+        )
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(backend: str, device: torch.device, timeout_minutes: float = 30.0) -> Comm:
+    """Join the process group described by the environment (if any) and return the communication layer."""
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+        return Comm()
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    return Comm()
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None:
+    """Run `entrypoint(*args)` in `nproc` local worker processes with torch's elastic launcher."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"local-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.5,
+    )
+    elastic_launch(config, entrypoint)(*args)

@@ -1,0 +1,116 @@
+"""One `log(metrics, step)` interface over the progress bar, a JSONL metrics file, TensorBoard and wandb.
+
+Only rank 0 writes; other ranks get a logger whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+_BAR_KEYS = {"loss": "loss", "lr": "lr", "seq_per_s": "seq/s", "comm_bytes_per_step": "B/step"}
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The metric records of a run, one dict per logged step."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+class MetricLogger:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        progress_bar: bool,
+        tensorboard: bool,
+        wandb_mode: str,
+        wandb_project: str,
+        config: dict[str, Any],
+    ) -> None:
+        self.enabled = enabled
+        self.path = Path(run_dir) / METRICS_FILE
+        self._bar = self._tb = self._wandb = None
+        if not enabled:
+            return
+        self._truncate_after(start_step)
+        self._file = open(self.path, "a")  # noqa: SIM115 - lives as long as the run
+        if progress_bar:
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+        mode = os.environ.get("WANDB_MODE", wandb_mode)
+        if mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=wandb_project, dir=str(run_dir), mode=mode, config=config,
+                name=Path(run_dir).name, resume="allow", id=_wandb_run_id(run_dir),
+            )
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop records of steps the run is about to redo, so the file is one clean series."""
+        if not self.path.exists():
+            return
+        kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as handle:
+            handle.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, self.path)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(f"train/{key}", value, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._bar is not None:
+            self._bar.set_postfix(
+                {label: f"{metrics[key]:.4g}" for key, label in _BAR_KEYS.items() if key in metrics}, refresh=False
+            )
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def info(self, message: str) -> None:
+        """A line for the user, printed above the progress bar."""
+        if self.enabled:
+            tqdm.write(message)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._file.close()
+        self.enabled = False
+
+
+def _wandb_run_id(run_dir: Path) -> str:
+    """A stable id per run directory, so a resumed run continues the same wandb run."""
+    import hashlib
+
+    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]

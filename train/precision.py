@@ -1,0 +1,32 @@
+"""Mixed precision with native torch.amp: autocast to bf16 or fp16, and a GradScaler for fp16."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from omegaconf import DictConfig
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _name(dtype: object) -> str:
+    return getattr(dtype, "value", dtype)  # the config's enum or its plain string
+
+
+def autocast(dtype: object, device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast region for the forward pass; fp32 runs without one."""
+    name = _name(dtype)
+    if name == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[name])
+
+
+def make_grad_scaler(cfg: DictConfig, device: torch.device) -> torch.amp.GradScaler:
+    """A dynamic loss scaler for fp16; for bf16 and fp32 a disabled one that passes everything through."""
+    return torch.amp.GradScaler(
+        device.type,
+        init_scale=cfg.init_scale,
+        growth_interval=cfg.growth_interval,
+        enabled=_name(cfg.dtype) == "fp16",
+    )

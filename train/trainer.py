@@ -1,0 +1,269 @@
+"""The training loop: micro-batches, task loss, backward, gradient sync, overflow and clip, step, schedule,
+then logging and checkpointing (DESIGN.md's order)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
+from optim.comm import Comm, counting_allreduce_hook
+from train.checkpoint import Checkpointer, rng_state, set_rng_state
+from train.config import batch_geometry
+from train.loaders import build_text_loader
+from train.distributed import pick_device
+from train.metrics import MetricLogger
+from train.model_io import build_model, export_pretrained
+from train.precision import autocast, make_grad_scaler
+from train.tasks import get_task
+
+
+class Trainer:
+    """Composes model, data, task, optimizer, schedule, precision and logging from the config."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, comm: Comm) -> None:
+        self.cfg, self.run_dir, self.comm = cfg, Path(run_dir), comm
+        self.is_main = comm.rank == 0
+        tcfg = cfg.trainer
+        self.device = pick_device(tcfg.device)
+        self.geometry = batch_geometry(tcfg, comm.world_size)
+        # Each rank draws its own dropout stream; rank-agreed randomness uses private generators.
+        torch.manual_seed(tcfg.seed + comm.rank)
+
+        self.loader, self.tokenizer = build_text_loader(cfg.data, self.geometry, comm, tcfg.seed, self.device)
+        self.model = build_model(cfg.model, tcfg.init_from, self.tokenizer).to(self.device)
+        self.num_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.spec = get_optimizer_spec(cfg.optim.name)
+        optim_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.optim).items() if k != "name"}
+        self.optimizer = build_optimizer(self.model, self.spec.name, optim_kwargs, comm=comm)
+        self.peak_lr = float(cfg.optim.lr)
+        self.lr_multiplier = build_lr_schedule(cfg.schedule.name, total_steps=tcfg.max_steps, **cfg.schedule.kwargs)
+        self.scaler = make_grad_scaler(cfg.precision, self.device)
+        self.task = get_task(cfg.task.name)
+        self.train_model = self._wrap_for_data_parallel(self.model, tcfg.compile)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", tcfg.keep_last, comm)
+
+        self.step = 0  # optimizer steps taken
+        self.skipped_steps = 0  # fp16 overflow steps (they do not count towards max_steps)
+        resumed_from = self._resume() if tcfg.resume else self._refuse_to_overwrite()
+        self.logger = MetricLogger(
+            self.run_dir, enabled=self.is_main, total_steps=tcfg.max_steps, start_step=self.step,
+            progress_bar=cfg.logger.progress_bar, tensorboard=cfg.logger.tensorboard,
+            wandb_mode=cfg.logger.wandb.value if hasattr(cfg.logger.wandb, "value") else str(cfg.logger.wandb),
+            wandb_project=cfg.logger.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
+        )
+        self._stop_requested = False
+        self._announce(resumed_from)
+
+    # ----------------------------------------------------------------------------------------- set-up
+    def _wrap_for_data_parallel(self, model: nn.Module, compile_model: bool) -> nn.Module:
+        """DDP with a byte-counting hook for `ddp` optimizers; `self` optimizers sync on their own."""
+        if self.comm.distributed:
+            if self.spec.grad_sync == "ddp":
+                device_ids = [self.device.index] if self.device.type == "cuda" else None
+                model = DistributedDataParallel(model, device_ids=device_ids, process_group=self.comm.group)
+                model.register_comm_hook(self.comm, counting_allreduce_hook)
+            else:  # identical start; the optimizer communicates what its algorithm says
+                for tensor in self.model.state_dict().values():
+                    self.comm.broadcast(tensor)
+                self.comm.take_counts()  # the initial broadcast is set-up, not per-step traffic
+        return torch.compile(model) if compile_model else model
+
+    def _announce(self, resumed_from: Path | None) -> None:
+        g = self.geometry
+        tokens = g.global_batch_size * self.cfg.data.max_seq_len
+        self.logger.info(
+            f"run dir {self.run_dir} | {self.comm.world_size} rank(s) on {self.device} | "
+            f"model {self.num_params / 1e6:.1f}M params | optimizer {self.spec.name} (grad sync: {self.spec.grad_sync})"
+        )
+        self.logger.info(
+            f"global batch {g.global_batch_size} = micro-batch {g.micro_batch_size} x {g.world_size} rank(s) "
+            f"x {g.accumulation_steps} accumulation step(s) | {tokens:,} tokens/step | precision "
+            f"{self.cfg.precision.dtype} | {self.cfg.trainer.max_steps} steps"
+        )
+        if resumed_from is not None:
+            self.logger.info(f"resumed from {resumed_from} at step {self.step}")
+
+    # ----------------------------------------------------------------------------------------- loop
+    def fit(self) -> None:
+        """Train to `max_steps` (or `steps_this_run`, or a SIGTERM), checkpointing on the way and at the end."""
+        tcfg = self.cfg.trainer
+        if self.step >= tcfg.max_steps:
+            self.logger.info(f"run already complete at step {self.step}; nothing to do (set name=... for a new run)")
+            return
+        stop_at = tcfg.max_steps if tcfg.steps_this_run is None else min(tcfg.max_steps, self.step + tcfg.steps_this_run)
+        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        window = _Window()
+        try:
+            while self.step < stop_at:
+                metrics = self.train_step()
+                window.add(metrics, self.geometry.global_batch_size)
+                if not metrics["skipped"]:
+                    self.step += 1
+                    self.logger.advance()
+                stopping = self.comm.any(self._stop_requested)
+                if self.step % tcfg.log_every == 0 or stopping or self.step == stop_at:
+                    self._log(window.flush())
+                if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and not metrics["skipped"]:
+                    self.save_checkpoint()
+                if stopping:
+                    self.logger.info(f"SIGTERM: stopping at step {self.step}")
+                    break
+            self.save_checkpoint()
+            if self.step >= tcfg.max_steps:
+                self._export()
+        finally:
+            signal.signal(signal.SIGTERM, previous_handler)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over `accumulation_steps` micro-batches on every rank."""
+        lr = self.peak_lr * self.lr_multiplier(self.step + 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        accumulation = self.geometry.accumulation_steps
+        totals: dict[str, torch.Tensor] = {}
+        for micro_step in range(accumulation):
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self.loader).items()}
+            is_last = micro_step == accumulation - 1
+            # Gradients are made global only after the last micro-batch: DDP's all-reduce is skipped before.
+            sync = contextlib.nullcontext() if is_last or not isinstance(self.train_model, DistributedDataParallel) \
+                else self.train_model.no_sync()
+            with sync:
+                with autocast(self.cfg.precision.dtype, self.device):
+                    out = self.task(self.train_model, batch)
+                self.scaler.scale(out["loss"] / accumulation).backward()
+            for key, value in out.items():
+                totals[key] = totals.get(key, 0.0) + value.detach().float() / accumulation
+
+        self.scaler.unscale_(self.optimizer)
+        clip = self.cfg.trainer.grad_clip if self.cfg.trainer.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Under fp16 the scaler skips steps whose gradients overflowed; it lowers the scale when it does.
+        skipped = scale_before is not None and self.scaler.get_scale() < scale_before
+        return {**totals, "grad_norm": grad_norm.detach(), "lr": lr, "skipped": skipped, **self.comm.take_counts()}
+
+    def _log(self, window: dict[str, Any]) -> None:
+        """Turn the window's tensors into numbers (one device sync per log interval) and record them."""
+        values = self.comm.average_control(torch.stack([window[k] for k in _AVERAGED]))
+        metrics = dict(zip(_AVERAGED, values.tolist(), strict=True))
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(
+                f"non-finite loss at step {self.step}; no checkpoint was written for it. The newest good "
+                f"checkpoint is {self.checkpointer.latest()}: rerun to resume from it, with a lower optim.lr or "
+                "precision=bf16 if it recurs"
+            )
+        bytes_per_step = window["bytes"] / window["steps"]
+        metrics.update(
+            lr=window["lr"],
+            grad_norm=window["grad_norm"],
+            seq_per_s=window["sequences"] / window["seconds"],
+            comm_bytes_per_step=bytes_per_step,
+            comm_bits_per_param=8 * bytes_per_step / self.num_params,
+            comm_collectives_per_step=window["collectives"] / window["steps"],
+            skipped_steps=self.skipped_steps + window["skipped"],
+        )
+        self.skipped_steps += window["skipped"]
+        if self.scaler.is_enabled():
+            metrics["loss_scale"] = self.scaler.get_scale()
+        self.logger.log(metrics, self.step)
+
+    # ----------------------------------------------------------------------------------------- state
+    def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(shared, own): what every rank holds alike, and what is this rank's alone."""
+        counters = {"step": self.step, "skipped_steps": self.skipped_steps}
+        learner = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        own = {"rng": rng_state(), "data": self.loader.state_dict()}
+        # Self-synchronising optimizers keep per-rank moments (and may let parameters drift between syncs).
+        if self.spec.grad_sync == "self":
+            own.update(learner)
+            learner = {}
+        return {**counters, **learner, "scaler": self.scaler.state_dict()}, own
+
+    def load_state_dicts(self, shared: dict[str, Any], own: dict[str, Any]) -> None:
+        source = own if self.spec.grad_sync == "self" else shared
+        self.model.load_state_dict(source["model"])
+        self.optimizer.load_state_dict(source["optimizer"])
+        self.scaler.load_state_dict(shared["scaler"])
+        self.loader.load_state_dict(own["data"])
+        self.step, self.skipped_steps = shared["step"], shared["skipped_steps"]
+        set_rng_state(own["rng"])  # last: building anything above must not shift the restored streams
+
+    def save_checkpoint(self) -> None:
+        latest = self.checkpointer.latest()
+        if latest is not None and latest.name == f"step_{self.step:08d}":
+            return
+        path = self.checkpointer.save(self.step, *self.state_dicts())
+        self.logger.info(f"checkpoint {path}")
+
+    def _resume(self) -> Path | None:
+        latest = self.checkpointer.latest()
+        if latest is not None:
+            self.load_state_dicts(*self.checkpointer.load(latest))
+        return latest
+
+    def _refuse_to_overwrite(self) -> None:
+        latest = self.checkpointer.latest()
+        if latest is not None:
+            raise RuntimeError(
+                f"{self.run_dir} already has checkpoint {latest} and trainer.resume=false: "
+                "pick another name=... or remove the directory"
+            )
+
+    def _export(self) -> None:
+        if self.is_main:
+            path = export_pretrained(self.model, self.tokenizer, self.run_dir / "hf_model")
+            self.logger.info(f"final weights exported with save_pretrained to {path}")
+        self.comm.barrier()
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._stop_requested = True
+
+    def close(self) -> None:
+        self.logger.info(f"metrics: {self.logger.path} | checkpoints: {self.checkpointer.directory}")
+        self.logger.close()
+
+
+_AVERAGED = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
+
+
+class _Window:
+    """Sums per-step values between two log records without syncing the device."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums: dict[str, Any] = {}
+        self.steps = self.skipped = self.sequences = 0
+        self.start = time.perf_counter()
+
+    def add(self, metrics: dict[str, Any], sequences: int) -> None:
+        self.steps += 1
+        self.sequences += sequences
+        self.skipped += int(metrics["skipped"])
+        for key in (*_AVERAGED, "bytes", "collectives"):
+            self.sums[key] = self.sums.get(key, 0) + metrics[key]
+        self.last = metrics
+
+    def flush(self) -> dict[str, Any]:
+        out = {key: value / self.steps for key, value in self.sums.items() if key in _AVERAGED}
+        out.update(
+            bytes=self.sums["bytes"], collectives=self.sums["collectives"], steps=self.steps,
+            skipped=self.skipped, sequences=self.sequences, seconds=time.perf_counter() - self.start,
+            lr=self.last["lr"], grad_norm=float(self.last["grad_norm"]),
+        )
+        self._reset()
+        return out
