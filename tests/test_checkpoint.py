@@ -48,7 +48,7 @@ def test_missing_rank_file_is_a_clear_error(tmp_path):
     ckpt = Checkpointer(tmp_path, keep_last=1, comm=Comm())
     path = ckpt.save(5, {}, {})
     (path / "rank_00000.pt").unlink()
-    with pytest.raises(FileNotFoundError, match="rank_00000.pt is missing"):
+    with pytest.raises(FileNotFoundError, match=r"rank_00000\.pt is missing"):
         ckpt.load(path)
 
 

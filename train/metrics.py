@@ -44,6 +44,7 @@ class MetricLogger:
         self._bar = self._tb = self._wandb = None
         if not enabled:
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         self._file = open(self.path, "a")  # noqa: SIM115 - lives as long as the run
         if progress_bar:

@@ -10,16 +10,11 @@ from omegaconf import DictConfig
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _name(dtype: object) -> str:
-    return getattr(dtype, "value", dtype)  # the config's enum or its plain string
-
-
-def autocast(dtype: object, device: torch.device) -> contextlib.AbstractContextManager:
+def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast region for the forward pass; fp32 runs without one."""
-    name = _name(dtype)
-    if name == "fp32":
+    if dtype == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[name])
+    return torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[dtype])
 
 
 def make_grad_scaler(cfg: DictConfig, device: torch.device) -> torch.amp.GradScaler:
@@ -28,5 +23,5 @@ def make_grad_scaler(cfg: DictConfig, device: torch.device) -> torch.amp.GradSca
         device.type,
         init_scale=cfg.init_scale,
         growth_interval=cfg.growth_interval,
-        enabled=_name(cfg.dtype) == "fp16",
+        enabled=cfg.dtype == "fp16",
     )

@@ -21,7 +21,7 @@ from train.distributed import (
 def run(cfg: DictConfig, run_dir: str | Path) -> None:
     """Train as configured. Raises ConfigError (before any worker starts) for values that cannot work."""
     validate(cfg)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain values: picklable
     nproc = cfg.trainer.nproc_per_node
     if nproc > 1 and not launched_externally():
         launch_local_workers(train_worker, nproc, config, str(run_dir))

@@ -19,8 +19,8 @@ from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm, counting_allreduce_hook
 from train.checkpoint import Checkpointer, rng_state, set_rng_state
 from train.config import batch_geometry
-from train.loaders import build_text_loader
 from train.distributed import pick_device
+from train.loaders import build_text_loader
 from train.metrics import MetricLogger
 from train.model_io import build_model, export_pretrained
 from train.precision import autocast, make_grad_scaler
@@ -58,7 +58,7 @@ class Trainer:
         self.logger = MetricLogger(
             self.run_dir, enabled=self.is_main, total_steps=tcfg.max_steps, start_step=self.step,
             progress_bar=cfg.logger.progress_bar, tensorboard=cfg.logger.tensorboard,
-            wandb_mode=cfg.logger.wandb.value if hasattr(cfg.logger.wandb, "value") else str(cfg.logger.wandb),
+            wandb_mode=cfg.logger.wandb,
             wandb_project=cfg.logger.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
         )
         self._stop_requested = False
@@ -100,7 +100,9 @@ class Trainer:
         if self.step >= tcfg.max_steps:
             self.logger.info(f"run already complete at step {self.step}; nothing to do (set name=... for a new run)")
             return
-        stop_at = tcfg.max_steps if tcfg.steps_this_run is None else min(tcfg.max_steps, self.step + tcfg.steps_this_run)
+        stop_at = tcfg.max_steps
+        if tcfg.steps_this_run is not None:
+            stop_at = min(stop_at, self.step + tcfg.steps_this_run)
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         window = _Window()
         try:
@@ -135,9 +137,7 @@ class Trainer:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self.loader).items()}
             is_last = micro_step == accumulation - 1
             # Gradients are made global only after the last micro-batch: DDP's all-reduce is skipped before.
-            sync = contextlib.nullcontext() if is_last or not isinstance(self.train_model, DistributedDataParallel) \
-                else self.train_model.no_sync()
-            with sync:
+            with self._grad_sync(enabled=is_last):
                 with autocast(self.cfg.precision.dtype, self.device):
                     out = self.task(self.train_model, batch)
                 self.scaler.scale(out["loss"] / accumulation).backward()
@@ -154,6 +154,13 @@ class Trainer:
         # Under fp16 the scaler skips steps whose gradients overflowed; it lowers the scale when it does.
         skipped = scale_before is not None and self.scaler.get_scale() < scale_before
         return {**totals, "grad_norm": grad_norm.detach(), "lr": lr, "skipped": skipped, **self.comm.take_counts()}
+
+    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """DDP's all-reduce runs only after the last micro-batch; before it, gradients accumulate locally."""
+        ddp = getattr(self.train_model, "_orig_mod", self.train_model)  # look through torch.compile
+        if enabled or not isinstance(ddp, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return ddp.no_sync()
 
     def _log(self, window: dict[str, Any]) -> None:
         """Turn the window's tensors into numbers (one device sync per log interval) and record them."""

@@ -1,0 +1,202 @@
+"""LAMB: agreement with timm's Lamb on a tiny BERT, foreach == for-loop, trust-ratio fallbacks, exact resume."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+
+import pytest
+import torch
+from timm.optim import Lamb as TimmLamb
+from torch import nn
+from transformers import BertConfig, BertForPreTraining
+
+from optim import LAMB, param_groups_weight_decay
+
+STEPS = 100
+# Each config names the options that differ from NVLAMB's defaults; both optimizers get the same ones.
+CONFIGS = {
+    "nvlamb_clipped": dict(lr=6e-3, max_grad_norm=0.5),  # below every step's grad norm: clips each step
+    "no_clip_adapt_all": dict(
+        lr=2e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1, bias_correction=False, max_grad_norm=None,
+        trust_clip=True, always_adapt=True,
+    ),
+    "partly_clipped": dict(lr=4e-3, weight_decay=0.0, max_grad_norm=3.0, trust_clip=True),
+}
+
+
+def _tiny_bert() -> BertForPreTraining:
+    config = BertConfig(
+        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG
+        torch.manual_seed(0)
+        return BertForPreTraining(config)
+
+
+def _batches(n: int = 4, batch: int = 4, length: int = 32) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        input_ids = torch.randint(0, 1000, (batch, length), generator=g)
+        masked = torch.rand(batch, length, generator=g) < 0.15
+        out.append(dict(
+            input_ids=input_ids,
+            labels=torch.where(masked, input_ids, -100),
+            next_sentence_label=torch.randint(0, 2, (batch,), generator=g),
+        ))
+    return out
+
+
+def _grad_norm(model: nn.Module) -> float:
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+
+
+@functools.cache
+def _train(impl: str, foreach: bool, config: str) -> tuple[BertForPreTraining, list[float]]:
+    """Train the tiny BERT for STEPS steps (cached: each trajectory is computed once per session)."""
+    model, batches = _tiny_bert(), _batches()
+    cls = LAMB if impl == "ours" else TimmLamb
+    optimizer = cls(param_groups_weight_decay(model, CONFIGS[config].get("weight_decay", 0.01)),
+                    foreach=foreach, **CONFIGS[config])
+    grad_norms = []
+    for step in range(STEPS):
+        model(**batches[step % len(batches)]).loss.backward()
+        grad_norms.append(_grad_norm(model))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, grad_norms
+
+
+def _assert_same_params(a: nn.Module, b: nn.Module, atol: float, rtol: float) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_matches_timm_lamb_on_tiny_bert(config, foreach):
+    ours, grad_norms = _train("ours", foreach, config)
+    timm_model, _ = _train("timm", foreach, config)
+    max_grad_norm = CONFIGS[config]["max_grad_norm"]
+    if config == "nvlamb_clipped":
+        assert min(grad_norms) > max_grad_norm  # pre-normalisation acted on every step
+    elif config == "partly_clipped":
+        assert min(grad_norms) < max_grad_norm < max(grad_norms)  # both branches of the clamp were taken
+    _assert_same_params(ours, timm_model, atol=1e-5, rtol=1e-4)
+    assert not torch.equal(ours.bert.pooler.dense.weight, _tiny_bert().bert.pooler.dense.weight)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_foreach_equals_for_loop(config):
+    foreach, _ = _train("ours", True, config)
+    for_loop, _ = _train("ours", False, config)
+    # Same math, different rounding: foreach folds the bias corrections into scalars.
+    _assert_same_params(foreach, for_loop, atol=1e-5, rtol=1e-4)
+
+
+def _one_step(param: torch.Tensor, grad: torch.Tensor, foreach: bool, **kwargs) -> torch.Tensor:
+    p = nn.Parameter(param.clone())
+    p.grad = grad.clone()
+    LAMB([p], lr=0.1, max_grad_norm=None, foreach=foreach, **kwargs).step()
+    return p.detach()
+
+
+def _adam_update(grad: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return grad / (grad.abs() + eps)  # first step with bias correction: m_hat = g, v_hat = g^2
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
+def test_trust_ratio_fallbacks_and_no_decay_params(foreach):
+    g = torch.Generator().manual_seed(2)
+    grad, weight = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    # A zero-initialised weight has ||w|| = 0: ratio 1, a plain Adam step instead of none.
+    zero = _one_step(torch.zeros(4, 3), grad, foreach, weight_decay=0.01)
+    torch.testing.assert_close(zero, -0.1 * _adam_update(grad))
+    # A zero gradient with no decay gives ||u|| = 0: ratio 1, no NaN, weight unchanged.
+    still = _one_step(weight, torch.zeros(4, 3), foreach, weight_decay=0.0, always_adapt=True)
+    torch.testing.assert_close(still, weight)
+    # weight_decay = 0 (biases, LayerNorm): no trust ratio unless always_adapt.
+    plain = _one_step(weight, grad, foreach, weight_decay=0.0)
+    torch.testing.assert_close(plain, weight - 0.1 * _adam_update(grad))
+    adapted = _one_step(weight, grad, foreach, weight_decay=0.0, always_adapt=True)
+    update = _adam_update(grad)
+    torch.testing.assert_close(adapted, weight - 0.1 * (weight.norm() / update.norm()) * update)
+    # trust_clip caps the ratio at 1; here ||w|| / ||u|| is ~100.
+    big = 100 * weight
+    clipped = _one_step(big, grad, foreach, weight_decay=0.0, always_adapt=True, trust_clip=True)
+    torch.testing.assert_close(clipped, big - 0.1 * update)
+
+
+def test_pre_normalisation_leaves_grads_alone():
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 10.0)
+    LAMB([p], max_grad_norm=1.0).step()
+    assert torch.equal(p.grad, torch.full((3,), 10.0))
+
+
+def _small_model() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, seeds: range) -> None:
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        model(torch.randn(5, 8, generator=g)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
+def test_state_dict_round_trip_continues_exactly(foreach):
+    kwargs = dict(lr=1e-2, max_grad_norm=0.05, foreach=foreach)
+    model = _small_model()
+    optimizer = LAMB(param_groups_weight_decay(model, 0.01), **kwargs)
+    _steps(model, optimizer, range(5))
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    _steps(model, optimizer, range(5, 10))
+
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = _small_model()
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer = LAMB(param_groups_weight_decay(resumed, 0.01), **kwargs)
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    state = resumed_optimizer.state[resumed[0].weight]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"].item() == 5
+    _steps(resumed, resumed_optimizer, range(5, 10))
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "value"),
+    [
+        (dict(lr=-1.0), "-1.0"),
+        (dict(betas=(0.9, 1.5)), "1.5"),
+        (dict(betas=(-0.1, 0.999)), "-0.1"),
+        (dict(eps=-1e-6), "-1e-06"),
+        (dict(weight_decay=-0.01), "-0.01"),
+        (dict(max_grad_norm=0.0), "max_grad_norm=0.0"),
+    ],
+)
+def test_bad_hyper_parameters_name_the_value(kwargs, value):
+    with pytest.raises(ValueError, match=value.replace(".", r"\.").replace("(", r"\(")):
+        LAMB([nn.Parameter(torch.ones(2))], **kwargs)
+
+
+def test_max_grad_norm_is_optimizer_wide():
+    with pytest.raises(ValueError, match="max_grad_norm=0.5 in a param group"):
+        LAMB([{"params": [nn.Parameter(torch.ones(2))], "max_grad_norm": 0.5}], max_grad_norm=1.0)
+
+
+def test_state_is_lazily_created_and_groups_without_grads_are_skipped():
+    model = _small_model()
+    optimizer = LAMB(copy.deepcopy(param_groups_weight_decay(model, 0.01)))
+    optimizer.step()  # no gradients yet: nothing happens
+    assert not optimizer.state
