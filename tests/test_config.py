@@ -55,7 +55,7 @@ def test_accumulation_derives_from_global_batch(global_batch, micro, world, accu
 
 def test_indivisible_batch_is_an_error():
     cfg = compose(["trainer.global_batch_size=100", "trainer.micro_batch_size=32"])
-    with pytest.raises(ConfigError, match=r"trainer.global_batch_size=100 .* micro_batch_size=32"):
+    with pytest.raises(ConfigError, match=r"trainer\.global_batch_size=100 .* trainer\.micro_batch_size=32"):
         validate(cfg)
 
 
@@ -101,7 +101,7 @@ def test_cli_prints_phase1_recipe():
 
 @pytest.mark.slow
 def test_multirun_sweep(tmp_path):
-    args = [*TINY, "trainer.max_steps=2", "-m", "optim=lamb,adamw", f"hydra.sweep.dir={tmp_path}"]
+    args = ["-m", *TINY, "trainer.max_steps=2", "optim=lamb,adamw", f"hydra.sweep.dir={tmp_path}"]
     result = run_train(args, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p.name for p in tmp_path.iterdir() if (p / "metrics.jsonl").exists())

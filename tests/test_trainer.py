@@ -152,3 +152,26 @@ def test_two_local_workers_log_communicated_bytes(tmp_path):
         # Every fp32 gradient goes out exactly once per step: 32 bits per parameter, not 64.
         assert record["comm_bytes_per_step"] > 0
         assert record["comm_bits_per_param"] == pytest.approx(32.0)
+
+
+@pytest.mark.slow
+def test_srun_environment_runs_unchanged(tmp_path):
+    """Two processes started the way srun starts them (SLURM_* variables only) form one run."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "SLURM_PROCID": str(rank),
+               "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "train", *TINY, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert read_metrics(tmp_path)[-1]["comm_bits_per_param"] == pytest.approx(32.0)
+    assert (tmp_path / "checkpoints" / "step_00000002" / "rank_00001.pt").exists()

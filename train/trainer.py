@@ -62,6 +62,7 @@ class Trainer:
             wandb_project=cfg.logger.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
         )
         self._stop_requested = False
+        self._first_logged = self._last_logged = None  # (step, metrics) of this invocation, for the summary
         self._announce(resumed_from)
 
     # ----------------------------------------------------------------------------------------- set-up
@@ -186,6 +187,8 @@ class Trainer:
         if self.scaler.is_enabled():
             metrics["loss_scale"] = self.scaler.get_scale()
         self.logger.log(metrics, self.step)
+        self._first_logged = self._first_logged or (self.step, metrics)
+        self._last_logged = (self.step, metrics)
 
     # ----------------------------------------------------------------------------------------- state
     def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -239,6 +242,10 @@ class Trainer:
         self._stop_requested = True
 
     def close(self) -> None:
+        if self._first_logged and self._last_logged:
+            (first_step, first), (last_step, last) = self._first_logged, self._last_logged
+            changes = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in ("loss", "mlm_loss", "nsp_loss"))
+            self.logger.info(f"steps {first_step} -> {last_step}: {changes}")
         self.logger.info(f"metrics: {self.logger.path} | checkpoints: {self.checkpointer.directory}")
         self.logger.close()
 
