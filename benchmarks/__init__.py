@@ -1,0 +1,1 @@
+"""Benchmarks and reproduction studies (not tests); each prints ratios against a named reference."""

@@ -1,0 +1,95 @@
+"""Math shared by the LAMB family: global gradient norm, Adam moments with bias correction, trust ratio.
+
+LAMB, SLAMB and 1-bit LAMB differ in what they communicate and when, not in these formulas, so each
+formula lives here once, in a single-tensor form (the readable reference) and, where a hot path needs it,
+a foreach form over a list of tensors. Nothing here reads a tensor's value on the host: fallbacks are
+`torch.where`, so a step stays free of device-to-host syncs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def global_grad_norm(grads: list[Tensor]) -> Tensor:
+    """L2 norm over every element of every tensor in `grads`, in float32, as a 0-d tensor.
+
+    The tensors may sit on several devices; the result is on the first one's device.
+    """
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # fp16 squares would overflow
+    device = grads[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def grad_prenorm_divisor(total_norm: Tensor, max_grad_norm: float) -> Tensor:
+    """What NVLAMB divides every gradient by: `max(total_norm / max_grad_norm, 1)`.
+
+    Dividing by this is clipping to the global norm `max_grad_norm`, which LAMB applies to the gradient
+    before the moment updates (apex `FusedLAMB`, NVIDIA BERT); small norms pass through unchanged.
+    """
+    return torch.clamp(total_norm / max_grad_norm, min=1.0)
+
+
+def bias_corrections(step: float, beta1: float, beta2: float, enabled: bool = True) -> tuple[float, float]:
+    """Adam's `(1 - beta1**t, 1 - beta2**t)` for the 1-based step `t`; `(1, 1)` when disabled."""
+    if not enabled:
+        return 1.0, 1.0
+    return 1.0 - beta1**step, 1.0 - beta2**step
+
+
+def adam_moments_(exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, beta1: float, beta2: float) -> None:
+    """In place: `m <- beta1 m + (1 - beta1) g` and `v <- beta2 v + (1 - beta2) g^2`."""
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+
+
+def foreach_adam_moments_(
+    exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Tensor], beta1: float, beta2: float
+) -> None:
+    """`adam_moments_` over lists of tensors with foreach kernels."""
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+
+
+def adam_direction(
+    exp_avg: Tensor, exp_avg_sq: Tensor, bias_correction1: float, bias_correction2: float, eps: float
+) -> Tensor:
+    """Adam's update `m_hat / (sqrt(v_hat) + eps)`, `m_hat = m / bc1`, `v_hat = v / bc2` (a new tensor)."""
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    return (exp_avg / bias_correction1).div_(denom)
+
+
+def foreach_adam_denom(
+    exp_avg_sqs: list[Tensor], bias_corrections1: list[float], bias_corrections2: list[float], eps: float
+) -> tuple[list[Tensor], list[float]]:
+    """Adam's denominators with the bias corrections folded into scalars, saving two passes over the tensors.
+
+    Returns `(denoms, scales)` with `denom = sqrt(v) + eps * sqrt(bc2)` and `scale = sqrt(bc2) / bc1`, so
+    that `m_hat / (sqrt(v_hat) + eps) == scale * m / denom`. The caller applies the scale as the scalar of
+    the `addcdiv` that forms `m / denom` anyway.
+    """
+    roots = [math.sqrt(bc2) for bc2 in bias_corrections2]
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denoms, [eps * root for root in roots])
+    return denoms, [root / bc1 for root, bc1 in zip(roots, bias_corrections1, strict=True)]
+
+
+def trust_ratio(
+    weight_norm: Tensor, update_norm: Tensor, max_ratio: float | None = None, min_ratio: float | None = None
+) -> Tensor:
+    """LAMB's layer-wise ratio `||w|| / ||u||`, 1 when either norm is 0, optionally clamped.
+
+    Works elementwise, so it takes one pair of 0-d norms or stacked norms of many tensors. The fallback
+    keeps freshly zero-initialised weights (and zero updates) moving at the plain learning rate instead of
+    stalling at ratio 0 or producing NaN. `max_ratio=1` is timm's `trust_clip` (LAMBC); DeepSpeed's LAMB
+    and 1-bit LAMB clamp to `[min_coeff, max_coeff]`.
+    """
+    ratio = weight_norm / update_norm
+    ratio = torch.where((weight_norm > 0) & (update_norm > 0), ratio, torch.ones_like(ratio))
+    if max_ratio is not None or min_ratio is not None:
+        ratio = torch.clamp(ratio, min=min_ratio, max=max_ratio)
+    return ratio

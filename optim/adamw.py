@@ -1,0 +1,14 @@
+"""`torch.optim.AdamW`, registered as `adamw`: the decoupled-weight-decay Adam baseline."""
+
+from __future__ import annotations
+
+import torch
+
+from optim._registry import OptimSpec, register_optimizer
+
+register_optimizer(OptimSpec(
+    name="adamw",
+    cls=torch.optim.AdamW,
+    grad_sync="ddp",
+    description="torch.optim.AdamW (Loshchilov & Hutter, arXiv 1711.05101): Adam with decoupled weight decay",
+))

@@ -1,0 +1,318 @@
+"""LAMB with NVIDIA's NVLAMB semantics (apex `FusedLAMB`): grad-norm pre-normalisation, Adam, trust ratios."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from optim._math import (
+    adam_direction,
+    adam_moments_,
+    bias_corrections,
+    foreach_adam_denom,
+    foreach_adam_moments_,
+    global_grad_norm,
+    grad_prenorm_divisor,
+    trust_ratio,
+)
+from optim._registry import OptimSpec, register_optimizer
+
+
+class LAMB(torch.optim.Optimizer):
+    r"""Layer-wise Adaptive Moments for Batch training (You et al. 2019, arXiv 1904.00962), NVLAMB flavour.
+
+    For each parameter tensor :math:`w` with gradient :math:`g`, at step :math:`t`:
+
+    .. math::
+        \hat g_t &= g_t / \max(1, \lVert G_t \rVert / \text{max\_grad\_norm})
+            && \text{(NVLAMB: } G_t \text{ = all gradients of all groups)} \\
+        m_t &= \beta_1 m_{t-1} + (1 - \beta_1) \hat g_t, \qquad
+        v_t = \beta_2 v_{t-1} + (1 - \beta_2) \hat g_t^2 \\
+        u_t &= \frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t)} + \epsilon} + \lambda w_{t-1} \\
+        r_t &= \lVert w_{t-1} \rVert / \lVert u_t \rVert \quad (1 \text{ if either norm is } 0;
+            \ \le 1 \text{ with trust\_clip}) \\
+        w_t &= w_{t-1} - \eta\, r_t\, u_t
+
+    This is Algorithm 2 of the paper with :math:`\phi` the identity, plus NVIDIA's global-norm
+    pre-normalisation (NVIDIA DeepLearningExamples BERT, apex ``FusedLAMB``). As in apex
+    (``use_nvlamb=False``) and timm, the trust ratio is applied only where :math:`\lambda \ne 0` unless
+    ``always_adapt``; biases and LayerNorm weights (no decay) thus get plain Adam steps.
+
+    Args:
+        params: parameters or param groups (see `optim.param_groups_weight_decay`).
+        lr: the learning rate :math:`\eta`.
+        betas: :math:`(\beta_1, \beta_2)`.
+        eps: :math:`\epsilon`, added to :math:`\sqrt{\hat v}`.
+        weight_decay: :math:`\lambda`, decoupled (AdamW style): added to the update, so it is also scaled
+            by the trust ratio.
+        bias_correction: divide the moments by :math:`1 - \beta^t`.
+        max_grad_norm: pre-normalise gradients to this global L2 norm when it is exceeded; None turns it off
+            (use None when the trainer already clips to the same norm: that is the same operation).
+            Optimizer-wide, because the norm spans all groups.
+        trust_clip: clamp the trust ratio to at most 1 (timm's LAMBC option).
+        always_adapt: apply the trust ratio also where weight_decay is 0 (apex ``use_nvlamb=True``).
+        foreach: use the foreach kernels; None picks them when a group's tensors share device and dtype.
+            On the CPU they run over chunks of about 4M elements (see `_FOREACH_CHUNK_NUMEL`).
+
+    State per parameter: ``exp_avg`` (:math:`m`), ``exp_avg_sq`` (:math:`v`) and ``step`` (a 0-d float32
+    CPU tensor, as in `torch.optim.Adam`), all in `state_dict()`, so a resumed run continues exactly.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: Sequence[float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        bias_correction: bool = True,
+        max_grad_norm: float | None = 1.0,
+        trust_clip: bool = False,
+        always_adapt: bool = False,
+        foreach: bool | None = None,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"LAMB: invalid learning rate lr={lr}; must be >= 0")
+        if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"LAMB: invalid betas={betas}; need two values in [0, 1)")
+        if not eps >= 0.0:
+            raise ValueError(f"LAMB: invalid eps={eps}; must be >= 0")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"LAMB: invalid weight_decay={weight_decay}; must be >= 0")
+        if max_grad_norm is not None and not max_grad_norm > 0.0:
+            raise ValueError(f"LAMB: invalid max_grad_norm={max_grad_norm}; must be > 0, or None")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            max_grad_norm=max_grad_norm,
+            trust_clip=trust_clip,
+            always_adapt=always_adapt,
+            foreach=foreach,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["max_grad_norm"] != max_grad_norm:
+                raise ValueError(
+                    f"LAMB: max_grad_norm={group['max_grad_norm']} in a param group; it is optimizer-wide "
+                    f"(the norm spans all groups), pass it to the constructor"
+                )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # options added after a checkpoint was written
+            group.setdefault("trust_clip", False)
+            group.setdefault("always_adapt", False)
+            group.setdefault("foreach", None)
+
+    def _init_group(
+        self, group: dict[str, Any]
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+        """The group's tensors that have gradients, creating their state on first use."""
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("LAMB does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)  # on the CPU: reading it is no sync
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        return params, grads, exp_avgs, exp_avg_sqs, steps
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One LAMB update of every parameter that has a gradient; `p.grad` is left unchanged."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        grad_divisor = None
+        max_grad_norm = self.defaults["max_grad_norm"]
+        if max_grad_norm is not None:
+            all_grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            if all_grads:
+                grad_divisor = grad_prenorm_divisor(global_grad_norm(all_grads), max_grad_norm)
+
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, steps = self._init_group(group)
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            lamb(
+                params, grads, exp_avgs, exp_avg_sqs, steps,
+                grad_divisor=grad_divisor,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                bias_correction=group["bias_correction"],
+                trust_clip=group["trust_clip"],
+                always_adapt=group["always_adapt"],
+                foreach=group["foreach"],
+            )
+        return loss
+
+
+def lamb(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    grad_divisor: Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    trust_clip: bool,
+    always_adapt: bool,
+    foreach: bool | None = None,
+) -> None:
+    """Functional LAMB over one param group (see `LAMB`); `grad_divisor` is NVLAMB's pre-normalisation."""
+    if not params:
+        return
+    uniform = _same_device_and_dtype(params + grads + exp_avgs + exp_avg_sqs)
+    if foreach and not uniform:
+        raise ValueError("LAMB(foreach=True) needs each group's tensors on one device and dtype; try None")
+    options = dict(
+        grad_divisor=grad_divisor,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
+        max_ratio=1.0 if trust_clip else None,
+        adapt=weight_decay != 0 or always_adapt,
+    )
+    if not (uniform if foreach is None else foreach):
+        _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **options)
+        return
+    for chunk in _foreach_chunks(params, _FOREACH_CHUNK_NUMEL.get(params[0].device.type)):
+        _multi_tensor_lamb(params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], steps[chunk], **options)
+
+
+def _same_device_and_dtype(tensors: list[Tensor]) -> bool:
+    return len({(t.device, t.dtype) for t in tensors}) <= 1
+
+
+# Elements per foreach call, by device type (absent: the whole group). On the CPU, whole-group temporaries
+# (grads / divisor, denominators, updates) miss every cache and are page-faulted in afresh each step;
+# 4M-element chunks made the BERT-base step 2.4x faster there. On a GPU each chunk costs a dozen launches.
+_FOREACH_CHUNK_NUMEL = {"cpu": 1 << 22}
+
+
+def _foreach_chunks(params: list[Tensor], max_numel: int | None) -> list[slice]:
+    """Consecutive slices of `params` holding at most `max_numel` elements each (a larger tensor: alone)."""
+    if max_numel is None:
+        return [slice(0, len(params))]
+    chunks, start, numel = [], 0, 0
+    for i, p in enumerate(params):
+        if i > start and numel + p.numel() > max_numel:
+            chunks.append(slice(start, i))
+            start, numel = i, 0
+        numel += p.numel()
+    chunks.append(slice(start, len(params)))
+    return chunks
+
+
+def _single_tensor_lamb(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    grad_divisor: Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    max_ratio: float | None,
+    adapt: bool,
+) -> None:
+    """The reference: one tensor at a time, in the order of the update rule."""
+    for p, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+        step += 1
+        if grad_divisor is not None:
+            grad = grad / grad_divisor  # a new tensor: p.grad stays as the caller left it
+        adam_moments_(exp_avg, exp_avg_sq, grad, beta1, beta2)
+        bias_correction1, bias_correction2 = bias_corrections(step.item(), beta1, beta2, bias_correction)
+        update = adam_direction(exp_avg, exp_avg_sq, bias_correction1, bias_correction2, eps)
+        if weight_decay != 0:
+            update.add_(p, alpha=weight_decay)
+        if adapt:
+            update.mul_(trust_ratio(torch.linalg.vector_norm(p), torch.linalg.vector_norm(update), max_ratio))
+        p.add_(update, alpha=-lr)
+
+
+def _multi_tensor_lamb(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    grad_divisor: Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    max_ratio: float | None,
+    adapt: bool,
+) -> None:
+    """The same update with foreach kernels: a few launches per group instead of a few per tensor."""
+    torch._foreach_add_(steps, 1)
+    if grad_divisor is not None:
+        grads = torch._foreach_div(grads, grad_divisor)  # new tensors: p.grad stays as the caller left it
+    foreach_adam_moments_(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
+    del grads
+    # The steps are CPU tensors: reading them costs no device sync.
+    corrections = [bias_corrections(step.item(), beta1, beta2, bias_correction) for step in steps]
+    bias_corrections1, bias_corrections2 = ([c[i] for c in corrections] for i in (0, 1))
+    denoms, scales = foreach_adam_denom(exp_avg_sqs, bias_corrections1, bias_corrections2, eps)
+
+    if not adapt:  # plain Adam step: w -= lr * scale * m / denom, without forming the update
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr * scale for scale in scales])
+        return
+    if weight_decay != 0:  # u = wd * w + scale * m / denom
+        updates = torch._foreach_mul(params, weight_decay)
+        torch._foreach_addcdiv_(updates, exp_avgs, denoms, scales)
+    else:
+        updates = torch._foreach_div(exp_avgs, denoms)
+        torch._foreach_mul_(updates, scales)
+    del denoms
+    weight_norms = torch.stack(torch._foreach_norm(params))
+    ratios = trust_ratio(weight_norms, torch.stack(torch._foreach_norm(updates)), max_ratio)
+    # Per-tensor 0-d factors have no foreach fast path; addcmul applies ratio and lr in the one pass left.
+    torch._foreach_addcmul_(params, updates, list((ratios * -lr).unbind()))
+
+
+register_optimizer(OptimSpec(
+    name="lamb",
+    cls=LAMB,
+    grad_sync="ddp",
+    description="NVLAMB (apex FusedLAMB semantics): global grad-norm pre-normalisation, Adam, trust ratio",
+))

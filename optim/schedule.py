@@ -1,0 +1,91 @@
+"""Learning-rate schedules: pure functions of the optimizer step that return a multiplier of the peak LR.
+
+`step` is 1-based: the trainer asks for `lr_multiplier(k + 1)` before the update that follows k finished
+updates, so the first update uses `step=1`. This matches NVIDIA BERT, whose `PolyWarmUpScheduler.step()`
+runs before each optimizer step and sets `last_epoch = <optimizer steps so far> + 1`. Being functions of
+the step alone, schedules need no state of their own to resume.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+
+def _check_total_steps(total_steps: int) -> None:
+    if not total_steps > 0:
+        raise ValueError(f"total_steps={total_steps} must be > 0")
+
+
+def poly_warmup(step: int, total_steps: int, warmup_fraction: float, degree: float = 0.5) -> float:
+    """NVIDIA BERT's `PolyWarmUpScheduler`: linear warm-up, then `(1 - progress) ** degree`.
+
+    With `progress = step / total_steps`: `progress / warmup_fraction` while `progress < warmup_fraction`,
+    else `(1 - progress) ** degree`, floored at 0 past the end (NVIDIA's would give NaN there). As in
+    NVIDIA's code the decay is of `1 - progress`, not of the fraction of the decay phase left, so the
+    multiplier drops at the end of warm-up (phase 1, 7038 steps, warm-up 0.2843: 0.9996 at step 2000,
+    0.846 at step 2001), and the last step (`step == total_steps`) has multiplier 0.
+    """
+    _check_total_steps(total_steps)
+    if not 0.0 <= warmup_fraction <= 1.0:
+        raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
+    if not degree >= 0.0:
+        raise ValueError(f"degree={degree} must be >= 0")
+    progress = step / total_steps
+    if progress < warmup_fraction:
+        return progress / warmup_fraction
+    return max(1.0 - progress, 0.0) ** degree
+
+
+def linear_warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_ratio: float = 0.0) -> float:
+    """Linear warm-up to 1 over `warmup_steps`, then cosine decay to `min_ratio` at `total_steps`, held after.
+
+    Warm-up gives `step / warmup_steps`, so the first update has `1 / warmup_steps` and step `warmup_steps`
+    is the peak; the cosine runs over steps `warmup_steps .. total_steps`.
+    """
+    _check_total_steps(total_steps)
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"warmup_steps={warmup_steps} must be in [0, total_steps={total_steps}]")
+    if not 0.0 <= min_ratio <= 1.0:
+        raise ValueError(f"min_ratio={min_ratio} must be in [0, 1]")
+    if step < warmup_steps:
+        return step / warmup_steps
+    decay_steps = max(total_steps - warmup_steps, 1)  # all warm-up: the peak at its last step, then min_ratio
+    progress = min((step - warmup_steps) / decay_steps, 1.0)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def constant(step: int, total_steps: int | None = None) -> float:
+    """The peak LR at every step (`total_steps` is accepted, and ignored, like every schedule's)."""
+    return 1.0
+
+
+_SCHEDULES: dict[str, Callable[..., float]] = {
+    "poly_warmup": poly_warmup,
+    "linear_warmup_cosine": linear_warmup_cosine,
+    "constant": constant,
+}
+
+
+def build_lr_schedule(name: str, **kwargs: Any) -> Callable[[int], float]:
+    """`step -> multiplier` for schedule `name` with its arguments bound; bad names or values raise here."""
+    try:
+        schedule = _SCHEDULES[name]
+    except KeyError:
+        known = ", ".join(sorted(_SCHEDULES))
+        raise ValueError(f"unknown schedule '{name}'; known schedules: {known}") from None
+    arguments = dict(inspect.signature(schedule).parameters)
+    del arguments["step"]
+    unknown = sorted(set(kwargs) - set(arguments))
+    if unknown:
+        listed = ", ".join(arguments)
+        raise ValueError(f"'{unknown[0]}' is not an argument of schedule '{name}'; arguments: {listed}")
+    missing = [a for a, p in arguments.items() if p.default is inspect.Parameter.empty and a not in kwargs]
+    if missing:
+        raise ValueError(f"schedule '{name}' needs argument '{missing[0]}'")
+    bound = functools.partial(schedule, **kwargs)
+    bound(1)  # the range checks live in the schedule itself: run them once now, not at the first step
+    return bound
