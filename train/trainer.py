@@ -145,6 +145,8 @@ class Trainer:
             for key, value in out.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().float() / accumulation
 
+        if self.scaler.is_enabled() and self.spec.grad_sync == "self":
+            self._share_overflow()
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.trainer.grad_clip if self.cfg.trainer.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
@@ -155,6 +157,19 @@ class Trainer:
         # Under fp16 the scaler skips steps whose gradients overflowed; it lowers the scale when it does.
         skipped = scale_before is not None and self.scaler.get_scale() < scale_before
         return {**totals, "grad_norm": grad_norm.detach(), "lr": lr, "skipped": skipped, **self.comm.take_counts()}
+
+    def _share_overflow(self) -> None:
+        """Make one rank's fp16 overflow skip the step on every rank.
+
+        With DDP the gradients are identical, so every rank's scaler already agrees. A self-synchronising
+        optimizer sees only local gradients: if ranks decided alone, one would skip while the others step
+        into a collective it never joins, and their loss scales would drift apart. A rank that did not
+        overflow is shown the overflow by an inf in one gradient, which its scaler then finds and skips.
+        """
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        local_overflow = not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
+        if self.comm.any(local_overflow) and not local_overflow:
+            grads[0].view(-1)[0] = math.inf
 
     def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """DDP's all-reduce runs only after the last micro-batch; before it, gradients accumulate locally."""
