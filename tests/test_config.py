@@ -63,6 +63,7 @@ def test_indivisible_batch_is_an_error():
     ("override", "key"),
     [
         ("trainer.max_steps=0", "trainer.max_steps"),
+        ("trainer.epochs=2", "trainer.epochs"),
         ("optim.lr=-1", "optim.lr"),
         ("data.masking=sometimes", "data.masking"),
         ("+optim.momentum=0.9", "optim.momentum"),

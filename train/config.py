@@ -34,8 +34,10 @@ class TaskConfig:
 
 
 @dataclass
-class DataConfig:
-    name: str = MISSING  # demo: the embedded pydoc corpus
+class PretrainingDataConfig:
+    """Schema of the text-pretraining data options (conf/data/demo.yaml, ...)."""
+
+    name: str = MISSING  # demo: the embedded pydoc corpus; shards: `python -m data.prepare` output (data.path)
     max_seq_len: int = MISSING  # tokens per sequence (128 in phase 1, 512 in phase 2)
     max_predictions: int = MISSING  # masked positions per sequence (20 / 80)
     masked_lm_prob: float = MISSING
@@ -44,6 +46,8 @@ class DataConfig:
     masking: str = MISSING  # static (fixed at preparation) or dynamic (redrawn per epoch)
     vocab_path: str | None = None  # null: the vendored bert-base-uncased vocab
     num_workers: int = 0  # loader worker processes per rank
+    # shards only: a prepared output_dir (the phase matching max_seq_len is picked) or one phase directory
+    path: str | None = None
 
 
 @dataclass
@@ -62,7 +66,8 @@ class PrecisionConfig:
 @dataclass
 class TrainerConfig:
     seed: int = 42
-    max_steps: int = MISSING  # optimizer steps of the whole run
+    max_steps: int | None = None  # optimizer steps of the whole run (or set epochs)
+    epochs: float | None = None  # passes over the training set; max_steps is derived from it
     global_batch_size: int = MISSING  # sequences per optimizer step over all ranks: the source of truth
     micro_batch_size: int = MISSING  # sequences per forward pass on one rank; accumulation is derived
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
@@ -70,6 +75,7 @@ class TrainerConfig:
     nproc_per_node: int = 1  # >1: start that many local workers (torch elastic); under torchrun/srun: 1
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
     log_every: int = 10  # optimizer steps between metric records
+    eval_every: int = 0  # optimizer steps between evaluations (tasks that have one); 0: only at the end
     checkpoint_every: int = 200  # optimizer steps between checkpoints; 0 keeps only the final one
     keep_last: int = 3  # checkpoints kept
     resume: bool = True  # continue from the run directory's newest checkpoint
@@ -91,7 +97,7 @@ class Config:
     name: str = MISSING  # run name: the run directory is runs/<name> unless hydra.run.dir says otherwise
     task: TaskConfig = field(default_factory=TaskConfig)
     model: dict[str, Any] = field(default_factory=dict)  # `name` + the builder's keyword arguments
-    data: DataConfig = field(default_factory=DataConfig)
+    data: Any = MISSING  # typed by the chosen option's schema (e.g. data/pretraining_schema)
     optim: dict[str, Any] = field(default_factory=dict)  # `name` + the optimizer's keyword arguments
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -100,7 +106,9 @@ class Config:
 
 
 def register_configs() -> None:
-    ConfigStore.instance().store(name="config_schema", node=Config)
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=Config)
+    store.store(group="data", name="pretraining_schema", node=PretrainingDataConfig)
 
 
 @dataclass(frozen=True)
@@ -169,28 +177,46 @@ def _kwargs_error(kind: str, cfg_node: DictConfig) -> str | None:
     return None
 
 
-def validate(cfg: DictConfig) -> BatchGeometry:
-    """Fail fast, before workers start, on values that cannot work; return the batch geometry."""
-    _positive(cfg, "trainer.max_steps", "trainer.global_batch_size", "trainer.micro_batch_size",
-              "trainer.nproc_per_node", "trainer.log_every", "trainer.keep_last",
-              "data.max_seq_len", "data.max_predictions", "data.dupe_factor", "optim.lr")
-    if cfg.trainer.checkpoint_every < 0:
-        raise ConfigError(f"trainer.checkpoint_every={cfg.trainer.checkpoint_every} must be >= 0")
-    if cfg.trainer.grad_clip < 0:
-        raise ConfigError(f"trainer.grad_clip={cfg.trainer.grad_clip} must be >= 0 (0 disables clipping)")
-    if cfg.trainer.steps_this_run is not None and cfg.trainer.steps_this_run <= 0:
-        raise ConfigError(f"trainer.steps_this_run={cfg.trainer.steps_this_run} must be positive or null")
-    for key, allowed in (("trainer.device", ("auto", "cpu", "cuda")),
-                         ("trainer.backend", ("auto", "gloo", "nccl")),
-                         ("data.masking", ("static", "dynamic"))):
-        if OmegaConf.select(cfg, key) not in allowed:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be one of {', '.join(allowed)}")
+def _check_length(trainer: DictConfig) -> None:
+    """Exactly one of max_steps and epochs says how long the run is."""
+    if (trainer.max_steps is None) == (trainer.epochs is None):
+        raise ConfigError(
+            f"trainer.max_steps={trainer.max_steps} and trainer.epochs={trainer.epochs}: set exactly one of them"
+        )
+    key = "trainer.max_steps" if trainer.max_steps is not None else "trainer.epochs"
+    if OmegaConf.select(trainer, key.split(".")[1]) <= 0:
+        raise ConfigError(f"{key}={OmegaConf.select(trainer, key.split('.')[1])} must be positive")
+
+
+def _check_pretraining_data(cfg: DictConfig) -> None:
+    _positive(cfg, "data.max_seq_len", "data.max_predictions", "data.dupe_factor")
+    if cfg.data.masking not in ("static", "dynamic"):
+        raise ConfigError(f"data.masking={cfg.data.masking} must be one of static, dynamic")
     _in_range(cfg, "data.masked_lm_prob", 0.0, 1.0)
     _in_range(cfg, "data.short_seq_prob", 0.0, 1.0)
     if cfg.data.max_predictions >= cfg.data.max_seq_len:
         raise ConfigError(
             f"data.max_predictions={cfg.data.max_predictions} must be below data.max_seq_len={cfg.data.max_seq_len}"
         )
+    if cfg.data.name == "shards" and not cfg.data.path:
+        raise ConfigError("data.path=None must name a prepared directory (python -m data.prepare output_dir=...)")
+
+
+def validate(cfg: DictConfig) -> BatchGeometry:
+    """Fail fast, before workers start, on values that cannot work; return the batch geometry."""
+    _check_length(cfg.trainer)
+    _positive(cfg, "trainer.global_batch_size", "trainer.micro_batch_size", "trainer.nproc_per_node",
+              "trainer.log_every", "trainer.keep_last", "optim.lr")
+    for key in ("trainer.checkpoint_every", "trainer.eval_every", "trainer.grad_clip"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0 (0 disables it)")
+    if cfg.trainer.steps_this_run is not None and cfg.trainer.steps_this_run <= 0:
+        raise ConfigError(f"trainer.steps_this_run={cfg.trainer.steps_this_run} must be positive or null")
+    for key, allowed in (("trainer.device", ("auto", "cpu", "cuda")), ("trainer.backend", ("auto", "gloo", "nccl"))):
+        if OmegaConf.select(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be one of {', '.join(allowed)}")
+    if "max_predictions" in cfg.data:
+        _check_pretraining_data(cfg)
     for kind in ("model", "optim"):
         error = _kwargs_error(kind, cfg[kind])
         if error:
@@ -198,7 +224,7 @@ def validate(cfg: DictConfig) -> BatchGeometry:
     from optim import build_lr_schedule
 
     try:
-        build_lr_schedule(cfg.schedule.name, total_steps=cfg.trainer.max_steps, **cfg.schedule.kwargs)
+        build_lr_schedule(cfg.schedule.name, total_steps=cfg.trainer.max_steps or 1, **cfg.schedule.kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"schedule: {err}") from None
     from train.tasks import get_task

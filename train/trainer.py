@@ -20,7 +20,7 @@ from optim.comm import Comm, counting_allreduce_hook
 from train.checkpoint import Checkpointer, rng_state, set_rng_state
 from train.config import batch_geometry
 from train.distributed import pick_device
-from train.loaders import build_text_loader
+from train.loaders import build_data
 from train.metrics import MetricLogger
 from train.model_io import build_model, export_pretrained
 from train.precision import autocast, make_grad_scaler
@@ -39,14 +39,18 @@ class Trainer:
         # Each rank draws its own dropout stream; rank-agreed randomness uses private generators.
         torch.manual_seed(tcfg.seed + comm.rank)
 
-        self.loader, self.tokenizer = build_text_loader(cfg.data, self.geometry, comm, tcfg.seed, self.device)
+        self.data = build_data(cfg.data, self.geometry, comm, tcfg.seed, self.device)
+        self.loader, self.tokenizer = self.data.train, self.data.tokenizer
+        self.max_steps = tcfg.max_steps or math.ceil(
+            tcfg.epochs * self.loader.samples_per_epoch / self.geometry.global_batch_size
+        )
         self.model = build_model(cfg.model, tcfg.init_from, self.tokenizer).to(self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.spec = get_optimizer_spec(cfg.optim.name)
         optim_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.optim).items() if k != "name"}
         self.optimizer = build_optimizer(self.model, self.spec.name, optim_kwargs, comm=comm)
         self.peak_lr = float(cfg.optim.lr)
-        self.lr_multiplier = build_lr_schedule(cfg.schedule.name, total_steps=tcfg.max_steps, **cfg.schedule.kwargs)
+        self.lr_multiplier = build_lr_schedule(cfg.schedule.name, total_steps=self.max_steps, **cfg.schedule.kwargs)
         self.scaler = make_grad_scaler(cfg.precision, self.device)
         self.task = get_task(cfg.task.name)
         self.train_model = self._wrap_for_data_parallel(self.model, tcfg.compile)
@@ -56,7 +60,7 @@ class Trainer:
         self.skipped_steps = 0  # fp16 overflow steps (they do not count towards max_steps)
         resumed_from = self._resume() if tcfg.resume else self._refuse_to_overwrite()
         self.logger = MetricLogger(
-            self.run_dir, enabled=self.is_main, total_steps=tcfg.max_steps, start_step=self.step,
+            self.run_dir, enabled=self.is_main, total_steps=self.max_steps, start_step=self.step,
             progress_bar=cfg.logger.progress_bar, tensorboard=cfg.logger.tensorboard,
             wandb_mode=cfg.logger.wandb,
             wandb_project=cfg.logger.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
@@ -81,15 +85,14 @@ class Trainer:
 
     def _announce(self, resumed_from: Path | None) -> None:
         g = self.geometry
-        tokens = g.global_batch_size * self.cfg.data.max_seq_len
         self.logger.info(
             f"run dir {self.run_dir} | {self.comm.world_size} rank(s) on {self.device} | "
             f"model {self.num_params / 1e6:.1f}M params | optimizer {self.spec.name} (grad sync: {self.spec.grad_sync})"
         )
         self.logger.info(
             f"global batch {g.global_batch_size} = micro-batch {g.micro_batch_size} x {g.world_size} rank(s) "
-            f"x {g.accumulation_steps} accumulation step(s) | {tokens:,} tokens/step | precision "
-            f"{self.cfg.precision.dtype} | {self.cfg.trainer.max_steps} steps"
+            f"x {g.accumulation_steps} accumulation step(s) | precision "
+            f"{self.cfg.precision.dtype} | {self.max_steps} steps"
         )
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
@@ -98,10 +101,10 @@ class Trainer:
     def fit(self) -> None:
         """Train to `max_steps` (or `steps_this_run`, or a SIGTERM), checkpointing on the way and at the end."""
         tcfg = self.cfg.trainer
-        if self.step >= tcfg.max_steps:
+        if self.step >= self.max_steps:
             self.logger.info(f"run already complete at step {self.step}; nothing to do (set name=... for a new run)")
             return
-        stop_at = tcfg.max_steps
+        stop_at = self.max_steps
         if tcfg.steps_this_run is not None:
             stop_at = min(stop_at, self.step + tcfg.steps_this_run)
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -116,13 +119,17 @@ class Trainer:
                 stopping = self.comm.any(self._stop_requested)
                 if self.step % tcfg.log_every == 0 or stopping or self.step == stop_at:
                     self._log(window.flush())
-                if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and not metrics["skipped"]:
+                stepped = not metrics["skipped"]
+                if tcfg.eval_every and self.step % tcfg.eval_every == 0 and stepped and self.step < self.max_steps:
+                    self.evaluate()
+                if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and stepped:
                     self.save_checkpoint()
                 if stopping:
                     self.logger.info(f"SIGTERM: stopping at step {self.step}")
                     break
             self.save_checkpoint()
-            if self.step >= tcfg.max_steps:
+            if self.step >= self.max_steps:
+                self.evaluate()
                 self._export()
         finally:
             signal.signal(signal.SIGTERM, previous_handler)
@@ -140,7 +147,7 @@ class Trainer:
             # Gradients are made global only after the last micro-batch: DDP's all-reduce is skipped before.
             with self._grad_sync(enabled=is_last):
                 with autocast(self.cfg.precision.dtype, self.device):
-                    out = self.task(self.train_model, batch)
+                    out = self.task.step(self.train_model, batch)
                 self.scaler.scale(out["loss"] / accumulation).backward()
             for key, value in out.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().float() / accumulation
@@ -156,7 +163,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # Under fp16 the scaler skips steps whose gradients overflowed; it lowers the scale when it does.
         skipped = scale_before is not None and self.scaler.get_scale() < scale_before
-        return {**totals, "grad_norm": grad_norm.detach(), "lr": lr, "skipped": skipped, **self.comm.take_counts()}
+        return {"task": totals, "grad_norm": grad_norm.detach(), "lr": lr, "skipped": skipped,
+                **self.comm.take_counts()}
 
     def _share_overflow(self) -> None:
         """Make one rank's fp16 overflow skip the step on every rank.
@@ -180,8 +188,9 @@ class Trainer:
 
     def _log(self, window: dict[str, Any]) -> None:
         """Turn the window's tensors into numbers (one device sync per log interval) and record them."""
-        values = self.comm.average_control(torch.stack([window[k] for k in _AVERAGED]))
-        metrics = dict(zip(_AVERAGED, values.tolist(), strict=True))
+        keys = sorted(window["task"])  # the same order on every rank
+        values = self.comm.average_control(torch.stack([window["task"][k] for k in keys]))
+        metrics = dict(zip(keys, values.tolist(), strict=True))
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(
                 f"non-finite loss at step {self.step}; no checkpoint was written for it. The newest good "
@@ -247,6 +256,19 @@ class Trainer:
                 "pick another name=... or remove the directory"
             )
 
+    def evaluate(self) -> None:
+        """The task's evaluation on held-out data, on rank 0 (other ranks wait), logged as eval/<metric>."""
+        if self.task.evaluate is None or self.data.eval is None:
+            return
+        if self.is_main:
+            self.model.eval()
+            with torch.no_grad(), autocast(self.cfg.precision.dtype, self.device):
+                results = self.task.evaluate(self.model, self.data.eval, self.run_dir)
+            self.model.train()
+            self.logger.log({f"eval/{k}": v for k, v in results.items()}, self.step)
+            self.logger.info(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in results.items()))
+        self.comm.barrier()
+
     def _export(self) -> None:
         if self.is_main:
             path = export_pretrained(self.model, self.tokenizer, self.run_dir / "hf_model")
@@ -259,13 +281,10 @@ class Trainer:
     def close(self) -> None:
         if self._first_logged and self._last_logged:
             (first_step, first), (last_step, last) = self._first_logged, self._last_logged
-            changes = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in ("loss", "mlm_loss", "nsp_loss"))
+            changes = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in first if k.endswith("loss"))
             self.logger.info(f"steps {first_step} -> {last_step}: {changes}")
         self.logger.info(f"metrics: {self.logger.path} | checkpoints: {self.checkpointer.directory}")
         self.logger.close()
-
-
-_AVERAGED = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
 
 
 class _Window:
@@ -275,7 +294,8 @@ class _Window:
         self._reset()
 
     def _reset(self) -> None:
-        self.sums: dict[str, Any] = {}
+        self.task_sums: dict[str, torch.Tensor] = {}  # the task's metrics, still on the device
+        self.bytes = self.collectives = 0
         self.steps = self.skipped = self.sequences = 0
         self.start = time.perf_counter()
 
@@ -283,14 +303,16 @@ class _Window:
         self.steps += 1
         self.sequences += sequences
         self.skipped += int(metrics["skipped"])
-        for key in (*_AVERAGED, "bytes", "collectives"):
-            self.sums[key] = self.sums.get(key, 0) + metrics[key]
+        for key, value in metrics["task"].items():
+            self.task_sums[key] = self.task_sums.get(key, 0.0) + value
+        self.bytes += metrics["bytes"]
+        self.collectives += metrics["collectives"]
         self.last = metrics
 
     def flush(self) -> dict[str, Any]:
-        out = {key: value / self.steps for key, value in self.sums.items() if key in _AVERAGED}
-        out.update(
-            bytes=self.sums["bytes"], collectives=self.sums["collectives"], steps=self.steps,
+        out = dict(
+            task={key: value / self.steps for key, value in self.task_sums.items()},
+            bytes=self.bytes, collectives=self.collectives, steps=self.steps,
             skipped=self.skipped, sequences=self.sequences, seconds=time.perf_counter() - self.start,
             lr=self.last["lr"], grad_norm=float(self.last["grad_norm"]),
         )

@@ -1,24 +1,35 @@
-"""Task registry: a task name (`conf/task/<name>.yaml`) -> its step function."""
+"""Task registry: a task name (`conf/task/<name>.yaml`) -> its step function and optional evaluation."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-Task = Callable[[nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+StepFn = Callable[[nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+# evaluate(model, eval_data, output_dir) -> metrics; runs on one rank, under no_grad and autocast.
+EvaluateFn = Callable[[nn.Module, Any, Path], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    step: StepFn  # a batch -> {"loss": scalar tensor, other metrics as tensors}
+    evaluate: EvaluateFn | None = None  # a whole held-out set -> metrics (accuracy, F1, ...)
+
+
 _TASKS: dict[str, Task] = {}
 
 
-def register_task(name: str) -> Callable[[Task], Task]:
-    def wrap(fn: Task) -> Task:
-        if name in _TASKS:
-            raise ValueError(f"task '{name}' is registered twice")
-        _TASKS[name] = fn
-        return fn
-
-    return wrap
+def register_task(task: Task) -> Task:
+    if task.name in _TASKS:
+        raise ValueError(f"task '{task.name}' is registered twice")
+    _TASKS[task.name] = task
+    return task
 
 
 def list_tasks() -> list[str]:

@@ -6,10 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.tasks._registry import register_task
+from train.tasks._registry import Task, register_task
 
 
-@register_task("bert_pretraining")
 def bert_pretraining_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Loss = MLM + NSP, as in BERT. Unused prediction slots carry label -100 and are ignored.
 
@@ -33,3 +32,6 @@ def bert_pretraining_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> d
         "mlm_accuracy": mlm_accuracy,
         "nsp_accuracy": nsp_accuracy,
     }
+
+
+register_task(Task("bert_pretraining", bert_pretraining_step))
