@@ -71,7 +71,8 @@ class PretrainingLoader:
 
     def __init__(self, dataset: Sequence[Any], micro_batch_size: int, rank: int, world_size: int, seed: int,
                  *, shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False,
-                 collate_fn: Callable[[list[Any]], Any] = collate_pretraining_batch) -> None:
+                 collate_fn: Callable[[list[Any]], Any] = collate_pretraining_batch,
+                 shard_sizes: Sequence[int] | None = None) -> None:
         num_samples = len(dataset)
         if num_samples == 0:
             raise ValueError("the dataset is empty: a pretraining loader needs at least one sample")
@@ -79,8 +80,9 @@ class PretrainingLoader:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        # shard_sizes (sharded datasets): shard-blocked epoch order, O(#shards) memory; see data/sampler.py.
         self.sampler = ResumableDistributedSampler(num_samples, rank, world_size, seed, shuffle=shuffle,
-                                                   drop_last=True)
+                                                   drop_last=True, shard_sizes=shard_sizes)
         share = num_samples // world_size
         if micro_batch_size > share:
             raise ValueError(

@@ -1,0 +1,292 @@
+"""Corpus preparation: recipe properties of the shards, equivalence with the in-memory builder, determinism
+across seeds and process counts, resume after interruption, input formats and input errors."""
+
+from __future__ import annotations
+
+import bz2
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from pydoc_data.topics import topics
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data import build_pretraining_dataset, load_tokenizer
+from data.masking import IGNORE_INDEX, MLMMasker
+from data.nsp import RANDOM_SENTENCE
+from data.prepare import PhaseConfig, PrepareConfig, chunk_seed, iter_chunks, prepare
+from data.shards import MANIFEST_NAME, PARTS_DIR, ShardSet, shard_name
+from data.sources import CorpusError, CorpusSource, Document, SourceConfig, document_sentences, file_documents
+
+REPO = Path(__file__).resolve().parents[1]
+TOPICS = sorted(topics)
+
+
+def write_corpus(directory: Path, num_docs: int = 40) -> Path:
+    """A local corpus: one pydoc topic per .txt file (real English, ≈ 6 KB per document)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in TOPICS[:num_docs]:
+        (directory / f"{name}.txt").write_text(topics[name], encoding="utf-8")
+    return directory
+
+
+def small_config(corpus: Path, output: Path, **overrides) -> PrepareConfig:
+    """Two short phases, small chunks (several shards), dupe factor 2: seconds on one core."""
+    cfg = dict(output_dir=str(output), corpus_name="test", sources=[{"kind": "files", "paths": [str(corpus)]}],
+               phases={"phase1": PhaseConfig(64, 10), "phase2": PhaseConfig(128, 20)}, dupe_factor=2,
+               chunk_mb=0.05, num_proc=1, progress_bar=False, seed=7)
+    cfg.update(overrides)
+    return PrepareConfig(**cfg)
+
+
+def shard_bytes(directory: Path) -> dict[str, bytes]:
+    """Every output file that defines the dataset (shards, records, vocab), by relative path."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and (p.suffix == ".parquet" or p.parent.name == PARTS_DIR or p.name == "vocab.txt")}
+
+
+def comparable_manifest(directory: Path) -> dict:
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    manifest.pop("prepare_seconds")
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared")
+    prepare(small_config(corpus, out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+# ----- the recipe ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("phase", "max_seq_len", "max_predictions"), [("phase1", 64, 10), ("phase2", 128, 20)])
+def test_shards_match_the_recipe(prepared, tokenizer, phase, max_seq_len, max_predictions):
+    shards = ShardSet(prepared / phase)
+    manifest = shards.manifest
+    assert (manifest["max_seq_len"], manifest["max_predictions"]) == (max_seq_len, max_predictions)
+    assert len(manifest["shards"]) >= 3 and len(shards) == manifest["counts"]["instances"]
+    masker = MLMMasker.from_tokenizer(tokenizer, max_predictions=max_predictions)
+    lengths, random_next, chosen, eligible, actions = [], 0, 0, 0, {"mask": 0, "random": 0, "keep": 0}
+    for i in range(len(shards)):
+        inst = shards[i]
+        ids = inst.input_ids
+        n = len(ids)
+        lengths.append(n)
+        assert ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id
+        b_start = int(np.argmax(inst.token_type_ids))
+        assert ids[b_start - 1] == tokenizer.sep_token_id and (inst.token_type_ids[b_start:] == 1).all()
+        used = inst.masked_lm_labels != IGNORE_INDEX
+        k = int(used.sum())
+        positions, labels = inst.masked_lm_positions[used], inst.masked_lm_labels[used]
+        original = ids.copy()
+        original[positions] = labels
+        num_eligible = len(masker.eligible_positions(original))
+        assert k == masker.num_predictions(num_eligible)  # round(15 %) of the eligible tokens, capped at P
+        assert (np.diff(positions) > 0).all() and (inst.masked_lm_positions[~used] == 0).all()
+        chosen, eligible = chosen + k, eligible + num_eligible
+        actions["mask"] += int((ids[positions] == tokenizer.mask_token_id).sum())
+        actions["keep"] += int((ids[positions] == labels).sum())
+        random_next += inst.next_sentence_label == RANDOM_SENTENCE
+    actions["random"] = chosen - actions["mask"] - actions["keep"]
+    lengths = np.array(lengths)
+    assert lengths.max() <= max_seq_len and (lengths == max_seq_len).mean() > 0.5  # most fill the target
+    assert 0.02 < (lengths < max_seq_len).mean() < 0.5  # short targets (short_seq_prob) and document ends
+    assert 0.45 < random_next / len(shards) < 0.6  # 50 % random B (+ single-sentence chunks, always random)
+    assert abs(chosen / eligible - 0.15) < 0.01
+    assert abs(actions["mask"] / chosen - 0.8) < 0.03
+    assert abs(actions["random"] / chosen - 0.1) < 0.03  # a random token can equal the original: ≈ keep
+    counts = manifest["counts"]
+    assert counts["predictions"] == chosen and counts["random_next"] == random_next
+    assert counts["tokens"] == lengths.sum() and counts["documents"] == 40
+
+
+def test_each_shard_is_what_build_pretraining_dataset_builds_from_its_chunk(prepared, corpus, tokenizer):
+    cfg = small_config(corpus, prepared)
+    chunks = list(iter_chunks([CorpusSource(SourceConfig(paths=(str(corpus),)))], int(cfg.chunk_mb * 2**20)))
+    shards = ShardSet(prepared / "phase2")
+    assert [len(c.documents) for c in chunks] == [r["chunk_documents"] for r in shards.records]
+    start = 0
+    for chunk in chunks[:2]:
+        reference = build_pretraining_dataset(
+            tokenizer, [document_sentences(doc) for doc in chunk.documents], max_seq_len=128,
+            max_predictions=20, dupe_factor=2, seed=chunk_seed(7, chunk.index), masking="static")
+        assert shards.shard_sizes[chunk.index] == len(reference)
+        for i, expected in enumerate(reference.instances):
+            got = shards[start + i]
+            for field in ("input_ids", "token_type_ids", "masked_lm_positions", "masked_lm_labels"):
+                np.testing.assert_array_equal(getattr(got, field), getattr(expected, field))
+            assert got.next_sentence_label == expected.next_sentence_label
+        start += len(reference)
+
+
+def test_manifest_records_every_parameter_and_checksum(prepared):
+    manifest = json.loads((prepared / "phase1" / MANIFEST_NAME).read_text())
+    config = manifest["config"]
+    for key in ("dupe_factor", "seed", "masking", "masked_lm_prob", "short_seq_prob", "chunk_mb", "phases",
+                "sources", "vocab_path", "train_vocab"):
+        assert key in config
+    assert manifest["dupe_factor"] == 2 and manifest["masking"] == "static" and manifest["seed"] == 7
+    assert len(manifest["vocab"]["sha256"]) == 64 and manifest["vocab"]["tokens"] == 30522
+    assert all(len(r["sha256"]) == 64 for r in manifest["shards"])
+    assert manifest["inputs"][0]["files"][0][0].endswith(".txt")
+
+
+# ----- determinism and resume ----------------------------------------------------------------------------
+
+def test_same_seed_gives_identical_shards_and_another_seed_does_not(prepared, corpus, tmp_path):
+    prepare(small_config(corpus, tmp_path / "again"))
+    assert shard_bytes(tmp_path / "again") == shard_bytes(prepared)
+    assert comparable_manifest(tmp_path / "again" / "phase1") == comparable_manifest(prepared / "phase1")
+    prepare(small_config(corpus, tmp_path / "other", seed=8, phases={"phase1": PhaseConfig(64, 10)}))
+    assert shard_bytes(tmp_path / "other")["phase1/shard-00000.parquet"] != \
+        shard_bytes(prepared)["phase1/shard-00000.parquet"]
+
+
+@pytest.mark.slow
+def test_output_does_not_depend_on_the_number_of_processes(prepared, corpus, tmp_path):
+    prepare(small_config(corpus, tmp_path / "two", num_proc=2))
+    assert shard_bytes(tmp_path / "two") == shard_bytes(prepared)
+
+
+def test_rerun_after_interruption_redoes_only_what_is_missing_or_damaged(prepared, corpus, tmp_path):
+    out = tmp_path / "resumed"
+    shutil.copytree(prepared, out)
+    for phase in ("phase1", "phase2"):
+        (out / phase / MANIFEST_NAME).unlink()  # killed before the manifests were written
+    (out / "phase1" / shard_name(2)).unlink()  # killed before shard 2 was renamed into place
+    (out / "phase2" / PARTS_DIR / f"{shard_name(1)}.json").unlink()  # killed between shard 1 and its record
+    with open(out / "phase1" / shard_name(0), "r+b") as f:  # damaged after it was finished
+        f.truncate(100)
+    (out / "phase1" / ".shard-00003.parquet.tmp-999").write_bytes(b"half a shard")
+    prepare(small_config(corpus, out))
+    assert shard_bytes(out) == shard_bytes(prepared)
+    assert not list((out / "phase1").glob(".*.tmp-*"))
+    for phase in ("phase1", "phase2"):
+        assert comparable_manifest(out / phase) == comparable_manifest(prepared / phase)
+
+
+@pytest.mark.slow
+def test_sigkill_during_preparation_then_rerun_gives_identical_output(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", num_docs=79)
+    args = [f"sources.0.paths=[{corpus}]", "corpus_name=test", "chunk_mb=0.03",
+            "num_proc=1", "dupe_factor=3", "progress_bar=false"]
+
+    def command(out: Path) -> list[str]:
+        return [sys.executable, "-m", "data.prepare", "corpus=text_dir", *args, f"output_dir={out}"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reference = subprocess.run(command(tmp_path / "ref"), cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(command(out), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while len(list((out / "phase2" / PARTS_DIR).glob("*.json"))) < 3:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "phase1" / MANIFEST_NAME).exists()
+    rerun = subprocess.run(command(out), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed:" in rerun.stdout + rerun.stderr
+    assert shard_bytes(out) == shard_bytes(tmp_path / "ref")
+    assert comparable_manifest(out / "phase2") == comparable_manifest(tmp_path / "ref" / "phase2")
+
+
+def test_a_different_config_in_the_same_output_dir_is_refused(prepared, corpus, tmp_path):
+    out = tmp_path / "changed"
+    shutil.copytree(prepared, out)
+    with pytest.raises(CorpusError, match="different 'config'"):
+        prepare(small_config(corpus, out, dupe_factor=3))
+
+
+def test_trained_vocab_is_used_and_recorded(corpus, tmp_path):
+    manifests = prepare(small_config(corpus, tmp_path / "tv", train_vocab=True, vocab_size=800,
+                                     phases={"phase1": PhaseConfig(64, 10)}, masking="dynamic"))
+    manifest = manifests["phase1"]
+    vocab_lines = (tmp_path / "tv" / "phase1" / "vocab.txt").read_text().splitlines()
+    assert manifest["vocab"]["tokens"] == len(vocab_lines) <= 800 and vocab_lines[:5] == [
+        "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    shards = ShardSet(tmp_path / "tv" / "phase1")
+    assert shards[0].masked_lm_positions is None  # dynamic masking: stored unmasked
+    assert max(int(shards[i].input_ids.max()) for i in range(len(shards))) < len(vocab_lines)
+
+
+# ----- inputs and input errors ---------------------------------------------------------------------------
+
+def test_input_formats(tmp_path):
+    wiki = tmp_path / "AA" / "wiki_00"
+    wiki.parent.mkdir()
+    wiki.write_text('<doc id="1" url="u" title="Alpha">\nAlpha\n\nAlpha is a letter. It is first.\n</doc>\n'
+                    '<doc id="2" url="u" title="Beta">\nBeta\n\nBeta comes second.\n</doc>\n')
+    assert [d.text.strip() for d in file_documents(wiki)] == ["Alpha is a letter. It is first.",
+                                                              "Beta comes second."]
+    jsonl = tmp_path / "docs.jsonl.bz2"
+    with bz2.open(jsonl, "wt") as f:
+        f.write(json.dumps({"text": "One. Two."}) + "\n\n" + json.dumps({"text": "Three."}) + "\n")
+    assert [d.text for d in file_documents(jsonl)] == ["One. Two.", "Three."]
+    table = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"body": ["First doc.", "Second doc."]}), table)
+    assert [d.text for d in file_documents(table, text_key="body")] == ["First doc.", "Second doc."]
+    google = tmp_path / "google.txt"
+    google.write_text("Sentence one.\nSentence two.\n\nOther doc.\n")
+    docs = list(file_documents(google, text_format="google"))
+    assert [document_sentences(d) for d in docs] == [["Sentence one.", "Sentence two."], ["Other doc."]]
+    rst = Document("See :func:`os.path.join` for details.\n\n.. note::\n", "rst")
+    assert document_sentences(rst) == ["See os.path.join for details."]
+
+
+def test_missing_input_is_an_error_naming_it(tmp_path):
+    with pytest.raises(CorpusError, match=r"does not exist: .*nowhere"):
+        prepare(small_config(tmp_path / "nowhere", tmp_path / "out"))
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blank.txt").write_text("\n  \n")
+    with pytest.raises(CorpusError, match="corpus is empty"):
+        prepare(small_config(tmp_path / "empty", tmp_path / "out"))
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(CorpusError, match="holds no text"):
+        prepare(small_config(tmp_path / "nothing", tmp_path / "out2"))
+
+
+def test_bad_json_line_and_single_document_are_errors(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.jsonl").write_text('{"text": "fine."}\n{"txt": "no text key"}\n')
+    with pytest.raises(CorpusError, match=r"a\.jsonl:2 has no string field 'text'"):
+        prepare(small_config(bad, tmp_path / "out"))
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "a.txt").write_text("Only one document here. It has two sentences.")
+    with pytest.raises(CorpusError, match="at least 2"):
+        prepare(small_config(one, tmp_path / "out2"))
+
+
+def test_bad_parameters_name_the_key(corpus, tmp_path):
+    with pytest.raises(ValueError, match="dupe_factor=0"):
+        prepare(small_config(corpus, tmp_path / "o", dupe_factor=0))
+    with pytest.raises(ValueError, match=r"phases\.phase1"):
+        prepare(small_config(corpus, tmp_path / "o", phases={"phase1": PhaseConfig(64, 64)}))
