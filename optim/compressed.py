@@ -1,0 +1,229 @@
+"""Error-feedback 1-bit compressed all-reduce (DeepSpeed's two-phase scheme) with real bit packing.
+
+Shared by 1-bit Adam, 1-bit LAMB and 0/1 Adam (specs/onebit_zeroone.md §1). Each rank compresses its padded
+vector to signs (1 bit per element, packed 8 to a byte) and one RMS scale, keeping what the compression lost
+in a worker error buffer. Phase 1 is an all-to-all: rank j receives every rank's signs for chunk j, averages
+them with the scales, adds its server error and compresses the result again. Phase 2 all-gathers the W
+compressed chunks. Every rank decodes the same bytes, so the output is bit-identical across ranks.
+
+Why padding: the vector is padded to a multiple of `W * lcm(W, 8)` so each chunk is whole bytes (§1.2).
+Each scale rides in the same collective as its signs (4 bytes appended per chunk), so one compressed
+all-reduce is two collectives, not DeepSpeed's four; the arithmetic is the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from optim.comm import Comm
+
+_SCALE_BYTES = 4  # one float32 scale per chunk on the wire
+_SIGN_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # byte -> its 8 signs, MSB first
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """N' for a vector of `numel` elements: the next multiple of `W * lcm(W, 8)` (DeepSpeed's padding)."""
+    multiple = world_size * (world_size * 8 // math.gcd(world_size, 8))
+    return -(-numel // multiple) * multiple
+
+
+def pack_signs(x: Tensor) -> Tensor:
+    """Bit k of the result is 1 where `x[k] >= 0`, most significant bit first (numpy `packbits` order).
+
+    `x.numel()` must be a multiple of 8; returns `numel / 8` uint8 bytes. The sign bit decides, so -0.0
+    would pack as -1; the compression never produces -0.0 (see `compress_`), where both zeros count as +1.
+    """
+    negative = torch.signbit(x.reshape(-1, 8)).view(torch.uint8)
+    packed = negative[:, 0] << 7
+    for k in range(1, 8):  # eight strided passes over N/8 bytes: cheaper than a reduction over rows of 8
+        packed.bitwise_or_(negative[:, k] << (7 - k))
+    return packed.bitwise_not_()
+
+
+def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Inverse of `pack_signs`: +1 for a set bit, -1 for a clear one, 8 values per byte, in order."""
+    key = (dtype, packed.device)
+    if key not in _SIGN_TABLES:
+        weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=packed.device)
+        bits = torch.arange(256, device=packed.device).to(torch.uint8).unsqueeze(1).bitwise_and(weights).ne(0)
+        _SIGN_TABLES[key] = bits.to(dtype).mul_(2).sub_(1)
+    return torch.nn.functional.embedding(packed.reshape(-1).long(), _SIGN_TABLES[key]).reshape(-1)
+
+
+def compress_(z: Tensor, error: Tensor) -> Tensor:
+    """1-bit compression of `z` with error feedback: returns the RMS scale `||z|| / sqrt(numel)` (shape (1,)).
+
+    `error` is overwritten with `z - scale * sign(z)`, sign(0) = +1. Why the sign bit suffices for that
+    rule: `z` is always a sum `x + error` with an error buffer that starts at +0.0, and IEEE addition gives
+    -0.0 only for -0.0 + -0.0, so neither `z` nor any later error is ever -0.0.
+    """
+    scale = torch.linalg.vector_norm(z).div_(math.sqrt(z.numel())).reshape(1)
+    signs = torch.ones_like(z).copysign_(z)
+    torch.sub(z, signs.mul_(scale), out=error)
+    return scale
+
+
+def _with_scale(packed: Tensor, scale: Tensor) -> Tensor:
+    """Rows of packed signs, each followed by the 4 bytes of the float32 scale: one collective carries both."""
+    scale_bytes = scale.to(torch.float32).reshape(1).view(torch.uint8)
+    return torch.cat([packed, scale_bytes.expand(packed.shape[0], _SCALE_BYTES)], dim=1)
+
+
+def _split_scale(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(packed signs, float32 scales of shape (rows, 1)) from rows built by `_with_scale`."""
+    scales = rows[:, -_SCALE_BYTES:].contiguous().view(torch.float32)
+    return rows[:, :-_SCALE_BYTES].contiguous(), scales
+
+
+def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm) -> Tensor:
+    """Replace the padded flat `buffer` (N' elements) by the 1-bit compressed mean over ranks, in place.
+
+    `worker_error` (N') and `server_error` (N'/W) are this rank's persistent error buffers. The result is
+    identical on every rank. Collectives: one all-to-all of N'/8 + 4W bytes and one all-gather of
+    N'/(8W) + 4 bytes per rank. With one rank it is the identity (no compression: nothing is sent).
+    """
+    world = comm.world_size
+    if not comm.distributed or buffer.numel() == 0:
+        if buffer.numel() == 0:  # DeepSpeed >= 0.18.5: empty tensors return at once, with the errors zeroed
+            worker_error.zero_()
+            server_error.zero_()
+        return buffer
+    chunk = buffer.numel() // world
+    if buffer.numel() % (8 * world) or worker_error.numel() != buffer.numel() or server_error.numel() != chunk:
+        raise ValueError(
+            f"compressed_allreduce_: buffer of {buffer.numel()} elements is not padded for {world} ranks "
+            f"(use padded_numel) or its error buffers do not match ({worker_error.numel()}, {server_error.numel()})"
+        )
+    # Phase 1: worker compression, chunk j of the signs (and this rank's scale) to rank j.
+    z = buffer.add_(worker_error)
+    worker_scale = compress_(z, worker_error)
+    send = _with_scale(pack_signs(z).reshape(world, chunk // 8), worker_scale)
+    received = torch.empty_like(send)
+    comm.all_to_all_single(received, send)
+    signs, scales = _split_scale(received)
+    # Server stage on this rank's chunk: the scale-weighted mean of the W sign vectors, compressed again.
+    weights = scales.to(buffer.dtype) * (1.0 / world)  # DeepSpeed multiplies by 1/W rather than dividing
+    server = unpack_signs(signs, buffer.dtype).reshape(world, chunk).mul_(weights).sum(0)
+    server.add_(server_error)
+    server_scale = compress_(server, server_error)
+    # Phase 2: every rank gets every compressed chunk and decodes the same bytes.
+    mine = _with_scale(pack_signs(server).reshape(1, chunk // 8), server_scale)
+    gathered = torch.empty(world, mine.shape[1], dtype=torch.uint8, device=buffer.device)
+    comm.all_gather_into_tensor(gathered, mine)
+    signs, scales = _split_scale(gathered)
+    decoded = unpack_signs(signs, buffer.dtype).reshape(world, chunk).mul_(scales.to(buffer.dtype))
+    buffer.copy_(decoded.reshape(-1))
+    return buffer
+
+
+def compressed_bytes_per_call(numel: int, world_size: int) -> int:
+    """Bytes a rank is charged by `Comm` for one compressed all-reduce of `numel` elements (0 on one rank).
+
+    Comm charges a rank the size of its input to each collective: N'/8 + 4W for the all-to-all and
+    N'/(8W) + 4 for the all-gather. On the wire (ring model) both phases together move 2(W-1)/W * N'/8
+    bytes, exactly 1/32 of a ring all-reduce of N fp32 values up to padding.
+    """
+    if world_size == 1:
+        return 0
+    padded = padded_numel(numel, world_size)
+    return padded // 8 + _SCALE_BYTES * world_size + padded // (8 * world_size) + _SCALE_BYTES
+
+
+class CompressedBuckets:
+    """Tensors grouped into buckets, each all-reduced by one compressed call with its own error buffers.
+
+    `layout` lists, per bucket, the indices of the tensors it holds (in order) and `numels` their sizes.
+    With `keep_tail` the padded tail of each bucket's flat buffer is kept from call to call, as 1-bit LAMB's
+    fused momentum buffer is in DeepSpeed (the tail holds the previous decompressed output, which feeds the
+    next compression and its scale, §7 Q16b); without it the tail is zero on every call, as DeepSpeed's
+    per-tensor padding. The error buffers are rank-specific state: checkpoint them with `state_dict()`.
+    """
+
+    def __init__(self, layout: Sequence[Sequence[int]], numels: Sequence[int], comm: Comm, device: torch.device,
+                 keep_tail: bool = False) -> None:
+        self.layout = [list(indices) for indices in layout]
+        self.comm, self.keep_tail = comm, keep_tail
+        self.sizes = [sum(numels[i] for i in indices) for indices in self.layout]
+        world = comm.world_size
+        self.padded = [padded_numel(size, world) for size in self.sizes]
+        self.worker_errors = [torch.zeros(n, device=device) for n in self.padded]
+        self.server_errors = [torch.zeros(n // world, device=device) for n in self.padded]
+        self.tails = [torch.zeros(n - size, device=device) for n, size in zip(self.padded, self.sizes, strict=True)]
+
+    def allreduce_(self, tensors: Sequence[Tensor]) -> None:
+        """Replace each tensor by its compressed mean over ranks, in place (identity on one rank)."""
+        if not self.comm.distributed:
+            return
+        for b, indices in enumerate(self.layout):
+            members = [tensors[i].view(-1) for i in indices]
+            flat = torch.empty(self.padded[b], dtype=members[0].dtype, device=members[0].device)
+            views = list(flat[: self.sizes[b]].split([m.numel() for m in members]))
+            torch._foreach_copy_(views, members)
+            tail = flat[self.sizes[b]:]
+            tail.copy_(self.tails[b]) if self.keep_tail else tail.zero_()
+            compressed_allreduce_(flat, self.worker_errors[b], self.server_errors[b], self.comm)
+            torch._foreach_copy_(members, views)
+            if self.keep_tail:
+                self.tails[b].copy_(tail)
+
+    def bytes_per_call(self) -> int:
+        """What one `allreduce_` costs this rank in Comm's bytes, all buckets together."""
+        return sum(compressed_bytes_per_call(size, self.comm.world_size) for size in self.sizes)
+
+    def zero_errors_(self) -> None:
+        for error in (*self.worker_errors, *self.server_errors):
+            error.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"world_size": self.comm.world_size, "sizes": list(self.sizes),
+                "worker_errors": self.worker_errors, "server_errors": self.server_errors, "tails": self.tails}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["world_size"] != self.comm.world_size or list(state["sizes"]) != self.sizes:
+            raise ValueError(
+                f"compression state was saved for {state['world_size']} ranks and buckets {state['sizes']}; this "
+                f"run has {self.comm.world_size} ranks and buckets {self.sizes}: the per-rank error buffers "
+                "cannot be carried over to another world size"
+            )
+        for name in ("worker_errors", "server_errors", "tails"):
+            for mine, saved in zip(getattr(self, name), state[name], strict=True):
+                mine.copy_(saved)
+
+
+def bucket_layout(group_sizes: Sequence[int], bucketing: str) -> list[list[int]]:
+    """Indices per bucket for tensors listed group by group: one bucket per tensor, per group, or in all."""
+    total = sum(group_sizes)
+    if bucketing == "per_tensor":
+        return [[i] for i in range(total)]
+    if bucketing == "per_group":
+        starts = [sum(group_sizes[:g]) for g in range(len(group_sizes))]
+        return [list(range(s, s + n)) for s, n in zip(starts, group_sizes, strict=True) if n]
+    if bucketing == "flat_scaled":
+        return [list(range(total))] if total else []
+    raise ValueError(f"bucketing={bucketing!r}; must be 'per_tensor', 'per_group' or 'flat_scaled'")
+
+
+def average_(tensors: Sequence[Tensor], comm: Comm, bucket_numel: int = 1 << 24) -> None:
+    """Full-precision mean over ranks, in place, flattening the tensors into buckets of <= `bucket_numel`.
+
+    The 1-bit optimizers' warm-up stages need the gradient averaged exactly, as DeepSpeed's engine does
+    before their step; with `grad_sync = "self"` nothing else has averaged it.
+    """
+    if not comm.distributed:
+        return
+    start = 0
+    while start < len(tensors):
+        end, numel = start, 0
+        while end < len(tensors) and (end == start or numel + tensors[end].numel() <= bucket_numel):
+            numel += tensors[end].numel()
+            end += 1
+        members = [t.view(-1) for t in tensors[start:end]]
+        flat = torch.cat(members)
+        comm.average(flat)
+        torch._foreach_copy_(members, list(flat.split([m.numel() for m in members])))
+        start = end

@@ -1,0 +1,264 @@
+"""1-bit Adam (Tang et al. 2021) and the scaffolding the 1-bit family shares: steps, buckets, masks, state."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from optim._math import foreach_adam_update, foreach_momentum_, foreach_variance_
+from optim._registry import OptimSpec, register_optimizer
+from optim.comm import Comm
+from optim.compressed import CompressedBuckets, average_, bucket_layout
+
+# Kept in every docstring of the family (specs/onebit_zeroone.md §7): where we differ from DeepSpeed 0.19.6.
+DIFFERENCES_FROM_DEEPSPEED = """
+    Deliberate differences from DeepSpeed 0.19.6 (specs/onebit_zeroone.md §7):
+
+    - Resume is exact (Q18, Q19): per-rank error buffers, LAMB's padded tail, scaling and frozen coefficients,
+      phase flags and every counter are in `state_dict()` (the trainer saves it per rank); the first step
+      after a resume is a real step. DeepSpeed drops the errors, re-runs the no-op init step and, for 0/1
+      Adam, resets its counters and updates the variance with local gradients (replicas desynchronise).
+    - The loss is divided by the accumulation count on every micro-step (Q20, the trainer's rule), so the
+      compressed stages see the same gradient scale as the warm-up (DeepSpeed 0.16.0-0.18.2 did not).
+    - Clipping acts on each rank's local gradient in every stage (Q14: `trainer.grad_clip` runs before the
+      optimizer averages anything); DeepSpeed clips the averaged gradient in its full-precision stages.
+    - The init step (Q1, kept: `init_noop_step`) communicates nothing: DeepSpeed averages a gradient it then
+      discards and compresses a zero buffer, neither of which changes any number.
+    - One compressed all-reduce is two collectives (each scale travels with its signs), not four.
+    - A parameter without a gradient is stepped with a zero gradient, so every rank runs the same
+      collectives; parameters with no elements are dropped (Q21).
+    - `mask_zero_variance` (our option, on in conf/optim): elements whose variance is exactly 0 (gradients
+      never seen, e.g. BERT's position rows beyond the sequence length) have their communicated values
+      zeroed like DeepSpeed's `exp_avg_mask`; otherwise 1-bit noise / eps would move them by huge steps. The
+      param-group key `exp_avg_mask` works as in DeepSpeed (in place, never taken from a checkpoint).
+    - With one rank the compressed all-reduce is the identity (DeepSpeed skips it and, in 0/1 Adam's
+      compressed gradient steps, also skips the momentum update).
+    - Step boundaries for `freeze_step` < 2 follow our rule (`t > max(freeze_step, first real step)`);
+      DeepSpeed needs at least one warm-up step for its freeze check.
+"""
+
+
+class OneBitFamily(torch.optim.Optimizer):
+    """What 1-bit Adam, 1-bit LAMB and 0/1 Adam share: the step counter and its no-op init step, the
+    tensors of each step, the compressed buckets, the momentum masks, the exact per-rank state.
+
+    Subclasses implement `_step(t)`. The step counter `t` counts `step()` calls including the init step, as
+    DeepSpeed's does, so every schedule boundary (freeze_step, variance and local-step intervals) matches.
+    """
+
+    def __init__(self, params: Any, defaults: dict[str, Any], comm: Comm | None, bucketing: str,
+                 init_noop_step: bool, mask_zero_variance: bool, keep_tail: bool = False) -> None:
+        super().__init__(params, defaults)
+        for group in self.param_groups:  # Q21: empty tensors would give NaN scales
+            group["params"] = [p for p in group["params"] if p.numel() > 0]
+        self.comm = comm if comm is not None else Comm()
+        self.bucketing, self.init_noop_step, self.mask_zero_variance = bucketing, init_noop_step, mask_zero_variance
+        self.first_real_step = 2 if init_noop_step else 1
+        params = self._params()
+        if not params:
+            raise ValueError(f"{type(self).__name__}: no parameters with elements to optimize")
+        layout = bucket_layout([len(g["params"]) for g in self.param_groups], bucketing)
+        self.buckets = CompressedBuckets(layout, [p.numel() for p in params], self.comm, params[0].device,
+                                         keep_tail=keep_tail)
+        self.step_count = 0
+        self._variance_masks: list[Tensor | None] | None = None  # derived from v; None: to be rebuilt
+        for p in params:
+            self._init_state(self.state[p], p)
+
+    # ------------------------------------------------------------------------------------ subclass hooks
+    def _init_state(self, state: dict[str, Any], p: Tensor) -> None:
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _step(self, t: int) -> None:
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    # ------------------------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of the algorithm; `p.grad` may be replaced by the (compressed) mean over ranks."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_count += 1
+        if self.init_noop_step and self.step_count == 1:
+            return loss  # Q1: DeepSpeed's initialisation step leaves m, v and the parameters untouched
+        self._step(self.step_count)
+        return loss
+
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _grads(self) -> list[Tensor]:
+        """Every parameter's gradient, a zero tensor where there is none (all ranks communicate alike)."""
+        grads = []
+        for p in self._params():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            grads.append(p.grad)
+        return grads
+
+    def _states(self, key: str) -> list[Tensor]:
+        return [self.state[p][key] for p in self._params()]
+
+    def _group_slices(self) -> list[slice]:
+        """Positions of each group's tensors in the flat lists of `_params()`."""
+        slices, start = [], 0
+        for group in self.param_groups:
+            slices.append(slice(start, start + len(group["params"])))
+            start += len(group["params"])
+        return slices
+
+    def _average(self, tensors: Sequence[Tensor]) -> None:
+        average_(tensors, self.comm)
+
+    def _mask_(self, tensors: Sequence[Tensor]) -> None:
+        """Zero what 1 bit cannot represent as zero: the group's `exp_avg_mask` and zero-variance elements."""
+        if self.mask_zero_variance and self._variance_masks is None:
+            self._variance_masks = [
+                (v != 0) if bool((v == 0).any()) else None for v in self._states("exp_avg_sq")
+            ]
+        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+            group_mask = group.get("exp_avg_mask")
+            for i in range(slice_.start, slice_.stop):
+                if group_mask is not None:
+                    if group_mask.device != tensors[i].device:
+                        group["exp_avg_mask"] = group_mask = group_mask.to(tensors[i].device)
+                    tensors[i].mul_(group_mask)  # in place (DeepSpeed PR #1278)
+                if self.mask_zero_variance and self._variance_masks[i] is not None:
+                    tensors[i].mul_(self._variance_masks[i])
+
+    def _variance_changed(self) -> None:
+        self._variance_masks = None
+
+    # ------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's state plus this rank's own: step counter, error buffers, phase and schedule state."""
+        state = super().state_dict()
+        state["onebit"] = {"step": self.step_count, "buckets": self.buckets.state_dict(), **self._extra_state()}
+        for group in state["param_groups"]:
+            group.pop("exp_avg_mask", None)  # masks come from the config of every run, as in DeepSpeed
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        own = state_dict.pop("onebit")
+        masks = [group.get("exp_avg_mask") for group in self.param_groups]
+        # torch casts floating state to the parameter's dtype; float64 scalars must come back unrounded
+        exact = {index: {key: value for key, value in entry.items() if torch.is_tensor(value)
+                         and value.dtype == torch.float64} for index, entry in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        for index, p in enumerate(self._params()):
+            for key, value in exact.get(index, {}).items():
+                self.state[p][key] = value.to(p.device)
+        for group, mask in zip(self.param_groups, masks, strict=True):
+            group.pop("exp_avg_mask", None)
+            if mask is not None:
+                group["exp_avg_mask"] = mask
+        self.step_count = own["step"]
+        self.buckets.load_state_dict(own["buckets"])
+        self._load_extra_state(own)
+        self._variance_changed()
+
+
+class OneBitAdam(OneBitFamily):
+    r"""1-bit Adam (Tang et al., ICML 2021, arXiv 2102.02888), with DeepSpeed 0.19.6's semantics.
+
+    With :math:`t` counting steps including the no-op init step (:math:`t = 1`):
+
+    - Warm-up, :math:`t \le` ``freeze_step``: :math:`\bar g` = the exact mean gradient over ranks,
+      :math:`m \leftarrow \beta_1 m + (1-\beta_1)\bar g`, :math:`v \leftarrow \beta_2 v + (1-\beta_2)\bar g^2`.
+    - Compression, :math:`t >` ``freeze_step`` (:math:`v` frozen for good):
+      :math:`m \leftarrow C(\beta_1 m + (1-\beta_1) g_{\text{local}})`, the error-compensated 1-bit mean
+      over ranks (identical on every rank), times the mask.
+    - Every real step: :math:`w \leftarrow w - \eta\,(m / (\sqrt v + \epsilon) + \lambda w)`, no bias
+      correction (Q2, Q3).
+
+    Args:
+        params: parameters or param groups; a group may carry ``exp_avg_mask`` (DeepSpeed's momentum mask).
+        lr, betas, eps, weight_decay: as in Adam; decay is decoupled and sits inside the LR product.
+        freeze_step: last step (counting the init step) of the full-precision warm-up.
+        bucketing: ``per_group`` (one compressed call per param group, DeepSpeed's fused fp16 path) or
+            ``per_tensor`` (one per tensor, DeepSpeed's fp32 path).
+        init_noop_step: keep DeepSpeed's no-op first step (it counts toward ``freeze_step``).
+        mask_zero_variance: zero communicated momentum where :math:`v = 0` (see the differences below).
+        comm: the communication layer (given by `build_optimizer`); None means one process.
+    """
+
+    __doc__ = (__doc__ or "") + DIFFERENCES_FROM_DEEPSPEED
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, freeze_step: int = 100000, bucketing: str = "per_group",
+                 init_noop_step: bool = True, mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
+        _check_common(type(self).__name__, lr, betas, eps, weight_decay)
+        if bucketing not in ("per_group", "per_tensor"):
+            raise ValueError(f"OneBitAdam: bucketing={bucketing!r}; must be 'per_group' or 'per_tensor'")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.freeze_step = freeze_step
+        super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance)
+
+    def compressing(self, t: int) -> bool:
+        """Whether step `t` is in the compression stage."""
+        return t > max(self.freeze_step, self.first_real_step)
+
+    def _step(self, t: int) -> None:
+        params, grads = self._params(), self._grads()
+        exp_avgs, exp_avg_sqs = self._states("exp_avg"), self._states("exp_avg_sq")
+        compressing = self.compressing(t)
+        if not compressing:
+            self._average(grads)
+        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+            beta1, beta2 = group["betas"]
+            foreach_momentum_(exp_avgs[slice_], grads[slice_], beta1)
+            if not compressing:
+                foreach_variance_(exp_avg_sqs[slice_], grads[slice_], beta2)
+        if compressing:
+            self.buckets.allreduce_(exp_avgs)
+            self._mask_(exp_avgs)
+        else:
+            self._variance_changed()
+        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+            onebit_adam_update_(params[slice_], exp_avgs[slice_], exp_avg_sqs[slice_], lr=group["lr"],
+                                eps=group["eps"], weight_decay=group["weight_decay"])
+
+
+def onebit_adam_update_(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], *, lr: float,
+                        eps: float, weight_decay: float) -> None:
+    """Functional core of the family's Adam step: `w <- w - lr (m / (sqrt(v) + eps) + weight_decay w)`."""
+    if not params:
+        return
+    updates, _ = foreach_adam_update(params, exp_avgs, exp_avg_sqs, eps, weight_decay)
+    torch._foreach_mul_(updates, -lr)  # scaled, then added, as DeepSpeed rounds it
+    torch._foreach_add_(params, updates)
+
+
+def _check_common(name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
+    """Q17: bad values fail at construction, naming the option."""
+    if not lr >= 0.0:
+        raise ValueError(f"{name}: invalid learning rate lr={lr}; must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"{name}: invalid betas={betas}; need two values in [0, 1)")
+    if not eps >= 0.0:
+        raise ValueError(f"{name}: invalid eps={eps}; must be >= 0")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"{name}: invalid weight_decay={weight_decay}; must be >= 0")
+
+
+register_optimizer(OptimSpec(
+    name="onebit_adam",
+    cls=OneBitAdam,
+    grad_sync="self",
+    description="1-bit Adam (DeepSpeed 0.19.6 semantics): full-precision warm-up, then 1-bit compressed momentum",
+))

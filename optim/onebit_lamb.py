@@ -1,0 +1,203 @@
+"""1-bit LAMB (Li et al. 2021): LAMB warm-up, then 1-bit compressed momentum with frozen LAMB coefficients."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from optim._math import clamped_trust_ratio, foreach_adam_update, foreach_momentum_, foreach_variance_
+from optim._registry import OptimSpec, register_optimizer
+from optim.comm import Comm
+from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, _check_common
+
+
+class OneBitLAMB(OneBitFamily):
+    r"""1-bit LAMB (Li, Awan, Tang, Rajbhandari, He; arXiv 2104.06069), with DeepSpeed 0.19.6's semantics.
+
+    With :math:`t` counting steps including the no-op init step, :math:`\bar g` the exact mean gradient:
+
+    - Warm-up, :math:`t \le` ``freeze_step``: LAMB without bias correction on :math:`\bar g`,
+      :math:`u = m/(\sqrt v+\epsilon) + \lambda w`, :math:`c = \lVert w\rVert/\lVert u\rVert` clamped to
+      [``min_coeff``, ``max_coeff``] (1 if a norm is 0), :math:`w \leftarrow w - \eta c u`; the frozen
+      coefficient :math:`c_{frz} \leftarrow \beta_c c_{frz} + (1-\beta_c) c` from 0, no bias correction,
+      skipped when :math:`c = 1` (Q12). At the last warm-up step :math:`v_{fresh} \leftarrow v`.
+    - Compression (:math:`v` frozen): at its first step every tensor gets ``scaling_coeff`` = mean RMS of
+      all momenta / its own momentum's RMS (Q11). Then :math:`m \leftarrow C\big((\beta_1 m + (1-\beta_1)
+      g_{local}) s_p\big)/s_p` with one fused compressed call over all momenta (padded tail kept, Q16b),
+      masked; :math:`\tilde g = (m - \beta_1 m_{old})/(1-\beta_1)` refreshes :math:`v_{fresh}`;
+      ``factor`` = max over elements of :math:`(\sqrt v+\epsilon)/(\sqrt{v_{fresh}}+\epsilon)`, blended
+      with :math:`\rho = \min(1, \lVert m/(\sqrt v+\epsilon)\rVert/\lVert u\rVert)` when :math:`\lambda>0`,
+      clamped to [``factor_min``, ``factor_max``] and to ``factor_threshold`` around the last factor;
+      :math:`w \leftarrow w - \eta\, c_{frz}\,\text{factor}\; u`.
+
+    The coefficient chain is computed in float64 on the device (DeepSpeed does it in Python floats), so a
+    step has no device-to-host syncs. ``lamb_coeffs()`` returns the last step's coefficients (a copy, #8227).
+
+    Args:
+        params: parameters or param groups (``exp_avg_mask`` as in DeepSpeed).
+        lr, betas, eps, weight_decay: as in LAMB; decay is added to the update inside the LR product.
+        freeze_step: last step (counting the init step) of the warm-up; keep it >> 1/(1 - coeff_beta).
+        max_coeff, min_coeff: clamp of the warm-up LAMB coefficient.
+        coeff_beta: EMA factor of the frozen coefficient.
+        factor_max, factor_min, factor_threshold: clamps of the compression-stage factor.
+        bucketing: ``flat_scaled`` (DeepSpeed: one call over all momenta, with scaling coefficients),
+            ``per_group`` or ``per_tensor``.
+        init_noop_step, mask_zero_variance, comm: as in `OneBitAdam`.
+    """
+
+    __doc__ = (__doc__ or "") + DIFFERENCES_FROM_DEEPSPEED + """
+    - 1-bit LAMB: a momentum whose RMS is 0 at the first compression step gets scaling coefficient 1
+      (DeepSpeed divides by 0).
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, freeze_step: int = 100000, max_coeff: float = 10.0,
+                 min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
+                 factor_threshold: float = 0.1, bucketing: str = "flat_scaled", init_noop_step: bool = True,
+                 mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
+        _check_common(type(self).__name__, lr, betas, eps, weight_decay)
+        if not 0.0 < min_coeff <= max_coeff:
+            raise ValueError(f"OneBitLAMB: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
+        if not 0.0 < factor_min <= factor_max or factor_threshold < 0:
+            raise ValueError(f"OneBitLAMB: need 0 < factor_min <= factor_max and factor_threshold >= 0, got "
+                             f"{factor_min}, {factor_max}, {factor_threshold}")
+        if not 0.0 <= coeff_beta < 1.0:
+            raise ValueError(f"OneBitLAMB: invalid coeff_beta={coeff_beta}; must be in [0, 1)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
+                        min_coeff=min_coeff)
+        self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
+        self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
+        super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance,
+                         keep_tail=bucketing == "flat_scaled")
+        self.scaled = bucketing == "flat_scaled"
+        self._lamb_coeffs: list[Tensor] = []
+
+    def _init_state(self, state: dict[str, Any], p: Tensor) -> None:
+        super()._init_state(state, p)
+        state["exp_avg_sq_fresh"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["lamb_coeff_freeze"] = torch.zeros((), dtype=torch.float64, device=p.device)
+        state["last_factor"] = torch.ones((), dtype=torch.float64, device=p.device)
+
+    def compressing(self, t: int) -> bool:
+        return t > max(self.freeze_step, self.first_real_step)
+
+    def lamb_coeffs(self) -> list[float]:
+        """The coefficient each tensor's update was scaled by in the last step (a copy; reads the device)."""
+        return [float(c) for c in self._lamb_coeffs]
+
+    def _step(self, t: int) -> None:
+        if self.compressing(t):
+            self._compressed_step()
+        else:
+            self._warmup_step(last=t == max(self.freeze_step, self.first_real_step))
+
+    def _warmup_step(self, last: bool) -> None:
+        params, grads = self._params(), self._grads()
+        self._average(grads)
+        self._lamb_coeffs = []
+        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+            beta1, beta2 = group["betas"]
+            exp_avgs, exp_avg_sqs = self._states("exp_avg")[slice_], self._states("exp_avg_sq")[slice_]
+            foreach_momentum_(exp_avgs, grads[slice_], beta1)
+            foreach_variance_(exp_avg_sqs, grads[slice_], beta2)
+            coeffs = onebit_lamb_warmup_update_(
+                params[slice_], exp_avgs, exp_avg_sqs, self._states("lamb_coeff_freeze")[slice_],
+                lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"], max_coeff=group["max_coeff"],
+                min_coeff=group["min_coeff"], coeff_beta=self.coeff_beta,
+            )
+            self._lamb_coeffs.extend(coeffs.unbind())
+            if last:
+                torch._foreach_copy_(self._states("exp_avg_sq_fresh")[slice_], exp_avg_sqs)
+        self._variance_changed()
+
+    def _compressed_step(self) -> None:
+        params, grads = self._params(), self._grads()
+        exp_avgs = self._states("exp_avg")
+        if "scaling_coeff" not in self.state[params[0]]:
+            for p, coeff in zip(params, momentum_scaling_coeffs(exp_avgs), strict=True):
+                self.state[p]["scaling_coeff"] = coeff if self.scaled else 1.0
+        scaling = [self.state[p]["scaling_coeff"] for p in params]
+        previous = [m.clone() for m in exp_avgs]
+        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+            foreach_momentum_(exp_avgs[slice_], grads[slice_], group["betas"][0])
+        torch._foreach_mul_(exp_avgs, scaling)
+        self.buckets.allreduce_(exp_avgs)
+        torch._foreach_div_(exp_avgs, scaling)
+        self._mask_(exp_avgs)
+        self._lamb_coeffs = []
+        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+            coeffs = onebit_lamb_compressed_update_(
+                params[slice_], exp_avgs[slice_], previous[slice_], self._states("exp_avg_sq")[slice_],
+                self._states("exp_avg_sq_fresh")[slice_], self._states("lamb_coeff_freeze")[slice_],
+                self._states("last_factor")[slice_], lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                weight_decay=group["weight_decay"], factor_max=self.factor_max, factor_min=self.factor_min,
+                factor_threshold=self.factor_threshold,
+            )
+            self._lamb_coeffs.extend(coeffs.unbind())
+
+
+def momentum_scaling_coeffs(exp_avgs: list[Tensor]) -> list[float]:
+    """Q11: `mean_q rms(m_q) / rms(m_p)` per tensor, so one worker scale suits every momentum in the buffer.
+
+    Computed once, at the first compression step, in Python floats as DeepSpeed does (one host sync, once).
+    """
+    rms = [float(n) / t.numel() ** 0.5 for n, t in zip(torch._foreach_norm(exp_avgs), exp_avgs, strict=True)]
+    united = sum(rms) / len(rms)
+    return [united / r if r > 0 else 1.0 for r in rms]
+
+
+def onebit_lamb_warmup_update_(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                               coeff_freezes: list[Tensor], *, lr: float, eps: float, weight_decay: float,
+                               max_coeff: float, min_coeff: float, coeff_beta: float) -> Tensor:
+    """LAMB step without bias correction; updates the frozen-coefficient EMAs; returns the coefficients."""
+    if not params:
+        return torch.empty(0)
+    weight_norms = torch.stack(torch._foreach_norm(params))
+    updates, _ = foreach_adam_update(params, exp_avgs, exp_avg_sqs, eps, weight_decay if weight_decay > 0 else 0.0)
+    coeffs = clamped_trust_ratio(weight_norms, torch.stack(torch._foreach_norm(updates)), max_coeff, min_coeff)
+    frozen = torch.stack(coeff_freezes)
+    blended = torch.where(coeffs != 1.0, coeff_beta * frozen + (1.0 - coeff_beta) * coeffs, frozen)
+    torch._foreach_copy_(coeff_freezes, list(blended.unbind()))
+    torch._foreach_addcmul_(params, updates, list((coeffs * -lr).float().unbind()))
+    return coeffs
+
+
+def onebit_lamb_compressed_update_(params: list[Tensor], exp_avgs: list[Tensor], previous: list[Tensor],
+                                   exp_avg_sqs: list[Tensor], exp_avg_sq_freshs: list[Tensor],
+                                   coeff_freezes: list[Tensor], last_factors: list[Tensor], *, lr: float,
+                                   betas: Sequence[float], eps: float, weight_decay: float, factor_max: float,
+                                   factor_min: float, factor_threshold: float) -> Tensor:
+    """The compression-stage update after the momenta were all-reduced; returns each tensor's coefficient."""
+    beta1, beta2 = betas
+    coeffs = []
+    for p, m, m_old, v, v_fresh, c_frz, last in zip(params, exp_avgs, previous, exp_avg_sqs, exp_avg_sq_freshs,
+                                                    coeff_freezes, last_factors, strict=True):
+        reconstructed = (m - m_old * beta1) / (1 - beta1)
+        v_fresh.mul_(beta2).addcmul_(reconstructed, reconstructed, value=1 - beta2)
+        denom = v.sqrt().add_(eps)
+        update_prelim = m / denom
+        update = update_prelim + weight_decay * p if weight_decay > 0 else update_prelim
+        factor = (denom / v_fresh.sqrt().add_(eps)).max().double()
+        if weight_decay > 0:
+            update_norm = torch.linalg.vector_norm(update)
+            ratio = torch.where(update_norm > 0, torch.linalg.vector_norm(update_prelim) / update_norm, 1.0)
+            ratio = ratio.double().clamp(max=1.0)
+            factor = factor * ratio + (1.0 - ratio)
+        factor = factor.clamp(min=factor_min, max=factor_max)
+        factor = torch.minimum(torch.maximum(factor, last * (1.0 - factor_threshold)), last * (1.0 + factor_threshold))
+        last.copy_(factor)
+        coeff = c_frz * factor
+        p.add_(update * (coeff * -lr).float())
+        coeffs.append(coeff)
+    return torch.stack(coeffs) if coeffs else torch.empty(0)
+
+
+register_optimizer(OptimSpec(
+    name="onebit_lamb",
+    cls=OneBitLAMB,
+    grad_sync="self",
+    description="1-bit LAMB (DeepSpeed 0.19.6 semantics): LAMB warm-up, then fused 1-bit momentum, frozen coefficients",
+))

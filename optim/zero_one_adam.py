@@ -1,0 +1,202 @@
+"""0/1 Adam (Lu et al., ICLR 2023): adaptive variance freezing, 1-bit gradients, then local steps with 1-bit syncs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from optim._math import foreach_momentum_, foreach_variance_
+from optim._registry import OptimSpec, register_optimizer
+from optim.comm import Comm
+from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, _check_common, onebit_adam_update_
+
+StepKind = Literal["init", "variance", "onebit_grad", "sync", "local"]
+
+
+@dataclass
+class ZeroOneSchedule:
+    """DeepSpeed 0.19.6's communication policy for 0/1 Adam as a small state machine (§4.2, Q5-Q7).
+
+    Phase 1: step t refreshes the variance with an exact mean gradient iff `t % var_interval == 0`
+    ("variance"), otherwise it 1-bit all-reduces the local gradient ("onebit_grad"); every
+    `var_update_scaler` variance steps the interval doubles. After the first step with
+    `t > var_freeze_step` phase 2 begins: a 1-bit sync of the accumulated update iff
+    `t % local_step_interval == 0` ("sync"), otherwise no communication ("local"); the interval doubles
+    every `local_step_scaler` phase-2 steps (steps, not syncs), up to `local_step_clipper`.
+    """
+
+    var_freeze_step: int
+    var_update_scaler: int
+    local_step_scaler: int
+    local_step_clipper: int
+    var_interval: int = 1
+    var_counter: int = 0
+    local_step_interval: int = 1
+    local_step_counter: int = 0
+    frozen: bool = False
+
+    def kind(self, t: int) -> StepKind:
+        if not self.frozen:
+            return "variance" if t % self.var_interval == 0 else "onebit_grad"
+        return "sync" if t % self.local_step_interval == 0 else "local"
+
+    def advance(self, t: int) -> bool:
+        """Bookkeeping at the end of real step `t`; True when phase 2 begins with the next step."""
+        if not self.frozen:
+            if t % self.var_interval == 0:
+                self.var_counter += 1
+                if self.var_counter == self.var_update_scaler:
+                    self.var_counter = 0
+                    self.var_interval *= 2
+            if t > self.var_freeze_step:
+                self.frozen = True
+                return True
+            return False
+        self.local_step_counter += 1
+        if self.local_step_counter == self.local_step_scaler:
+            self.local_step_counter = 0
+            self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)
+        return False
+
+
+def zero_one_adam_step_kinds(steps: int, var_freeze_step: int, var_update_scaler: int = 16,
+                             local_step_scaler: int = 32678, local_step_clipper: int = 16,
+                             init_noop_step: bool = True) -> list[StepKind]:
+    """What each of `steps` optimizer steps communicates, replayed without any tensors (for volume studies)."""
+    schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
+    kinds: list[StepKind] = []
+    for t in range(1, steps + 1):
+        if init_noop_step and t == 1:
+            kinds.append("init")
+            continue
+        kinds.append(schedule.kind(t))
+        schedule.advance(t)
+    return kinds
+
+
+class ZeroOneAdam(OneBitFamily):
+    r"""0/1 Adam (Lu, Li, Zhang, De Sa, He; ICLR 2023, arXiv 2202.06009), with DeepSpeed 0.19.6's semantics.
+
+    With :math:`t` counting steps including the no-op init step and the schedule of `ZeroOneSchedule`:
+
+    - Phase 1, variance step: :math:`\bar g` = exact mean gradient; :math:`v \leftarrow \beta_2 v +
+      (1-\beta_2)\bar g^2`, :math:`m \leftarrow \beta_1 m + (1-\beta_1)\bar g`.
+    - Phase 1, other steps: :math:`\hat g = C(g_{local})` (1-bit, error-compensated, masked),
+      :math:`m \leftarrow \beta_1 m + (1-\beta_1)\hat g`; :math:`v` unchanged.
+    - Phase 2 (errors zeroed once on entry), every step: :math:`m \leftarrow \beta_1 m + (1-\beta_1)
+      g_{local}`, :math:`w \leftarrow w - \eta u_t` with :math:`u_t = m/(\sqrt v+\epsilon) + \lambda w`.
+      On a sync step, with :math:`w_a` the parameters after the last sync and
+      :math:`\Lambda = \sum \eta` since then: :math:`q = (w - w_a)(\sqrt v + \epsilon)` (weight decay leaks
+      into :math:`q`, Q4), :math:`\bar q = C(q)` masked, :math:`m \leftarrow -\bar q/\Lambda`,
+      :math:`w \leftarrow w_a + \bar q/(\sqrt v+\epsilon)`.
+    - Every real step of phase 1 uses the same Adam update (no bias correction, decoupled decay).
+
+    Replicas are identical after every phase-1 step and every sync; between syncs they differ.
+
+    Args:
+        params: parameters or param groups (``exp_avg_mask`` as in DeepSpeed).
+        lr, betas, eps, weight_decay: as in `OneBitAdam`.
+        var_freeze_step: phase 2 starts after the first step with t > var_freeze_step.
+        var_update_scaler: variance steps between doublings of the variance interval (kappa).
+        local_step_scaler: phase-2 steps between doublings of the sync interval (alpha; DeepSpeed's default
+            32678 is kept, Q7).
+        local_step_clipper: the largest sync interval (H).
+        bucketing, init_noop_step, mask_zero_variance, comm: as in `OneBitAdam`.
+    """
+
+    __doc__ = (__doc__ or "") + DIFFERENCES_FROM_DEEPSPEED + """
+    - 0/1 Adam: instead of DeepSpeed's running sum u of the local updates we keep the parameters of the last
+      sync, w_a, and form u = w - w_a at a sync (same memory, one pass fewer per local step). The rollback
+      then lands exactly on w_a, so replicas are bit-identical after a sync (DeepSpeed: ~1e-6 apart); u
+      differs from DeepSpeed's running sum by rounding.
+    - 0/1 Adam: the per-tensor counters of DeepSpeed are one optimizer-wide schedule (`ZeroOneSchedule`);
+      the sum of learning rates is kept per param group.
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, var_freeze_step: int = 100000, var_update_scaler: int = 16,
+                 local_step_scaler: int = 32678, local_step_clipper: int = 16, bucketing: str = "per_group",
+                 init_noop_step: bool = True, mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
+        _check_common(type(self).__name__, lr, betas, eps, weight_decay)
+        for name, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
+                            ("local_step_clipper", local_step_clipper)):
+            if value < 1:
+                raise ValueError(f"ZeroOneAdam: invalid {name}={value}; must be >= 1")
+        if bucketing not in ("per_group", "per_tensor"):
+            raise ValueError(f"ZeroOneAdam: bucketing={bucketing!r}; must be 'per_group' or 'per_tensor'")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance)
+        self.schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
+        self.lr_sums = [0.0] * len(self.param_groups)
+
+    def _init_state(self, state: dict[str, Any], p: Tensor) -> None:
+        super()._init_state(state, p)
+        state["sync_anchor"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # w_a, set in phase 2
+
+    def _step(self, t: int) -> None:
+        params, grads = self._params(), self._grads()
+        exp_avgs, exp_avg_sqs = self._states("exp_avg"), self._states("exp_avg_sq")
+        kind = self.schedule.kind(t)
+        if kind == "variance":
+            self._average(grads)
+        elif kind == "onebit_grad":
+            self.buckets.allreduce_(grads)
+            self._mask_(grads)
+        for index, (slice_, group) in enumerate(zip(self._group_slices(), self.param_groups, strict=True)):
+            beta1, beta2 = group["betas"]
+            if kind == "variance":
+                foreach_variance_(exp_avg_sqs[slice_], grads[slice_], beta2)
+            foreach_momentum_(exp_avgs[slice_], grads[slice_], beta1)
+            if self.schedule.frozen:
+                self.lr_sums[index] += group["lr"]
+            onebit_adam_update_(params[slice_], exp_avgs[slice_], exp_avg_sqs[slice_], lr=group["lr"],
+                                eps=group["eps"], weight_decay=group["weight_decay"])
+        if kind == "variance":
+            self._variance_changed()
+        if kind == "sync":
+            self._sync(params, exp_avgs, exp_avg_sqs)
+        if self.schedule.advance(t):  # phase 2 from the next step: errors now track u, not gradients (Q13)
+            self.buckets.zero_errors_()
+            torch._foreach_copy_(self._states("sync_anchor"), params)
+
+    def _sync(self, params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor]) -> None:
+        """Average the accumulated updates with one compressed call and restart from the common point."""
+        anchors = self._states("sync_anchor")
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+            torch._foreach_add_(denoms[slice_], group["eps"])
+        accumulated = torch._foreach_sub(params, anchors)  # u: what this rank moved since the last sync
+        torch._foreach_mul_(accumulated, denoms)  # q = u (sqrt(v) + eps)
+        self.buckets.allreduce_(accumulated)
+        self._mask_(accumulated)
+        for index, slice_ in enumerate(self._group_slices()):
+            torch._foreach_copy_(exp_avgs[slice_], accumulated[slice_])
+            torch._foreach_div_(exp_avgs[slice_], -self.lr_sums[index])  # m = -q / sum(lr)
+            self.lr_sums[index] = 0.0
+        torch._foreach_div_(accumulated, denoms)
+        torch._foreach_add_(accumulated, anchors)  # w = w_a + q / (sqrt(v) + eps)
+        torch._foreach_copy_(params, accumulated)
+        torch._foreach_copy_(anchors, params)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"schedule": asdict(self.schedule), "lr_sums": list(self.lr_sums)}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        saved = dict(state["schedule"])
+        for key in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            saved[key] = getattr(self.schedule, key)  # the policy comes from this run's config
+        self.schedule = ZeroOneSchedule(**saved)
+        self.lr_sums = list(state["lr_sums"])
+
+
+register_optimizer(OptimSpec(
+    name="zero_one_adam",
+    cls=ZeroOneAdam,
+    grad_sync="self",
+    description="0/1 Adam (DeepSpeed 0.19.6 semantics): adaptive variance freezing, 1-bit gradients, "
+                "1-bit syncs after local steps",
+))
