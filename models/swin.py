@@ -1,0 +1,84 @@
+"""Swin Transformer classifiers from timm, by architecture name with shape overrides for small variants.
+
+`swin(arch="swin_base_patch4_window7_224")` is the paper's Swin-B (88M parameters); overriding the shape
+(`img_size=32, patch_size=2, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4`) gives the
+sub-million-parameter models the tests and the digits demo train on CPU. Weights are never downloaded
+(`pretrained=False`): runs train from scratch, offline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models._registry import register_model
+
+
+def _to_channels_last(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Forward pre-hook: the image batch in NHWC memory, matching the patch-embedding conv's weight."""
+    return (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
+
+
+@register_model
+def swin(
+    arch: str = "swin_base_patch4_window7_224",
+    num_classes: int = 1000,
+    img_size: int | None = None,
+    patch_size: int | None = None,
+    embed_dim: int | None = None,
+    depths: Sequence[int] | None = None,
+    num_heads: Sequence[int] | None = None,
+    window_size: int | None = None,
+    mlp_ratio: float | None = None,
+    drop_rate: float | None = None,
+    drop_path_rate: float = 0.1,
+    channels_last: bool = False,
+    grad_checkpointing: bool = False,
+) -> nn.Module:
+    """A timm Swin `arch`; shape arguments left None keep the architecture's own values.
+
+    `channels_last` stores the patch-embedding conv in NHWC and converts every input batch to it (on GPUs
+    cuDNN then runs the conv without layout transposes, and timm's NCHW -> NHWC permute after it is free).
+    `grad_checkpointing` recomputes each block's activations in backward (timm's `set_grad_checkpointing`):
+    about a third more compute for a much smaller activation memory, so larger micro-batches fit.
+    """
+    import timm  # here, not at module top: BERT-only runs need not pay timm's import time
+
+    if not arch.startswith("swin"):
+        raise ValueError(f"model.arch={arch} is not a Swin architecture; known: {', '.join(timm.list_models('swin*'))}")
+    overrides = {
+        "img_size": img_size, "patch_size": patch_size, "embed_dim": embed_dim,
+        "depths": tuple(depths) if depths is not None else None,
+        "num_heads": tuple(num_heads) if num_heads is not None else None,
+        "window_size": window_size, "mlp_ratio": mlp_ratio, "drop_rate": drop_rate,
+    }
+    model_args = {"num_classes": num_classes, "drop_path_rate": drop_path_rate,
+                  **{k: v for k, v in overrides.items() if v is not None}}
+    if depths is not None and num_heads is not None and len(model_args["depths"]) != len(model_args["num_heads"]):
+        raise ValueError(
+            f"model.depths={list(depths)} and model.num_heads={list(num_heads)} must have one entry per stage"
+        )
+    model = timm.create_model(arch, pretrained=False, **model_args)
+    model.model_args = model_args  # what export_timm_model writes, so timm can rebuild the same shape
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+        model.register_forward_pre_hook(_to_channels_last)
+    if grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    return model
+
+
+def export_timm_model(model: nn.Module, directory: Path) -> Path:
+    """Write `model.safetensors` + timm's `config.json` into `directory`.
+
+    The result loads with `timm.create_model(f"local-dir:{directory}", pretrained=True)` (the architecture
+    and the shape overrides travel in the config) and with `trainer.init_from=<directory>`.
+    """
+    from timm.models import save_for_hf
+
+    save_for_hf(model, str(directory), model_args=getattr(model, "model_args", None), safe_serialization=True)
+    return Path(directory)
