@@ -2,14 +2,17 @@
 
 from models._registry import create_model, list_models, model_kwargs_error, register_model
 from models.bert import BERT_SIZES, BertForPreTrainingMaskedLM, build_bert_config, pad_vocab_size
+from models.swin import export_timm_model, swin
 
 __all__ = [
     "BERT_SIZES",
     "BertForPreTrainingMaskedLM",
     "build_bert_config",
     "create_model",
+    "export_timm_model",
     "list_models",
     "model_kwargs_error",
     "pad_vocab_size",
     "register_model",
+    "swin",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import BertConfig, BertForPreTraining
+from transformers import BertConfig, BertForPreTraining, BertForQuestionAnswering
 
 from models._registry import register_model
 
@@ -42,8 +42,19 @@ def build_bert_config(
     num_hidden_layers: int | None = None,
     num_attention_heads: int | None = None,
     intermediate_size: int | None = None,
+    config_from: str | None = None,
 ) -> BertConfig:
-    """A BertConfig for a named size; explicit shape arguments override the size's values (for tests)."""
+    """A BertConfig for a named size; explicit shape arguments override the size's values (for tests).
+
+    `config_from` takes the whole architecture from a transformers directory's config.json instead (to
+    fine-tune any Hugging Face BERT); only the dropout rates and attention kernel are then set here.
+    """
+    if config_from is not None:
+        config = BertConfig.from_pretrained(config_from)
+        config.hidden_dropout_prob = hidden_dropout_prob
+        config.attention_probs_dropout_prob = attention_probs_dropout_prob
+        config._attn_implementation = "sdpa"
+        return config
     if size not in BERT_SIZES:
         raise ValueError(f"unknown BERT size '{size}'; known sizes: {', '.join(BERT_SIZES)}")
     hidden, layers, heads, ffn = BERT_SIZES[size]
@@ -96,5 +107,12 @@ def bert_pretraining(**config_kwargs) -> BertForPreTrainingMaskedLM:
     return model
 
 
+@register_model
+def bert_question_answering(**config_kwargs) -> BertForQuestionAnswering:
+    """BERT with a span start/end head (SQuAD); keyword arguments are those of `build_bert_config`."""
+    return BertForQuestionAnswering(build_bert_config(**config_kwargs))
+
+
 # Advertise build_bert_config's arguments so config keys are checked against them before launch.
-bert_pretraining.__signature__ = inspect.signature(build_bert_config)  # type: ignore[attr-defined]
+for _builder in (bert_pretraining, bert_question_answering):
+    _builder.__signature__ = inspect.signature(build_bert_config)  # type: ignore[attr-defined]

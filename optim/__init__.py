@@ -12,12 +12,20 @@ from optim._registry import (
     register_optimizer,
 )
 from optim.lamb import LAMB  # registers `lamb`
+from optim.onebit_adam import OneBitAdam  # registers `onebit_adam`
+from optim.onebit_lamb import OneBitLAMB  # registers `onebit_lamb`
 from optim.param_groups import param_groups_weight_decay
 from optim.schedule import build_lr_schedule
+from optim.slamb import SLAMB  # registers `slamb`
+from optim.zero_one_adam import ZeroOneAdam  # registers `zero_one_adam`
 
 __all__ = [
     "LAMB",
+    "SLAMB",
+    "OneBitAdam",
+    "OneBitLAMB",
     "OptimSpec",
+    "ZeroOneAdam",
     "build_lr_schedule",
     "build_optimizer",
     "get_optimizer_spec",

@@ -93,3 +93,46 @@ def trust_ratio(
     if max_ratio is not None or min_ratio is not None:
         ratio = torch.clamp(ratio, min=min_ratio, max=max_ratio)
     return ratio
+
+
+def foreach_momentum_(exp_avgs: list[Tensor], grads: list[Tensor], beta1: float) -> None:
+    """`m <- beta1 m + (1 - beta1) g` written as DeepSpeed's 1-bit optimizers write it (mul, then add).
+
+    `foreach_adam_moments_` uses `lerp`, which rounds differently; the 1-bit family keeps DeepSpeed's form so
+    that its trajectories can be compared with the reference's step by step.
+    """
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
+
+
+def foreach_variance_(exp_avg_sqs: list[Tensor], grads: list[Tensor], beta2: float) -> None:
+    """`v <- beta2 v + (1 - beta2) g^2` over lists of tensors."""
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+
+
+def foreach_adam_update(
+    params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], eps: float, weight_decay: float
+) -> tuple[list[Tensor], list[Tensor]]:
+    """`(updates, denoms)` with `denom = sqrt(v) + eps` and `update = m / denom + weight_decay * w` (new tensors).
+
+    Adam without bias correction and with decoupled decay inside the LR product, the direction of 1-bit Adam,
+    0/1 Adam and 1-bit LAMB (DeepSpeed); the caller scales and applies it.
+    """
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denoms, eps)
+    updates = torch._foreach_div(exp_avgs, denoms)
+    if weight_decay != 0:  # a product, then a sum, as DeepSpeed: `add_(alpha=)` may fuse them and round once
+        torch._foreach_add_(updates, torch._foreach_mul(params, weight_decay))
+    return updates, denoms
+
+
+def clamped_trust_ratio(weight_norm: Tensor, update_norm: Tensor, max_ratio: float, min_ratio: float) -> Tensor:
+    """DeepSpeed LAMB's coefficient: `||w|| / ||u||` clamped to `[min_ratio, max_ratio]`, and exactly 1 (not
+    clamped) when either norm is 0. `trust_ratio` clamps after its fallback, so a zero weight would get
+    `max_ratio`; 1-bit LAMB's frozen-coefficient average also skips a coefficient of exactly 1.
+
+    The ratio is formed in the norms' dtype and clamped in float64 (DeepSpeed clamps a Python float).
+    """
+    ratio = (weight_norm / update_norm).double().clamp(min=min_ratio, max=max_ratio)
+    return torch.where((weight_norm > 0) & (update_norm > 0), ratio, torch.ones_like(ratio))

@@ -65,6 +65,17 @@ class Comm:
         self._count(tensor)
         dist.all_gather_into_tensor(output, tensor, group=self.group)
 
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Chunk j of `tensor` (equal split along dim 0) goes to rank j; chunk i of `output` comes from rank i.
+
+        A rank is charged its whole input, as for the other collectives (the 1-bit all-reduce's phase 1).
+        """
+        if not self.distributed:
+            output.copy_(tensor.reshape(output.shape))
+            return
+        self._count(tensor)
+        dist.all_to_all_single(output, tensor, group=self.group)
+
     def any(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on any rank (control traffic, e.g. a stop request)."""
         if not self.distributed:

@@ -40,13 +40,22 @@ def poly_warmup(step: int, total_steps: int, warmup_fraction: float, degree: flo
     return max(1.0 - progress, 0.0) ** degree
 
 
-def linear_warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_ratio: float = 0.0) -> float:
+def linear_warmup_cosine(step: int, total_steps: int, warmup_steps: int | None = None, min_ratio: float = 0.0,
+                         warmup_fraction: float | None = None) -> float:
     """Linear warm-up to 1 over `warmup_steps`, then cosine decay to `min_ratio` at `total_steps`, held after.
 
     Warm-up gives `step / warmup_steps`, so the first update has `1 / warmup_steps` and step `warmup_steps`
-    is the peak; the cosine runs over steps `warmup_steps .. total_steps`.
+    is the peak; the cosine runs over steps `warmup_steps .. total_steps`. Give either `warmup_steps` or
+    `warmup_fraction` (warm-up steps = round(fraction x total_steps)): epoch-based recipes (Swin: 20 of 300
+    epochs) state the warm-up as a share of a run whose length in steps depends on the dataset and batch.
     """
     _check_total_steps(total_steps)
+    if (warmup_steps is None) == (warmup_fraction is None):
+        raise ValueError(f"give one of warmup_steps={warmup_steps} and warmup_fraction={warmup_fraction}")
+    if warmup_fraction is not None:
+        if not 0.0 <= warmup_fraction <= 1.0:
+            raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
+        warmup_steps = round(warmup_fraction * total_steps)
     if not 0 <= warmup_steps <= total_steps:
         raise ValueError(f"warmup_steps={warmup_steps} must be in [0, total_steps={total_steps}]")
     if not 0.0 <= min_ratio <= 1.0:
@@ -58,6 +67,21 @@ def linear_warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_rat
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def linear_warmup_linear_decay(step: int, total_steps: int, warmup_fraction: float) -> float:
+    """BERT's fine-tuning schedule (`warmup_linear` in NVIDIA run_squad / Google BERT).
+
+    Linear warm-up over the first `warmup_fraction` of the steps, then linear decay from the peak to 0 at
+    `total_steps`: `(1 - progress) / (1 - warmup_fraction)`, so, unlike `poly_warmup`, it is continuous.
+    """
+    _check_total_steps(total_steps)
+    if not 0.0 <= warmup_fraction < 1.0:
+        raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1)")
+    progress = step / total_steps
+    if progress < warmup_fraction:
+        return progress / warmup_fraction
+    return max((1.0 - progress) / (1.0 - warmup_fraction), 0.0)
+
+
 def constant(step: int, total_steps: int | None = None) -> float:
     """The peak LR at every step (`total_steps` is accepted, and ignored, like every schedule's)."""
     return 1.0
@@ -66,6 +90,7 @@ def constant(step: int, total_steps: int | None = None) -> float:
 _SCHEDULES: dict[str, Callable[..., float]] = {
     "poly_warmup": poly_warmup,
     "linear_warmup_cosine": linear_warmup_cosine,
+    "linear_warmup_linear_decay": linear_warmup_linear_decay,
     "constant": constant,
 }
 

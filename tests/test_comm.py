@@ -76,3 +76,25 @@ def test_counting_hook_matches_plain_ddp():
         assert plain_bytes == 0
         assert hooked_bytes == numel * 4  # every gradient element once, fp32
     torch.testing.assert_close(hooked[0][0][0], hooked[1][0][0], rtol=0, atol=0)
+
+
+def _all_to_all(rank, world_size):
+    comm = Comm()
+    send = torch.tensor([[10 * rank + j, 10 * rank + j] for j in range(world_size)], dtype=torch.uint8)
+    received = torch.empty_like(send)
+    comm.all_to_all_single(received, send)
+    return received, comm.take_counts()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_to_all_single_routes_chunks_and_counts_the_input(world_size):
+    for rank, (received, counts) in enumerate(run_on_ranks(_all_to_all, world_size)):
+        assert received.tolist() == [[10 * i + rank] * 2 for i in range(world_size)]  # chunk i from rank i
+        assert counts == {"bytes": 2 * world_size, "control_bytes": 0, "collectives": 1}
+
+
+def test_all_to_all_single_on_one_process_is_a_copy():
+    comm = Comm()
+    out = torch.empty(3)
+    comm.all_to_all_single(out, torch.arange(3.0))
+    assert out.tolist() == [0.0, 1.0, 2.0] and comm.take_counts()["bytes"] == 0

@@ -59,6 +59,7 @@ def test_each_config_builds_its_optimizer_and_steps(name):
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids).last_hidden_state.square().mean().backward()
     optimizer.step()
+    optimizer.step()  # DeepSpeed's 1-bit family leaves the weights alone on its first step (onebit spec, Q1)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
@@ -69,8 +70,9 @@ def test_lamb_config_leaves_clipping_to_the_trainer():
 
 
 def test_unknown_name_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown optimizer 'slamb'; known optimizers: adamw, lamb"):
-        get_optimizer_spec("slamb")
+    with pytest.raises(ValueError, match="unknown optimizer 'sgdx'; known optimizers: adamw, lamb") as info:
+        get_optimizer_spec("sgdx")
+    assert all(name in str(info.value) for name in list_optimizers())
     with pytest.raises(ValueError, match="known optimizers"):
         build_optimizer(_tiny_bert(), "nope", {})
 

@@ -80,7 +80,7 @@ def test_constant():
         ("linear_warmup_cosine", dict(total_steps=100, warmup_steps=200), "warmup_steps=200"),
         ("linear_warmup_cosine", dict(total_steps=100, warmup_steps=10, min_ratio=2.0), "min_ratio=2.0"),
         ("linear_warmup_cosine", dict(total_steps=-5, warmup_steps=0), "total_steps=-5"),
-        ("cosine", dict(total_steps=100), "known schedules: constant, linear_warmup_cosine, poly_warmup"),
+        ("cosine", dict(total_steps=100), "known schedules: constant, linear_warmup_cosine, linear_warmup_linear_decay, poly_warmup"),
     ],
 )
 def test_impossible_settings_raise_naming_the_value(name, kwargs, message):
@@ -93,3 +93,15 @@ def test_schedule_configs_build(path):
     cfg = OmegaConf.load(path)
     schedule = build_lr_schedule(cfg.name, total_steps=1000, **cfg.get("kwargs", {}))
     assert 0.0 <= schedule(1) <= 1.0
+
+
+def test_linear_warmup_linear_decay_matches_bert_finetuning():
+    from optim.schedule import linear_warmup_linear_decay
+
+    total = 1000
+    assert linear_warmup_linear_decay(50, total, 0.1) == pytest.approx(0.5)
+    assert linear_warmup_linear_decay(100, total, 0.1) == pytest.approx(1.0)  # continuous at the peak
+    assert linear_warmup_linear_decay(550, total, 0.1) == pytest.approx(0.5)
+    assert linear_warmup_linear_decay(total, total, 0.1) == 0.0
+    with pytest.raises(ValueError, match=r"warmup_fraction=1\.0"):
+        linear_warmup_linear_decay(1, total, 1.0)

@@ -5,10 +5,14 @@ all ranks) and `rank_00000.pt` ... (each rank's own state: RNG streams, data pos
 that keep per-rank state, the model and optimizer). A checkpoint is built in `step_N.tmp/` and renamed only
 after every rank has written, so a directory without `.tmp` is always complete; a kill mid-save leaves a
 `.tmp` directory that is ignored and later removed.
+
+Best-K retention: `best.json` lists the `keep_best` checkpoints with the best evaluation score so far
+(written atomically by rank 0); pruning keeps them besides the newest `keep_last`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -53,10 +57,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Saves and finds checkpoints of one run; every rank calls `save` and `load` together."""
 
-    def __init__(self, directory: Path, keep_last: int, comm: Comm) -> None:
+    def __init__(self, directory: Path, keep_last: int, comm: Comm, keep_best: int = 0, best_mode: str = "max") -> None:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.comm = comm
+        self.keep_best = keep_best
+        self.best_mode = best_mode  # max: higher scores are better (accuracy); min: lower (loss)
 
     def complete_checkpoints(self) -> list[Path]:
         if not self.directory.is_dir():
@@ -106,9 +112,38 @@ class Checkpointer:
             raise FileNotFoundError(f"{own_file} is missing: checkpoint {path} is incomplete")
         return shared, torch.load(own_file, map_location="cpu", weights_only=False)
 
+    def best(self) -> list[dict[str, float]]:
+        """The kept best checkpoints, best first: `[{"step": ..., "score": ...}, ...]`."""
+        path = self.directory / "best.json"
+        return json.loads(path.read_text()) if path.is_file() else []
+
+    def is_among_best(self, score: float) -> bool:
+        """Whether a checkpoint scoring `score` would enter the best `keep_best` (ties keep the older one)."""
+        ranked = self.best()
+        if self.keep_best <= 0:
+            return False
+        if len(ranked) < self.keep_best:
+            return True
+        worst = ranked[-1]["score"]
+        return score > worst if self.best_mode == "max" else score < worst
+
+    def record_best(self, step: int, score: float) -> None:
+        """Enter the (already saved) checkpoint of `step` into the best list and prune what dropped out."""
+        if self.comm.rank == 0:
+            ranked = [entry for entry in self.best() if entry["step"] != step] + [{"step": step, "score": score}]
+            # Stable sort: among equal scores the earlier checkpoint stays ahead.
+            ranked.sort(key=lambda entry: -entry["score"] if self.best_mode == "max" else entry["score"])
+            tmp = self.directory / "best.json.tmp"
+            tmp.write_text(json.dumps(ranked[: self.keep_best], indent=1) + "\n")
+            os.replace(tmp, self.directory / "best.json")
+            self._prune()
+        self.comm.barrier()
+
     def _prune(self) -> None:
-        """Keep the newest `keep_last` checkpoints; drop staging leftovers of interrupted saves."""
+        """Keep the newest `keep_last` checkpoints and the best ones; drop staging leftovers of interrupted saves."""
+        protected = {f"step_{entry['step']:08d}" for entry in self.best()}
         for stale in self.complete_checkpoints()[: -self.keep_last]:
-            shutil.rmtree(stale)
+            if stale.name not in protected:
+                shutil.rmtree(stale)
         for leftover in self.directory.glob("step_*.tmp"):
             shutil.rmtree(leftover, ignore_errors=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -51,6 +53,59 @@ class PretrainingDataConfig:
 
 
 @dataclass
+class SquadDataConfig:
+    """Schema of the question-answering data options (conf/data/squad*.yaml)."""
+
+    name: str = MISSING  # squad
+    train_file: str | None = MISSING  # SQuAD v1.1 JSON; null with hf_dataset set
+    dev_file: str | None = MISSING
+    hf_dataset: str | None = None  # e.g. "squad": load train/validation with `datasets` (needs the network)
+    vocab_path: str | None = None  # a vocab.txt or a tokenizer directory; null: the vendored vocab
+    max_seq_len: int = MISSING  # 384
+    doc_stride: int = MISSING  # 128
+    max_query_len: int = MISSING  # 64
+    n_best_size: int = MISSING  # 20
+    max_answer_len: int = MISSING  # 30
+    eval_batch_size: int = 32
+    num_workers: int = 0
+
+
+@dataclass
+class ImageDataConfig:
+    """Schema of the image-classification data options (conf/data/imagenet.yaml, digits.yaml)."""
+
+    name: str = MISSING  # images: data.format under data.path; digits: scikit-learn's digits written to data.path
+    format: str = MISSING  # folder (<path>/<split>/<class>/<image>) | tar (WebDataset shards) | hf (datasets)
+    path: str | None = MISSING  # the dataset root (hf: a save_to_disk directory or a hub name)
+    train_split: str = MISSING
+    eval_split: str | None = MISSING  # null: no held-out evaluation
+    image_key: str = "image"  # hf columns
+    label_key: str = "label"
+    num_classes: int | None = MISSING  # the model head's classes, checked against the data (null: unchecked)
+    img_size: int = MISSING
+    scale: list[float] = MISSING  # RandomResizedCrop area range
+    ratio: list[float] = MISSING  # RandomResizedCrop aspect-ratio range
+    hflip: float = MISSING
+    auto_augment: str | None = MISSING  # timm RandAugment spec, e.g. rand-m9-mstd0.5-inc1
+    color_jitter: float = MISSING
+    interpolation: str = MISSING
+    re_prob: float = MISSING  # random erasing
+    re_mode: str = MISSING
+    re_count: int = MISSING
+    mean: list[float] = MISSING
+    std: list[float] = MISSING
+    crop_pct: float = MISSING  # eval: resize floor(img_size / crop_pct), centre crop img_size
+    mixup_alpha: float = MISSING
+    cutmix_alpha: float = MISSING
+    mixup_prob: float = MISSING
+    mixup_switch_prob: float = MISSING
+    mixup_mode: str = MISSING
+    label_smoothing: float = MISSING
+    eval_batch_size: int = MISSING
+    num_workers: int = 0  # loader worker processes per rank
+
+
+@dataclass
 class ScheduleConfig:
     name: str = MISSING  # poly_warmup | linear_warmup_cosine | constant
     kwargs: dict[str, Any] = field(default_factory=dict)  # the schedule's own arguments
@@ -82,6 +137,10 @@ class TrainerConfig:
     steps_this_run: int | None = None  # stop (with a checkpoint) after this many steps, for time-boxed jobs
     init_from: str | None = None  # weights to start from (a checkpoint dir or a save_pretrained dir)
     compile: bool = False  # torch.compile the model
+    ema_decay: float | None = None  # keep an EMA of the weights with this decay (evaluated too; null: off)
+    best_metric: str | None = None  # keep the checkpoints with the best values of this eval metric (eval/top1)
+    best_metric_mode: str = "max"  # max | min: which end of best_metric is best
+    keep_best: int = 0  # best checkpoints kept besides the last keep_last (needs best_metric)
 
 
 @dataclass
@@ -105,10 +164,22 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+def _package_path(package: str, relative: str = "") -> str:
+    """`${package_path:pkg,sub}`: a directory inside an installed package (offline model files, say)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ConfigError(f"package '{package}' is not installed (pip install -r requirements.txt)")
+    return str(Path(spec.origin).parent / relative)
+
+
 def register_configs() -> None:
+    if not OmegaConf.has_resolver("package_path"):
+        OmegaConf.register_new_resolver("package_path", _package_path)
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     store.store(group="data", name="pretraining_schema", node=PretrainingDataConfig)
+    store.store(group="data", name="images_schema", node=ImageDataConfig)
+    store.store(group="data", name="squad_schema", node=SquadDataConfig)
 
 
 @dataclass(frozen=True)
@@ -202,6 +273,43 @@ def _check_pretraining_data(cfg: DictConfig) -> None:
         raise ConfigError("data.path=None must name a prepared directory (python -m data.prepare output_dir=...)")
 
 
+def _check_image_data(cfg: DictConfig) -> None:
+    data = cfg.data
+    for key, allowed in (("format", ("folder", "tar", "hf")), ("mixup_mode", ("batch", "pair", "elem")),
+                         ("re_mode", ("const", "rand", "pixel"))):
+        if data[key] not in allowed:
+            raise ConfigError(f"data.{key}={data[key]} must be one of {', '.join(allowed)}")
+    if data.name != "digits" and not data.path:
+        raise ConfigError(f"data.path={data.path} must name the dataset root (data.format={data.format})")
+    _positive(cfg, "data.img_size", "data.eval_batch_size")
+    for key in ("hflip", "re_prob", "mixup_prob", "mixup_switch_prob"):
+        _in_range(cfg, f"data.{key}", 0.0, 1.0)
+    _in_range(cfg, "data.label_smoothing", 0.0, 0.999)
+    if not 0.0 < data.crop_pct <= 1.0:
+        raise ConfigError(f"data.crop_pct={data.crop_pct} must be in (0, 1]")
+    mixing = (data.mixup_alpha > 0 or data.cutmix_alpha > 0) and data.mixup_prob > 0
+    if mixing and cfg.trainer.micro_batch_size % 2:
+        raise ConfigError(
+            f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} must be even with mixup/cutmix on "
+            "(timm mixes each batch with its reverse); or set data.mixup_alpha=0 data.cutmix_alpha=0"
+        )
+    model_classes = OmegaConf.select(cfg, "model.num_classes")
+    if data.num_classes is not None and model_classes is not None and data.num_classes != model_classes:
+        raise ConfigError(f"data.num_classes={data.num_classes} differs from model.num_classes={model_classes}")
+
+
+def _check_ema_and_best(trainer: DictConfig) -> None:
+    if trainer.ema_decay is not None and not 0.0 < trainer.ema_decay < 1.0:
+        raise ConfigError(f"trainer.ema_decay={trainer.ema_decay} must be in (0, 1) or null")
+    if trainer.keep_best < 0:
+        raise ConfigError(f"trainer.keep_best={trainer.keep_best} must be >= 0")
+    if trainer.keep_best and not (trainer.best_metric or "").startswith("eval/"):
+        raise ConfigError(f"trainer.best_metric={trainer.best_metric} must name an eval metric (eval/top1) "
+                          "when trainer.keep_best > 0")
+    if trainer.best_metric_mode not in ("max", "min"):
+        raise ConfigError(f"trainer.best_metric_mode={trainer.best_metric_mode} must be one of max, min")
+
+
 def validate(cfg: DictConfig) -> BatchGeometry:
     """Fail fast, before workers start, on values that cannot work; return the batch geometry."""
     _check_length(cfg.trainer)
@@ -217,6 +325,9 @@ def validate(cfg: DictConfig) -> BatchGeometry:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be one of {', '.join(allowed)}")
     if "max_predictions" in cfg.data:
         _check_pretraining_data(cfg)
+    if "mixup_alpha" in cfg.data:
+        _check_image_data(cfg)
+    _check_ema_and_best(cfg.trainer)
     for kind in ("model", "optim"):
         error = _kwargs_error(kind, cfg[kind])
         if error:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
 from data import PretrainingLoader, build_demo_dataset, load_tokenizer
+from data.squad import SquadDataset, build_features, load_squad, load_squad_hub
 from optim.comm import Comm
 from train.config import BatchGeometry
+from train.tasks import SquadEvalData
 
 
 @dataclass
@@ -67,8 +70,69 @@ def build_prepared_data(
     return TaskData(train=loader, tokenizer=tokenizer)
 
 
+def build_squad_data(
+    data_cfg: DictConfig, geometry: BatchGeometry, comm: Comm, seed: int, device: torch.device
+) -> TaskData:
+    """SQuAD windows for training (this rank's share) and the dev set for evaluation on rank 0."""
+    tokenizer = _load_any_tokenizer(data_cfg.vocab_path)
+    if data_cfg.hf_dataset:
+        train_examples = load_squad_hub(data_cfg.hf_dataset, "train")
+        dev_examples = load_squad_hub(data_cfg.hf_dataset, "validation")
+    else:
+        train_examples, dev_examples = load_squad(data_cfg.train_file), load_squad(data_cfg.dev_file)
+    windows = dict(max_seq_len=data_cfg.max_seq_len, doc_stride=data_cfg.doc_stride,
+                   max_query_len=data_cfg.max_query_len)
+    loader = PretrainingLoader(
+        SquadDataset(build_features(train_examples, tokenizer, **windows)), geometry.micro_batch_size, comm.rank,
+        comm.world_size, seed, num_workers=data_cfg.num_workers, pin_memory=device.type == "cuda",
+        collate_fn=torch.utils.data.default_collate,
+    )
+    evaluation = None
+    if comm.rank == 0:
+        evaluation = SquadEvalData(dev_examples, build_features(dev_examples, tokenizer, **windows),
+                                   data_cfg.eval_batch_size, data_cfg.n_best_size, data_cfg.max_answer_len)
+    return TaskData(train=loader, eval=evaluation, tokenizer=tokenizer)
+
+
+def _load_any_tokenizer(path: str | None) -> Any:
+    """A vocab.txt (or the vendored vocab) through load_tokenizer, or a tokenizer directory (any HF BERT)."""
+    if path is not None and Path(path).is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
+
+
+def build_image_data(
+    data_cfg: DictConfig, geometry: BatchGeometry, comm: Comm, seed: int, device: torch.device
+) -> TaskData:
+    """This rank's augmented (mixup) training loader and the held-out set; `digits` first writes its images."""
+    from data.digits import write_digits_imagefolder
+    from data.images import AugmentConfig, build_image_sets
+
+    path = data_cfg.path
+    if data_cfg.name == "digits":
+        path = str(write_digits_imagefolder(path))
+    augment = AugmentConfig(**{key: tuple(data_cfg[key]) if key in ("scale", "ratio", "mean", "std")
+                               else data_cfg[key] for key in AugmentConfig.__dataclass_fields__})
+    pin_memory = device.type == "cuda"
+    dataset, collate, evaluation = build_image_sets(
+        data_cfg.format, path, data_cfg.train_split, data_cfg.eval_split, augment, data_cfg.num_classes, seed,
+        data_cfg.eval_batch_size, data_cfg.num_workers, pin_memory, data_cfg.image_key, data_cfg.label_key,
+    )
+    loader = PretrainingLoader(dataset, geometry.micro_batch_size, comm.rank, comm.world_size, seed,
+                               num_workers=data_cfg.num_workers, pin_memory=pin_memory, collate_fn=collate)
+    return TaskData(train=loader, eval=evaluation if comm.rank == 0 else None)
+
+
 DataBuilder = Callable[[DictConfig, BatchGeometry, Comm, int, torch.device], TaskData]
-_DATA: dict[str, DataBuilder] = {"demo": build_pretraining_data, "shards": build_prepared_data}
+_DATA: dict[str, DataBuilder] = {
+    "demo": build_pretraining_data,
+    "shards": build_prepared_data,
+    "squad": build_squad_data,
+    "images": build_image_data,
+    "digits": build_image_data,
+}
 
 
 def build_data(data_cfg: DictConfig, geometry: BatchGeometry, comm: Comm, seed: int, device: torch.device) -> TaskData:

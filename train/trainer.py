@@ -54,7 +54,9 @@ class Trainer:
         self.scaler = make_grad_scaler(cfg.precision, self.device)
         self.task = get_task(cfg.task.name)
         self.train_model = self._wrap_for_data_parallel(self.model, tcfg.compile)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", tcfg.keep_last, comm)
+        self.ema = self._build_ema(tcfg.ema_decay)  # after the set-up broadcast: it starts from the same weights
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", tcfg.keep_last, comm,
+                                         keep_best=tcfg.keep_best, best_mode=tcfg.best_metric_mode)
 
         self.step = 0  # optimizer steps taken
         self.skipped_steps = 0  # fp16 overflow steps (they do not count towards max_steps)
@@ -115,6 +117,7 @@ class Trainer:
                 window.add(metrics, self.geometry.global_batch_size)
                 if not metrics["skipped"]:
                     self.step += 1
+                    self._update_ema()
                     self.logger.advance()
                 stopping = self.comm.any(self._stop_requested)
                 if self.step % tcfg.log_every == 0 or stopping or self.step == stop_at:
@@ -219,6 +222,8 @@ class Trainer:
         """(shared, own): what every rank holds alike, and what is this rank's alone."""
         counters = {"step": self.step, "skipped_steps": self.skipped_steps}
         learner = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.ema is not None:  # with the model: per rank when the model is
+            learner["ema"] = self.ema.module.state_dict()
         own = {"rng": rng_state(), "data": self.loader.state_dict()}
         # Self-synchronising optimizers keep per-rank moments (and may let parameters drift between syncs).
         if self.spec.grad_sync == "self":
@@ -230,6 +235,8 @@ class Trainer:
         source = own if self.spec.grad_sync == "self" else shared
         self.model.load_state_dict(source["model"])
         self.optimizer.load_state_dict(source["optimizer"])
+        if self.ema is not None:  # a checkpoint from before EMA was switched on: start it from the weights
+            self.ema.module.load_state_dict(source.get("ema", self.model.state_dict()))
         self.scaler.load_state_dict(shared["scaler"])
         self.loader.load_state_dict(own["data"])
         self.step, self.skipped_steps = shared["step"], shared["skipped_steps"]
@@ -257,22 +264,69 @@ class Trainer:
             )
 
     def evaluate(self) -> None:
-        """The task's evaluation on held-out data, on rank 0 (other ranks wait), logged as eval/<metric>."""
-        if self.task.evaluate is None or self.data.eval is None:
+        """The task's evaluation on held-out data, on rank 0 (other ranks wait), logged as eval/<metric>.
+
+        With an EMA its weights are evaluated too (eval/ema_<metric>). Only rank 0 holds the held-out data;
+        every rank takes part in the barrier and in keeping a best checkpoint.
+        """
+        if self.task.evaluate is None:
             return
-        if self.is_main:
-            self.model.eval()
-            with torch.no_grad(), autocast(self.cfg.precision.dtype, self.device):
-                results = self.task.evaluate(self.model, self.data.eval, self.run_dir)
-            self.model.train()
-            self.logger.log({f"eval/{k}": v for k, v in results.items()}, self.step)
+        results: dict[str, float] = {}
+        if self.is_main and self.data.eval is not None:
+            results = {f"eval/{k}": v for k, v in self._evaluate_model(self.model).items()}
+            if self.ema is not None:
+                results.update({f"eval/ema_{k}": v for k, v in self._evaluate_model(self.ema.module).items()})
+            self.logger.log(results, self.step)
             self.logger.info(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in results.items()))
+        self._keep_if_best(results)
         self.comm.barrier()
+
+    def _evaluate_model(self, model: nn.Module) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), autocast(self.cfg.precision.dtype, self.device):
+            results = self.task.evaluate(model, self.data.eval, self.run_dir)
+        model.train(was_training)
+        return results
+
+    # ----------------------------------------------------------------------------------------- EMA, best-K
+    def _build_ema(self, decay: float | None) -> Any:
+        """timm's ModelEmaV3 (a foreach lerp per step) over the unwrapped model, or None when off."""
+        if decay is None:
+            return None
+        from timm.utils import ModelEmaV3
+
+        return ModelEmaV3(self.model, decay=decay)
+
+    def _update_ema(self) -> None:
+        if self.ema is not None:
+            self.ema.update(self.model)
+
+    def _keep_if_best(self, results: dict[str, float]) -> None:
+        """Checkpoint this step and protect it from pruning if its trainer.best_metric is among the best K."""
+        tcfg = self.cfg.trainer
+        if not tcfg.keep_best:
+            return
+        keep, value = False, None
+        if self.is_main and results:
+            if tcfg.best_metric not in results:
+                raise KeyError(f"trainer.best_metric={tcfg.best_metric} is not logged; eval metrics: {sorted(results)}")
+            value = float(results[tcfg.best_metric])
+            keep = self.checkpointer.is_among_best(value)
+        keep, value = self.comm.broadcast_object((keep, value))  # rank 0 decides; saving is collective
+        if not keep:
+            return
+        self.save_checkpoint()
+        self.checkpointer.record_best(self.step, value)
+        self.logger.info(f"{tcfg.best_metric} {value:.4g} at step {self.step}: kept among the best {tcfg.keep_best}")
 
     def _export(self) -> None:
         if self.is_main:
             path = export_pretrained(self.model, self.tokenizer, self.run_dir / "hf_model")
             self.logger.info(f"final weights exported with save_pretrained to {path}")
+            if self.ema is not None:
+                path = export_pretrained(self.ema.module, self.tokenizer, self.run_dir / "hf_model_ema")
+                self.logger.info(f"EMA weights exported to {path}")
         self.comm.barrier()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:

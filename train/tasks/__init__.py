@@ -2,5 +2,18 @@
 
 from train.tasks._registry import Task, get_task, list_tasks, register_task
 from train.tasks.bert_pretraining import bert_pretraining_step
+from train.tasks.image_classification import evaluate_image_classification, image_classification_step
+from train.tasks.question_answering import SquadEvalData, evaluate_squad, question_answering_step
 
-__all__ = ["Task", "bert_pretraining_step", "get_task", "list_tasks", "register_task"]
+__all__ = [
+    "SquadEvalData",
+    "Task",
+    "bert_pretraining_step",
+    "evaluate_image_classification",
+    "evaluate_squad",
+    "get_task",
+    "image_classification_step",
+    "list_tasks",
+    "question_answering_step",
+    "register_task",
+]

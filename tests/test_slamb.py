@@ -1,0 +1,440 @@
+"""SLAMB: equals LAMB on one rank with k = 1, and the spec's properties (specs/slamb.md §8) on 1, 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, compose, run_train
+from distributed_harness import run_on_ranks
+from omegaconf import OmegaConf
+from test_lamb import _batches, _one_thread, _tiny_bert
+from test_trainer import _wait_for_step
+from torch import nn
+
+from optim import LAMB, SLAMB, build_optimizer, param_groups_weight_decay
+from optim.comm import Comm
+from train.metrics import read_metrics
+
+# --------------------------------------------------------------------------------------------- T1
+STEPS = 100
+
+
+@functools.cache
+def _train_tiny_bert(name: str, mask: str = "", rescale: str = "") -> nn.Module:
+    """The tiny BERT of test_lamb after STEPS steps of LAMB or of SLAMB with one rank and k = 1."""
+    model, batches = _tiny_bert(), _batches()
+    groups = param_groups_weight_decay(model, 0.01)
+    if name == "lamb":  # the conventions SLAMB uses: trust ratio on every tensor, no pre-normalisation
+        optimizer = LAMB(groups, lr=6e-3, always_adapt=True, max_grad_norm=None)
+    else:
+        # LAMB does not clamp its ratio; SLAMB's c_min = 0.01 would bind on the zero-initialised biases, whose
+        # ratio after one step is about lr, so the clamp is opened wide to match LAMB's convention.
+        optimizer = SLAMB(groups, lr=6e-3, compress_ratio=1.0, mask=mask, rescale=rescale, bias_correction="full",
+                          wd_in_trust_ratio=True, trust_clip=(1e-6, 1e6))
+    with _one_thread():
+        for step in range(STEPS):
+            model(**batches[step % len(batches)]).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("rescale", ["sum_of_products", "product_of_interpolations"])
+@pytest.mark.parametrize("mask", ["bernoulli", "cyclic"])
+def test_one_rank_with_k_1_equals_lamb(mask, rescale):
+    slamb, lamb = _train_tiny_bert("slamb", mask, rescale), _train_tiny_bert("lamb")
+    for (name, p), q in zip(slamb.named_parameters(), lamb.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    assert not torch.equal(lamb.bert.pooler.dense.weight, _tiny_bert().bert.pooler.dense.weight)
+
+
+# --------------------------------------------------------------------------------------------- one process
+def _small_model() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(60, 200), nn.LayerNorm(200), nn.GELU(), nn.Linear(200, 30))
+
+
+def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, seeds: range) -> None:
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        model(torch.randn(5, 60, generator=g)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _slamb(model: nn.Module, **kwargs) -> SLAMB:
+    options = dict(lr=1e-2, compress_ratio=0.2, min_compress_numel=1000, sync_interval=3) | kwargs
+    return SLAMB(param_groups_weight_decay(model, 0.01), **options)
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters in param_groups order, the order of `sync_masks`."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@pytest.mark.parametrize("mask", ["bernoulli", "cyclic"])
+def test_masks_density_small_tensors_and_the_global_rng(mask):
+    model = _small_model()  # 60x200 and 200x30 weights are masked; biases and LayerNorm always synced
+    optimizer = _slamb(model, mask=mask, compress_ratio=0.1)
+    before = torch.get_rng_state()
+    _steps(model, optimizer, range(3))
+    assert torch.equal(torch.get_rng_state(), before)  # masks come from a private generator (pitfall P3)
+    big = [p.numel() >= 1000 and p.dim() > 1 for p in _params(optimizer)]
+    d_big = sum(p.numel() for p, b in zip(_params(optimizer), big, strict=True) if b)
+    for step in range(1, 21):
+        masks = optimizer.sync_masks(step)
+        assert all(m.all() for m, b in zip(masks, big, strict=True) if not b)
+        selected = sum(int(m.sum()) for m, b in zip(masks, big, strict=True) if b)
+        # |S_t| ~ k d, not (1 - k) d (the inverted mask of the authors' fork, pitfall P11).
+        assert abs(selected - 0.1 * d_big) < 6 * math.sqrt(d_big * 0.1 * 0.9) + 2
+    again = _slamb(_small_model(), mask=mask, compress_ratio=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(optimizer.sync_masks(7), again.sync_masks(7), strict=True))
+    other = _slamb(_small_model(), mask=mask, compress_ratio=0.1, seed=1)
+    assert not all(torch.equal(a, b) for a, b in zip(optimizer.sync_masks(7), other.sync_masks(7), strict=True))
+
+
+def test_bernoulli_masks_are_independent_across_steps():
+    optimizer = _slamb(_small_model(), compress_ratio=0.3)
+    masks = torch.stack([optimizer.sync_masks(step)[0].flatten() for step in range(1, 41)]).float()
+    per_coordinate = masks.mean(0)  # each coordinate ~ Binomial(40, 0.3) / 40, not a fixed pattern
+    assert per_coordinate.mean().item() == pytest.approx(0.3, abs=0.01)
+    assert per_coordinate.std().item() == pytest.approx(math.sqrt(0.3 * 0.7 / 40), rel=0.1)
+    consecutive = (masks[1:] * masks[:-1]).mean().item()
+    assert consecutive == pytest.approx(0.09, abs=0.01)
+
+
+def test_cyclic_mask_syncs_every_coordinate_once_per_cycle():
+    optimizer = _slamb(_small_model(), mask="cyclic", compress_ratio=0.3)  # floor(1 / 0.3) = 3 chunks
+    masks = [optimizer.sync_masks(step)[0] for step in range(1, 7)]
+    assert torch.equal(sum(m.int() for m in masks[:3]), torch.ones_like(masks[0], dtype=torch.int))
+    assert all(torch.equal(masks[i], masks[i + 3]) for i in range(3))
+    assert masks[0].float().mean().item() == pytest.approx(1 / 3, abs=1e-3)
+
+
+def test_freshness_is_beta3_to_the_staleness():
+    model = _small_model()
+    optimizer = _slamb(model, beta3=0.93)
+    staleness = [torch.zeros_like(p) for p in _params(optimizer)]
+    for step in range(1, 16):
+        _steps(model, optimizer, range(step, step + 1))
+        for p, j, mask in zip(_params(optimizer), staleness, optimizer.sync_masks(step), strict=True):
+            j.add_(1).masked_fill_(mask, 0)
+            torch.testing.assert_close(optimizer.state[p]["freshness"], 0.93**j, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("mask", ["bernoulli", "cyclic"])
+def test_state_dict_round_trip_continues_exactly(mask):
+    model = _small_model()
+    optimizer = _slamb(model, mask=mask, seed=5)
+    _steps(model, optimizer, range(5))
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    _steps(model, optimizer, range(5, 10))
+
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = _small_model()
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer = _slamb(resumed, mask=mask, seed=0)  # the seed comes from the checkpoint
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    assert resumed_optimizer.state["slamb"] == {"step": 5, "seed": 5}
+    assert set(resumed_optimizer.state[resumed[0].weight]) == {"exp_avg", "exp_avg_sq", "freshness"}
+    _steps(resumed, resumed_optimizer, range(5, 10))
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq", "freshness"):
+            assert torch.equal(optimizer.state[p][key], resumed_optimizer.state[q][key])
+
+
+def test_parameters_without_gradients_are_left_alone():
+    model = _small_model()
+    optimizer = _slamb(model)
+    frozen_out = model[3].weight.detach().clone()
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        model[1](model[0](torch.randn(5, 60, generator=g))).square().mean().backward()  # model[3] gets no grad
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.equal(model[3].weight, frozen_out)
+    assert not optimizer.state[model[3].weight]["exp_avg"].any()
+    assert optimizer.state[model[0].weight]["exp_avg"].any()
+
+
+def test_weight_decay_outside_the_trust_ratio_and_full_bias_correction_differ_from_defaults():
+    results = {}
+    for name, options in {"default": {}, "v2_decay": dict(wd_in_trust_ratio=False),
+                          "full": dict(bias_correction="full")}.items():
+        model = _small_model()
+        _steps(model, _slamb(model, weight_decay=0.5, **options), range(3))
+        results[name] = model[0].weight.detach()
+    assert not torch.equal(results["default"], results["v2_decay"])
+    assert not torch.equal(results["default"], results["full"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "value"),
+    [
+        (dict(lr=-1.0), "lr=-1.0"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(compress_ratio=0.0), "compress_ratio=0.0"),
+        (dict(beta3=1.5), "beta3=1.5"),
+        (dict(sync_interval=0), "sync_interval=0"),
+        (dict(trust_clip=(0.0, 10.0)), "trust_clip"),
+        (dict(mask="topk"), "mask=topk"),
+        (dict(rescale="max"), "rescale=max"),
+        (dict(bias_correction="half"), "bias_correction=half"),
+        (dict(comm_dtype="int8"), "comm_dtype=int8"),
+        (dict(stale_ratio_fallback=0.5), "stale_ratio_fallback=0.5"),
+        (dict(sync_offset=2), "sync_offset=2"),
+    ],
+)
+def test_bad_hyper_parameters_name_the_value(kwargs, value):
+    with pytest.raises(ValueError, match=value.replace(".", r"\.").replace("(", r"\(")):
+        SLAMB([nn.Parameter(torch.ones(2))], **kwargs)
+
+
+# --------------------------------------------------------------------------------------------- N ranks
+SHAPES = [(40, 60), (30, 50), (100, 20), (5, 5), (60,)]  # 3 masked tensors; 5x5 (< 100) and 1-D always synced
+MIN_NUMEL, K, BETA3, H, N_STEPS = 100, 0.25, 0.9, 4, 12
+BETA1, BETA2 = 0.9, 0.999
+
+
+def _initial_params() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=g) * 0.1 for shape in SHAPES]
+
+
+def _grad(rank: int, step: int, index: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100_000 * step + 100 * rank + index)
+    return torch.randn(SHAPES[index], generator=g)
+
+
+def _scenario_options(name: str) -> dict:
+    common = dict(lr=1e-2, beta3=BETA3, min_compress_numel=MIN_NUMEL, seed=11)
+    return common | {
+        "bernoulli": dict(compress_ratio=K, sync_interval=H, bucket_mb=0.002),  # 524 fp32 per bucket
+        "cyclic": dict(compress_ratio=K, sync_interval=H, mask="cyclic"),
+        "fp16": dict(compress_ratio=K, sync_interval=H, comm_dtype="fp16"),
+        "dense": dict(compress_ratio=1.0, sync_interval=1, bias_correction="full"),  # T2
+    }[name]
+
+
+def _property_worker(rank: int, world_size: int, scenarios: list[str]) -> dict[str, list[dict]]:
+    """Run each scenario with predetermined gradients (the parameters diverge, so no autograd)."""
+    torch.set_num_threads(1)
+    out = {}
+    for name in scenarios:
+        params = [nn.Parameter(t.clone()) for t in _initial_params()]
+        comm = Comm()
+        optimizer = SLAMB([{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:], "weight_decay": 0.0}],
+                          comm=comm, **_scenario_options(name))
+        records = []
+        for step in range(1, N_STEPS + 1):
+            for i, p in enumerate(params):
+                p.grad = _grad(0 if name == "dense" else rank, step, i)
+            rng = torch.get_rng_state()
+            optimizer.step()
+            counts = comm.take_counts()
+            records.append(dict(
+                rng_unchanged=torch.equal(rng, torch.get_rng_state()),
+                m=[optimizer.state[p]["exp_avg"].clone() for p in params],
+                r=[optimizer.state[p]["freshness"].clone() for p in params],
+                masks=optimizer.sync_masks(step),
+                params=[p.detach().clone() for p in params],
+                bytes=counts["bytes"], collectives=counts["collectives"],
+            ))
+        out[name] = records
+    return out
+
+
+@functools.cache
+def _ranks(world_size: int) -> dict[str, list[list[dict]]]:
+    """scenario -> rank -> step records, from one multi-process run per world size."""
+    results = run_on_ranks(_property_worker, world_size, ["bernoulli", "cyclic", "fp16", "dense"])
+    return {name: [r[name] for r in results] for name in results[0]}
+
+
+def _check_properties(ranks: list[list[dict]], world_size: int, element_size: int, exact: bool) -> None:
+    d = sum(math.prod(s) for s in SHAPES)
+    d_small = sum(math.prod(s) for s in SHAPES if len(s) == 1 or math.prod(s) < MIN_NUMEL)
+    grads = [[[_grad(r, t, i).double() for i in range(len(SHAPES))] for t in range(1, N_STEPS + 1)]
+             for r in range(world_size)]
+    global_m = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    local_m = [[torch.zeros(s, dtype=torch.float64) for s in SHAPES] for _ in range(world_size)]
+    staleness = [torch.zeros(s) for s in SHAPES]
+    tol = dict(rtol=1e-5, atol=1e-6) if exact else dict(rtol=2e-2, atol=2e-3)
+    selected_per_step = []
+    for t in range(N_STEPS):
+        records = [ranks[r][t] for r in range(world_size)]
+        masks = records[0]["masks"]
+        for record in records:  # T4: identical masks everywhere, global RNG untouched
+            assert record["rng_unchanged"]
+            assert all(torch.equal(a, b) for a, b in zip(record["masks"], masks, strict=True))
+        for i in range(len(SHAPES)):
+            mean_grad = sum(grads[r][t][i] for r in range(world_size)) / world_size
+            global_m[i] = BETA1 * global_m[i] + (1 - BETA1) * mean_grad
+            for r in range(world_size):
+                local_m[r][i] = BETA1 * local_m[r][i] + (1 - BETA1) * grads[r][t][i]
+            averaged = sum(local_m[r][i] for r in range(world_size)) / world_size
+            for r in range(world_size):
+                local_m[r][i] = torch.where(masks[i], averaged, local_m[r][i])
+                m = records[r]["m"][i].double()
+                # T3: at the synced coordinates, the momentum of the mean gradient, however stale they were;
+                # elsewhere, the rank's own EMA since its last sync.
+                torch.testing.assert_close(m[masks[i]], global_m[i][masks[i]], **tol)
+                torch.testing.assert_close(m, local_m[r][i], **tol)
+            staleness[i].add_(1).masked_fill_(masks[i], 0)
+            for record in records:  # T5
+                torch.testing.assert_close(record["r"][i], BETA3**staleness[i], rtol=1e-5, atol=0)
+        assert all(masks[i].all() for i, s in enumerate(SHAPES) if len(s) == 1 or math.prod(s) < MIN_NUMEL)
+
+        # T6: bytes = |S_t| (always-synced included) x payload size, plus 4 d on a dense-sync step.
+        selected = sum(int(m.sum()) for m in masks)
+        selected_per_step.append(selected - d_small)
+        dense_sync = t % H == 0  # after steps 1, 1 + H, ... (sync_offset 1)
+        expected = (selected * element_size + 4 * d * dense_sync) if world_size > 1 else 0
+        assert [rec["bytes"] for rec in records] == [expected] * world_size
+
+        # T7: identical parameters right after a dense sync, different in between; always-synced momenta agree.
+        same = [all(torch.equal(a, b) for a, b in zip(rec["params"], records[0]["params"], strict=True))
+                for rec in records]
+        if dense_sync or world_size == 1:
+            assert all(same)
+        else:
+            assert not any(same[1:])
+        for i, shape in enumerate(SHAPES):
+            if len(shape) == 1 or math.prod(shape) < MIN_NUMEL:
+                assert all(torch.equal(rec["m"][i], records[0]["m"][i]) for rec in records)
+    d_big = d - d_small
+    mean = sum(selected_per_step) / len(selected_per_step)
+    assert abs(mean - K * d_big) < 5 * math.sqrt(d_big * K * (1 - K) / N_STEPS)  # T11: ~k d_big, not (1-k) d_big
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_properties_on_gloo_ranks(world_size):
+    ranks = _ranks(world_size)
+    _check_properties(ranks["bernoulli"], world_size, element_size=4, exact=True)
+    _check_properties(ranks["cyclic"], world_size, element_size=4, exact=True)
+    _check_properties(ranks["fp16"], world_size, element_size=2, exact=False)  # T3 only approximately
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_momentum_goes_out_in_buckets(world_size):
+    bucket = int(0.002 * 2**20) // 4
+    for t, record in enumerate(_ranks(world_size)["bernoulli"][0]):
+        if t % H:  # no dense sync: only the bucketed momentum all-reduce
+            assert record["collectives"] == math.ceil(sum(int(m.sum()) for m in record["masks"]) / bucket) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_identical_data_k_1_and_h_1_equals_lamb(world_size):
+    """T2: with the same gradients on every rank, k = 1 and H = 1, SLAMB is LAMB (v and clipping agree)."""
+    params = [nn.Parameter(t.clone()) for t in _initial_params()]
+    lamb = LAMB([{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:], "weight_decay": 0.0}],
+                lr=1e-2, always_adapt=True, max_grad_norm=None)
+    for step in range(1, N_STEPS + 1):
+        for i, p in enumerate(params):
+            p.grad = _grad(0, step, i)
+        lamb.step()
+    for record in _ranks(world_size)["dense"]:
+        for got, want in zip(record[-1]["params"], params, strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- trainer
+SLAMB_RUN = [*TINY, "trainer.nproc_per_node=2", "optim=slamb", "optim.min_compress_numel=500",
+             "optim.sync_interval=4", "trainer.max_steps=10", "trainer.checkpoint_every=3", "data.masking=dynamic"]
+
+
+def _popen_group(args: list[str]) -> subprocess.Popen:
+    """`python -m train` in its own session, so that a kill reaches the local workers too."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_two_rank_run_killed_and_resumed_repeats_the_loss_series_and_bytes_match_the_masks(tmp_path):
+    reference = run_train([*SLAMB_RUN, f"hydra.run.dir={tmp_path / 'ref'}"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    killed_dir = tmp_path / "killed"
+    proc = _popen_group([*SLAMB_RUN, f"hydra.run.dir={killed_dir}"])
+    _wait_for_step(killed_dir, 7, proc)  # past the checkpoint at 6, between the dense syncs at 5 and 9
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = run_train([*SLAMB_RUN, f"hydra.run.dir={killed_dir}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+
+    def series(run_dir):
+        return [(r["step"], r["loss"], r["mlm_loss"], r["nsp_loss"], r["grad_norm"], r["comm_bytes_per_step"])
+                for r in read_metrics(run_dir)]
+
+    assert series(killed_dir) == series(tmp_path / "ref")  # bit-identical, every step once
+    assert len(series(killed_dir)) == 10
+
+    # The bytes the trainer logged are |S_t| fp32 momenta, plus every fp32 parameter after steps 1, 5, 9.
+    cfg = compose(SLAMB_RUN)
+    from train.model_io import build_model
+
+    model = build_model(cfg.model, None, None)
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.optim).items() if k != "name"}
+    masks_of = build_optimizer(model, "slamb", kwargs).sync_masks  # masks depend on shapes, seed and step only
+    d = sum(p.numel() for p in model.parameters())
+    for record in read_metrics(tmp_path / "ref"):
+        t = record["step"]
+        selected = sum(int(m.sum()) for m in masks_of(t))
+        assert record["comm_bytes_per_step"] == 4 * selected + 4 * d * ((t - 1) % 4 == 0)
+        assert record["comm_collectives_per_step"] >= 1
+
+
+def _fp16_overflow_worker(rank: int, world_size: int, run_dir: str, overrides: list[str]) -> list[tuple]:
+    """Four trainer steps under fp16 on this rank; at the third, rank 1 alone sees an inf gradient."""
+    from train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = OmegaConf.create(OmegaConf.to_container(compose(overrides), resolve=True))
+    trainer = Trainer(cfg, Path(run_dir), Comm())
+    out = []
+    for i in range(4):
+        handle = None
+        if i == 2 and rank == 1:
+            weight = trainer.model.get_input_embeddings().weight
+            handle = weight.register_hook(lambda g: torch.full_like(g, math.inf))
+        metrics = trainer.train_step()
+        if handle is not None:
+            handle.remove()
+        trainer.step += 0 if metrics["skipped"] else 1
+        out.append((metrics["skipped"], trainer.scaler.get_scale(), trainer.optimizer.state["slamb"]["step"],
+                    metrics["bytes"], trainer.model.bert.pooler.dense.weight.detach().clone()))
+    trainer.close()
+    return out
+
+
+@pytest.mark.slow
+def test_fp16_overflow_on_one_rank_skips_the_step_on_all(tmp_path):
+    overrides = [*TINY, "optim=slamb", "precision=fp16", "precision.init_scale=256.0", "optim.min_compress_numel=500"]
+    ranks = run_on_ranks(_fp16_overflow_worker, 2, str(tmp_path), overrides)
+    for step in range(4):
+        (skip0, scale0, t0, bytes0, _), (skip1, scale1, t1, bytes1, _) = ranks[0][step], ranks[1][step]
+        assert (skip0, scale0, t0, bytes0) == (skip1, scale1, t1, bytes1)  # the same branch on both ranks
+    assert ranks[0][2][0] and ranks[0][2][3] == 0  # the injected inf skipped the step: no SLAMB traffic
+    assert ranks[0][2][1] == ranks[0][1][1] / 2  # and halved the loss scale
+    assert ranks[0][2][2] == ranks[0][1][2]  # the optimizer did not advance
+    assert not ranks[0][3][0] and ranks[0][3][2] == ranks[0][1][2] + 1
+    assert torch.equal(ranks[0][2][4], ranks[0][1][4])  # parameters untouched by the skipped step

@@ -1,0 +1,78 @@
+"""`python -m train.pipeline`: BERT phase 1, phase 2 and SQuAD fine-tuning in sequence, then F1 / EM.
+
+Each stage is an ordinary `python -m train` run in its own run directory, started from the previous
+stage's exported weights. Rerunning the command resumes the stage that was interrupted; finished stages
+report that they are complete and are skipped.
+
+    python -m train.pipeline                                   # the BERT-Large recipes end to end
+    python -m train.pipeline --all trainer.nproc_per_node=8 --squad data.train_file=... data.dev_file=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from train.metrics import read_metrics
+
+STAGES = ("phase1", "phase2", "squad")
+EXPERIMENTS = {"phase1": "bert_large_phase1", "phase2": "bert_large_phase2", "squad": "bert_large_squad"}
+
+# Published SQuAD v1.1 dev results for BERT-Large (specs/recipes.md §2): (source, EM, F1).
+REFERENCES = (
+    ("NVIDIA, Wikipedia + BooksCorpus (5-seed mean)", 84.30, 91.08),
+    ("NVIDIA, Wikipedia only (10-seed mean)", 83.96, 90.68),
+    ("DeepSpeed bing_bert, NVIDIA data", 83.57, 90.62),
+    ("BERT paper (Devlin et al.)", 84.1, 90.9),
+)
+
+
+def stage_command(stage: str, prefix: str, runs_dir: Path, overrides: list[str]) -> list[str]:
+    """The `python -m train` command of one stage; each stage starts from the previous one's export."""
+    run_dir = runs_dir / f"{prefix}_{stage}"
+    args = [f"+experiment={EXPERIMENTS[stage]}", f"name={prefix}_{stage}", f"hydra.run.dir={run_dir}"]
+    previous = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
+    if previous is not None:
+        args.append(f"trainer.init_from={runs_dir / f'{prefix}_{previous}' / 'hf_model'}")
+    return [sys.executable, "-m", "train", *args, *overrides]
+
+
+def squad_result(run_dir: Path) -> tuple[float, float]:
+    """(EM, F1) of the last evaluation logged in a SQuAD run directory."""
+    evaluations = [r for r in read_metrics(run_dir) if "eval/f1" in r]
+    if not evaluations:
+        raise RuntimeError(f"{run_dir} has no SQuAD evaluation in its metrics.jsonl")
+    return evaluations[-1]["eval/exact_match"], evaluations[-1]["eval/f1"]
+
+
+def results_table(em: float, f1: float) -> str:
+    rows = [("this run", em, f1), *REFERENCES]
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"{'SQuAD v1.1 dev':<{width}}  {'EM':>6}  {'F1':>6}"]
+    lines += [f"{name:<{width}}  {e:6.2f}  {f:6.2f}" for name, e, f in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefix", default="bert_large", help="run names are <prefix>_phase1, ...")
+    parser.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where the run directories go")
+    parser.add_argument("--all", nargs="*", default=[], metavar="OVERRIDE", help="overrides for every stage")
+    for stage in STAGES:
+        parser.add_argument(f"--{stage}", nargs="*", default=[], metavar="OVERRIDE", help=f"overrides for {stage}")
+    args = parser.parse_args(argv)
+    for stage in STAGES:
+        command = stage_command(stage, args.prefix, args.runs_dir, [*args.all, *getattr(args, stage)])
+        print(f"== {stage}: {' '.join(command[1:])}", flush=True)
+        if subprocess.run(command).returncode != 0:
+            print(f"pipeline stopped: stage {stage} failed; rerun the same command to resume it", file=sys.stderr)
+            return 1
+    em, f1 = squad_result(args.runs_dir / f"{args.prefix}_squad")
+    print(results_table(em, f1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
