@@ -9,6 +9,7 @@ a foreach form over a list of tensors. Nothing here reads a tensor's value on th
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -136,3 +137,15 @@ def clamped_trust_ratio(weight_norm: Tensor, update_norm: Tensor, max_ratio: flo
     """
     ratio = (weight_norm / update_norm).double().clamp(min=min_ratio, max=max_ratio)
     return torch.where((weight_norm > 0) & (update_norm > 0), ratio, torch.ones_like(ratio))
+
+
+def check_adam_hyperparameters(name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
+    """Bad Adam-family hyper-parameters fail at construction, naming the optimizer and the value."""
+    if not lr >= 0.0:
+        raise ValueError(f"{name}: invalid learning rate lr={lr}; must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"{name}: invalid betas={betas}; need two values in [0, 1)")
+    if not eps >= 0.0:
+        raise ValueError(f"{name}: invalid eps={eps}; must be >= 0")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"{name}: invalid weight_decay={weight_decay}; must be >= 0")

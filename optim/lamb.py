@@ -12,6 +12,7 @@ from optim._math import (
     adam_direction,
     adam_moments_,
     bias_corrections,
+    check_adam_hyperparameters,
     foreach_adam_denom,
     foreach_adam_moments_,
     global_grad_norm,
@@ -74,14 +75,7 @@ class LAMB(torch.optim.Optimizer):
         always_adapt: bool = False,
         foreach: bool | None = None,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"LAMB: invalid learning rate lr={lr}; must be >= 0")
-        if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"LAMB: invalid betas={betas}; need two values in [0, 1)")
-        if not eps >= 0.0:
-            raise ValueError(f"LAMB: invalid eps={eps}; must be >= 0")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"LAMB: invalid weight_decay={weight_decay}; must be >= 0")
+        check_adam_hyperparameters("LAMB", lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0.0:
             raise ValueError(f"LAMB: invalid max_grad_norm={max_grad_norm}; must be > 0, or None")
         defaults = dict(

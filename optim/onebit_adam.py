@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optim._math import foreach_adam_update, foreach_momentum_, foreach_variance_
+from optim._math import check_adam_hyperparameters, foreach_adam_update, foreach_momentum_, foreach_variance_
 from optim._registry import OptimSpec, register_optimizer
 from optim.comm import Comm
 from optim.compressed import CompressedBuckets, average_, bucket_layout
@@ -202,7 +202,7 @@ class OneBitAdam(OneBitFamily):
     def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100000, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
-        _check_common(type(self).__name__, lr, betas, eps, weight_decay)
+        check_adam_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
         if bucketing not in ("per_group", "per_tensor"):
             raise ValueError(f"OneBitAdam: bucketing={bucketing!r}; must be 'per_group' or 'per_tensor'")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -243,17 +243,6 @@ def onebit_adam_update_(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sq
     torch._foreach_mul_(updates, -lr)  # scaled, then added, as DeepSpeed rounds it
     torch._foreach_add_(params, updates)
 
-
-def _check_common(name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
-    """Q17: bad values fail at construction, naming the option."""
-    if not lr >= 0.0:
-        raise ValueError(f"{name}: invalid learning rate lr={lr}; must be >= 0")
-    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
-        raise ValueError(f"{name}: invalid betas={betas}; need two values in [0, 1)")
-    if not eps >= 0.0:
-        raise ValueError(f"{name}: invalid eps={eps}; must be >= 0")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"{name}: invalid weight_decay={weight_decay}; must be >= 0")
 
 
 register_optimizer(OptimSpec(

@@ -8,10 +8,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optim._math import clamped_trust_ratio, foreach_adam_update, foreach_momentum_, foreach_variance_
+from optim._math import (
+    check_adam_hyperparameters,
+    clamped_trust_ratio,
+    foreach_adam_update,
+    foreach_momentum_,
+    foreach_variance_,
+)
 from optim._registry import OptimSpec, register_optimizer
 from optim.comm import Comm
-from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, _check_common
+from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily
 
 
 class OneBitLAMB(OneBitFamily):
@@ -58,7 +64,7 @@ class OneBitLAMB(OneBitFamily):
                  min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, bucketing: str = "flat_scaled", init_noop_step: bool = True,
                  mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
-        _check_common(type(self).__name__, lr, betas, eps, weight_decay)
+        check_adam_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
         if not 0.0 < min_coeff <= max_coeff:
             raise ValueError(f"OneBitLAMB: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
         if not 0.0 < factor_min <= factor_max or factor_threshold < 0:

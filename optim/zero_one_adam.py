@@ -9,10 +9,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from optim._math import foreach_momentum_, foreach_variance_
+from optim._math import check_adam_hyperparameters, foreach_momentum_, foreach_variance_
 from optim._registry import OptimSpec, register_optimizer
 from optim.comm import Comm
-from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, _check_common, onebit_adam_update_
+from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, onebit_adam_update_
 
 StepKind = Literal["init", "variance", "onebit_grad", "sync", "local"]
 
@@ -121,7 +121,7 @@ class ZeroOneAdam(OneBitFamily):
                  weight_decay: float = 0.0, var_freeze_step: int = 100000, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
-        _check_common(type(self).__name__, lr, betas, eps, weight_decay)
+        check_adam_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
         for name, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
                             ("local_step_clipper", local_step_clipper)):
             if value < 1:

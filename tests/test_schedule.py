@@ -80,7 +80,8 @@ def test_constant():
         ("linear_warmup_cosine", dict(total_steps=100, warmup_steps=200), "warmup_steps=200"),
         ("linear_warmup_cosine", dict(total_steps=100, warmup_steps=10, min_ratio=2.0), "min_ratio=2.0"),
         ("linear_warmup_cosine", dict(total_steps=-5, warmup_steps=0), "total_steps=-5"),
-        ("cosine", dict(total_steps=100), "known schedules: constant, linear_warmup_cosine, linear_warmup_linear_decay, poly_warmup"),
+        ("cosine", dict(total_steps=100),
+         "known schedules: constant, linear_warmup_cosine, linear_warmup_linear_decay, poly_warmup"),
     ],
 )
 def test_impossible_settings_raise_naming_the_value(name, kwargs, message):

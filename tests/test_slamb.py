@@ -438,3 +438,13 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_all(tmp_path):
     assert ranks[0][2][2] == ranks[0][1][2]  # the optimizer did not advance
     assert not ranks[0][3][0] and ranks[0][3][2] == ranks[0][1][2] + 1
     assert torch.equal(ranks[0][2][4], ranks[0][1][4])  # parameters untouched by the skipped step
+
+
+@pytest.mark.parametrize("experiment", ["bert_large_phase1_slamb", "bert_large_phase2_slamb"])
+def test_bert_slamb_experiments_train_at_test_scale(tmp_path, experiment):
+    from train.run import run
+
+    cfg = compose([f"+experiment={experiment}", *TINY, "trainer.max_steps=2", "trainer.init_from=null"])
+    assert (cfg.optim.name, cfg.optim.compress_ratio, cfg.optim.sync_interval) == ("slamb", 0.1, 100)
+    run(cfg, tmp_path)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
