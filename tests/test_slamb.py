@@ -447,4 +447,5 @@ def test_bert_slamb_experiments_train_at_test_scale(tmp_path, experiment):
     cfg = compose([f"+experiment={experiment}", *TINY, "trainer.max_steps=2", "trainer.init_from=null"])
     assert (cfg.optim.name, cfg.optim.compress_ratio, cfg.optim.sync_interval) == ("slamb", 0.1, 100)
     run(cfg, tmp_path)
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    # fp16 with the recipe's initial loss scale 2^20: the first steps overflow, are skipped and logged at step 0.
+    assert [r["step"] for r in read_metrics(tmp_path) if r["step"] > 0] == [1, 2]

@@ -115,14 +115,15 @@ class Trainer:
             while self.step < stop_at:
                 metrics = self.train_step()
                 window.add(metrics, self.geometry.global_batch_size)
-                if not metrics["skipped"]:
+                stepped = not metrics["skipped"]
+                if stepped:
                     self.step += 1
                     self._update_ema()
                     self.logger.advance()
                 stopping = self.comm.any(self._stop_requested)
-                if self.step % tcfg.log_every == 0 or stopping or self.step == stop_at:
+                # A skipped (fp16 overflow) step keeps the step number: it is folded into the next record.
+                if (stepped and self.step % tcfg.log_every == 0) or stopping or self.step == stop_at:
                     self._log(window.flush())
-                stepped = not metrics["skipped"]
                 if tcfg.eval_every and self.step % tcfg.eval_every == 0 and stepped and self.step < self.max_steps:
                     self.evaluate()
                 if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and stepped:
