@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optim._math import bias_corrections, foreach_adam_moments_, trust_ratio
+from optim._math import bias_corrections, check_adam_hyperparameters, foreach_adam_moments_, trust_ratio
 from optim._registry import OptimSpec, register_optimizer
 from optim.comm import Comm
 
@@ -142,10 +142,7 @@ class SLAMB(torch.optim.Optimizer):
         seed: int = 0,
         comm: Comm | None = None,
     ) -> None:
-        _check("lr", lr, lr >= 0.0, "must be >= 0")
-        _check("betas", betas, len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas), "need two values in [0, 1)")
-        _check("eps", eps, eps >= 0.0, "must be >= 0")
-        _check("weight_decay", weight_decay, weight_decay >= 0.0, "must be >= 0")
+        check_adam_hyperparameters("SLAMB", lr, betas, eps, weight_decay)
         _check("compress_ratio", compress_ratio, 0.0 < compress_ratio <= 1.0, "must be in (0, 1]")
         _check("beta3", beta3, 0.0 <= beta3 <= 1.0, "must be in [0, 1]")
         _check("sync_interval", sync_interval, int(sync_interval) == sync_interval >= 1, "must be an integer >= 1")
