@@ -77,13 +77,25 @@ class Comm:
         dist.all_to_all_single(output, tensor, group=self.group)
 
     def any(self, flag: bool) -> bool:
-        """True on every rank if `flag` is true on any rank (control traffic, e.g. a stop request)."""
+        """True on every rank if `flag` is true on any rank (control traffic, e.g. a stop request).
+
+        Reads the result on the host: call it at log intervals, not inside a step (see `any_on_device`).
+        """
         if not self.distributed:
             return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32, device=self._control_device())
+        return bool(self.any_on_device(torch.tensor(flag, device=self._control_device())).item())
+
+    def any_on_device(self, flag: torch.Tensor) -> torch.Tensor:
+        """A 0-d bool tensor, true on every rank if `flag` (a 0-d bool tensor) is true on any rank.
+
+        Nothing is read on the host, so the step does not wait for the device (control traffic, 4 bytes).
+        """
+        if not self.distributed:
+            return flag
+        value = flag.to(torch.int32).reshape(1)
         self.control_bytes_sent += value.element_size()
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(value.item())
+        return value[0].bool()
 
     def average_control(self, tensor: torch.Tensor) -> torch.Tensor:
         """Mean over ranks of a few reporting values (losses for the log): control traffic."""

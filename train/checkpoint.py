@@ -8,12 +8,14 @@ after every rank has written, so a directory without `.tmp` is always complete; 
 
 Best-K retention: `best.json` lists the `keep_best` checkpoints with the best evaluation score so far
 (written atomically by rank 0); pruning keeps them besides the newest `keep_last`.
+
+This module is the only one that knows the layout: `model_state` reads the weights of a run directory or of
+a checkpoint directory for `trainer.init_from`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -23,19 +25,25 @@ from typing import Any
 import numpy as np
 import torch
 
+from data.atomic import atomic_write, atomic_write_json, replace_directory
 from optim.comm import Comm
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+CHECKPOINTS_DIR = "checkpoints"  # inside a run directory
+SHARED_FILE = "shared.pt"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def _step_dir(step: int) -> str:
+    return f"step_{step:08d}"
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """Write `obj` to `path` so that a reader sees either the old file or the complete new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    """`torch.save` that a reader sees whole or not at all."""
+    atomic_write(path, lambda handle: torch.save(obj, handle))
 
 
 def rng_state() -> dict[str, Any]:
@@ -54,6 +62,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """The complete checkpoint directories in `directory`, oldest first (staging `.tmp` ones excluded)."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)), key=lambda p: p.name)
+
+
 class Checkpointer:
     """Saves and finds checkpoints of one run; every rank calls `save` and `load` together."""
 
@@ -65,31 +80,31 @@ class Checkpointer:
         self.best_mode = best_mode  # max: higher scores are better (accuracy); min: lower (loss)
 
     def complete_checkpoints(self) -> list[Path]:
-        if not self.directory.is_dir():
-            return []
-        found = [p for p in self.directory.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-        return sorted(found, key=lambda p: p.name)
+        return complete_checkpoints(self.directory)
 
     def latest(self) -> Path | None:
         found = self.complete_checkpoints()
         return found[-1] if found else None
 
+    def agreed_latest(self) -> Path | None:
+        """Rank 0's newest checkpoint, on every rank: on shared file systems another node may list a stale
+        directory, and replicas must resume from the same step."""
+        return self.comm.broadcast_object(self.latest())
+
     def save(self, step: int, shared: dict[str, Any], own: dict[str, Any]) -> Path:
         """Write one checkpoint: `shared` from rank 0 only, `own` from every rank; returns its directory."""
-        final = self.directory / f"step_{step:08d}"
+        final = self.directory / _step_dir(step)
         staging = final.with_name(final.name + ".tmp")
         if self.comm.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         self.comm.barrier()
-        atomic_torch_save(own, staging / f"rank_{self.comm.rank:05d}.pt")
+        atomic_torch_save(own, staging / _rank_file(self.comm.rank))
         if self.comm.rank == 0:
-            atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / "shared.pt")
+            atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
         self.comm.barrier()
         if self.comm.rank == 0:
-            if final.exists():  # the same step saved again after a resume: replace it whole
-                shutil.rmtree(final)
-            os.replace(staging, final)
+            replace_directory(staging, final)  # the same step saved again after a resume: replaced whole
             self._prune()
         self.comm.barrier()
         return final
@@ -97,7 +112,7 @@ class Checkpointer:
     def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """Read a checkpoint's shared state and this rank's own state; refuse a different world size."""
         path = Path(path)
-        shared_file = path / "shared.pt"
+        shared_file = path / SHARED_FILE
         if not shared_file.is_file():
             raise FileNotFoundError(f"{shared_file} is missing: {path} is not a complete checkpoint")
         shared = torch.load(shared_file, map_location="cpu", weights_only=False)
@@ -107,7 +122,7 @@ class Checkpointer:
                 f"{self.comm.world_size}; resume with that many ranks, or start a new run "
                 f"(another `name=`) with trainer.init_from={path} to keep only the weights"
             )
-        own_file = path / f"rank_{self.comm.rank:05d}.pt"
+        own_file = path / _rank_file(self.comm.rank)
         if not own_file.is_file():
             raise FileNotFoundError(f"{own_file} is missing: checkpoint {path} is incomplete")
         return shared, torch.load(own_file, map_location="cpu", weights_only=False)
@@ -133,17 +148,32 @@ class Checkpointer:
             ranked = [entry for entry in self.best() if entry["step"] != step] + [{"step": step, "score": score}]
             # Stable sort: among equal scores the earlier checkpoint stays ahead.
             ranked.sort(key=lambda entry: -entry["score"] if self.best_mode == "max" else entry["score"])
-            tmp = self.directory / "best.json.tmp"
-            tmp.write_text(json.dumps(ranked[: self.keep_best], indent=1) + "\n")
-            os.replace(tmp, self.directory / "best.json")
+            atomic_write_json(self.directory / "best.json", ranked[: self.keep_best], indent=1)
             self._prune()
         self.comm.barrier()
 
     def _prune(self) -> None:
         """Keep the newest `keep_last` checkpoints and the best ones; drop staging leftovers of interrupted saves."""
-        protected = {f"step_{entry['step']:08d}" for entry in self.best()}
+        protected = {_step_dir(entry["step"]) for entry in self.best()}
         for stale in self.complete_checkpoints()[: -self.keep_last]:
             if stale.name not in protected:
                 shutil.rmtree(stale)
         for leftover in self.directory.glob("step_*.tmp"):
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def model_state(path: Path) -> dict[str, torch.Tensor] | None:
+    """The model weights of a run directory's newest checkpoint or of a checkpoint directory; None for any
+    other directory (a `save_pretrained` export, say), which the caller reads its own way."""
+    path = Path(path)
+    if (path / CHECKPOINTS_DIR).is_dir():
+        found = complete_checkpoints(path / CHECKPOINTS_DIR)
+        if not found:
+            raise FileNotFoundError(f"trainer.init_from={path} is a run directory without checkpoints")
+        path = found[-1]
+    if not (path / SHARED_FILE).is_file():
+        return None
+    state = torch.load(path / SHARED_FILE, map_location="cpu", weights_only=False)
+    if "model" not in state:  # self-synchronising optimizers keep the model with each rank
+        state = torch.load(path / _rank_file(0), map_location="cpu", weights_only=False)
+    return state["model"]

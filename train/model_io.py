@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from data.atomic import replace_directory
 from models import create_model
+from train.checkpoint import model_state
 
 
 def build_model(model_cfg: DictConfig, init_from: str | None, tokenizer: Any) -> nn.Module:
@@ -36,7 +36,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     Heads the source lacks (a QA head on pretraining weights) start fresh; a module the source has only
     in part is an error, since that means the architectures differ.
     """
-    state = _checkpoint_state(path)
+    state = model_state(path)
     if state is None:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
@@ -61,21 +61,6 @@ def load_weights(model: nn.Module, path: Path) -> None:
         )
 
 
-def _checkpoint_state(path: Path) -> dict[str, torch.Tensor] | None:
-    """The model state of a run directory's newest checkpoint or of a checkpoint directory, else None."""
-    if (path / "checkpoints").is_dir():
-        steps = sorted(p for p in (path / "checkpoints").iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
-        if not steps:
-            raise FileNotFoundError(f"trainer.init_from={path} is a run directory without checkpoints")
-        path = steps[-1]
-    if not (path / "shared.pt").is_file():
-        return None
-    state = torch.load(path / "shared.pt", map_location="cpu", weights_only=False)
-    if "model" not in state:  # self-synchronising optimizers keep the model with each rank
-        state = torch.load(path / "rank_00000.pt", map_location="cpu", weights_only=False)
-    return state["model"]
-
-
 def export_pretrained(model: nn.Module, tokenizer: Any, directory: Path) -> Path:
     """`save_pretrained` model and tokenizer into `directory`, replacing it only once fully written."""
     staging = directory.with_name(directory.name + ".tmp")
@@ -88,7 +73,5 @@ def export_pretrained(model: nn.Module, tokenizer: Any, directory: Path) -> Path
         export_timm_model(model, staging)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(staging, directory)
+    replace_directory(staging, directory)
     return directory

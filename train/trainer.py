@@ -1,9 +1,8 @@
 """The training loop: micro-batches, task loss, backward, gradient sync, overflow and clip, step, schedule,
-then logging and checkpointing (DESIGN.md's order)."""
+then logging, evaluation and checkpointing, in that order."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import time
@@ -13,13 +12,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
-from optim.comm import Comm, counting_allreduce_hook
+from optim.comm import Comm
 from train.checkpoint import Checkpointer, rng_state, set_rng_state
 from train.config import batch_geometry
 from train.distributed import pick_device
+from train.grad_sync import build_grad_sync
 from train.loaders import build_data
 from train.metrics import MetricLogger
 from train.model_io import build_model, export_pretrained
@@ -49,16 +48,23 @@ class Trainer:
         self.spec = get_optimizer_spec(cfg.optim.name)
         optim_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.optim).items() if k != "name"}
         self.optimizer = build_optimizer(self.model, self.spec.name, optim_kwargs, comm=comm)
+        # The scaler skips the optimizer's step on an fp16 overflow; this hook tells the loop, with no device sync.
+        self._stepped = False
+        self.optimizer.register_step_post_hook(self._on_optimizer_step)
         self.peak_lr = float(cfg.optim.lr)
         self.lr_multiplier = build_lr_schedule(cfg.schedule.name, total_steps=self.max_steps, **cfg.schedule.kwargs)
         self.scaler = make_grad_scaler(cfg.precision, self.device)
         self.task = get_task(cfg.task.name)
-        self.train_model = self._wrap_for_data_parallel(self.model, tcfg.compile)
+        self.grad_sync = build_grad_sync(self.spec.grad_sync, comm, self.device)  # the one place that asks
+        self.train_model = self.grad_sync.wrap(self.model)
+        if tcfg.compile:
+            self.train_model = torch.compile(self.train_model)
         self.ema = self._build_ema(tcfg.ema_decay)  # after the set-up broadcast: it starts from the same weights
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", tcfg.keep_last, comm,
                                          keep_best=tcfg.keep_best, best_mode=tcfg.best_metric_mode)
 
         self.step = 0  # optimizer steps taken
+        self._saved_step: int | None = None  # the step of this run's newest checkpoint
         self.skipped_steps = 0  # fp16 overflow steps (they do not count towards max_steps)
         resumed_from = self._resume() if tcfg.resume else self._refuse_to_overwrite()
         self.logger = MetricLogger(
@@ -72,24 +78,11 @@ class Trainer:
         self._announce(resumed_from)
 
     # ----------------------------------------------------------------------------------------- set-up
-    def _wrap_for_data_parallel(self, model: nn.Module, compile_model: bool) -> nn.Module:
-        """DDP with a byte-counting hook for `ddp` optimizers; `self` optimizers sync on their own."""
-        if self.comm.distributed:
-            if self.spec.grad_sync == "ddp":
-                device_ids = [self.device.index] if self.device.type == "cuda" else None
-                model = DistributedDataParallel(model, device_ids=device_ids, process_group=self.comm.group)
-                model.register_comm_hook(self.comm, counting_allreduce_hook)
-            else:  # identical start; the optimizer communicates what its algorithm says
-                for tensor in self.model.state_dict().values():
-                    self.comm.broadcast(tensor)
-                self.comm.take_counts()  # the initial broadcast is set-up, not per-step traffic
-        return torch.compile(model) if compile_model else model
-
     def _announce(self, resumed_from: Path | None) -> None:
         g = self.geometry
         self.logger.info(
             f"run dir {self.run_dir} | {self.comm.world_size} rank(s) on {self.device} | "
-            f"model {self.num_params / 1e6:.1f}M params | optimizer {self.spec.name} (grad sync: {self.spec.grad_sync})"
+            f"model {self.num_params / 1e6:.1f}M params | optimizer {self.spec.name} (grad sync: {self.grad_sync.kind})"
         )
         self.logger.info(
             f"global batch {g.global_batch_size} = micro-batch {g.micro_batch_size} x {g.world_size} rank(s) "
@@ -120,9 +113,12 @@ class Trainer:
                     self.step += 1
                     self._update_ema()
                     self.logger.advance()
-                stopping = self.comm.any(self._stop_requested)
                 # A skipped (fp16 overflow) step keeps the step number: it is folded into the next record.
-                if (stepped and self.step % tcfg.log_every == 0) or stopping or self.step == stop_at:
+                log_due = (stepped and self.step % tcfg.log_every == 0) or self.step == stop_at
+                # Ranks agree on a stop request at log intervals (agreeing reads a collective's result on the
+                # host); a single process acts on it at once.
+                stopping = self.comm.any(self._stop_requested) if log_due or not self.comm.distributed else False
+                if log_due or stopping:
                     self._log(window.flush())
                 if tcfg.eval_every and self.step % tcfg.eval_every == 0 and stepped and self.step < self.max_steps:
                     self.evaluate()
@@ -147,48 +143,29 @@ class Trainer:
         totals: dict[str, torch.Tensor] = {}
         for micro_step in range(accumulation):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self.loader).items()}
-            is_last = micro_step == accumulation - 1
-            # Gradients are made global only after the last micro-batch: DDP's all-reduce is skipped before.
-            with self._grad_sync(enabled=is_last):
+            with self.grad_sync.micro_batch(last=micro_step == accumulation - 1):
                 with autocast(self.cfg.precision.dtype, self.device):
                     out = self.task.step(self.train_model, batch)
                 self.scaler.scale(out["loss"] / accumulation).backward()
-            for key, value in out.items():
+            for key, value in out.items():  # metrics stay on the device: no sync per micro-batch
                 totals[key] = totals.get(key, 0.0) + value.detach().float() / accumulation
 
-        if self.scaler.is_enabled() and self.spec.grad_sync == "self":
-            self._share_overflow()
+        if self.scaler.is_enabled():
+            self.grad_sync.agree_on_overflow([p.grad for p in self.model.parameters() if p.grad is not None])
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.trainer.grad_clip if self.cfg.trainer.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        # Under fp16 the scaler reads its overflow flag (the step's one device sync) and skips the optimizer's
+        # step on an overflow, lowering the scale; bf16 and fp32 always step and never sync here.
+        self._stepped = False
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        # Under fp16 the scaler skips steps whose gradients overflowed; it lowers the scale when it does.
-        skipped = scale_before is not None and self.scaler.get_scale() < scale_before
-        return {"task": totals, "grad_norm": grad_norm.detach(), "lr": lr, "skipped": skipped,
+        return {"task": totals, "grad_norm": grad_norm.detach(), "lr": lr, "skipped": not self._stepped,
                 **self.comm.take_counts()}
 
-    def _share_overflow(self) -> None:
-        """Make one rank's fp16 overflow skip the step on every rank.
-
-        With DDP the gradients are identical, so every rank's scaler already agrees. A self-synchronising
-        optimizer sees only local gradients: if ranks decided alone, one would skip while the others step
-        into a collective it never joins, and their loss scales would drift apart. A rank that did not
-        overflow is shown the overflow by an inf in one gradient, which its scaler then finds and skips.
-        """
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        local_overflow = not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
-        if self.comm.any(local_overflow) and not local_overflow:
-            grads[0].view(-1)[0] = math.inf
-
-    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        """DDP's all-reduce runs only after the last micro-batch; before it, gradients accumulate locally."""
-        ddp = getattr(self.train_model, "_orig_mod", self.train_model)  # look through torch.compile
-        if enabled or not isinstance(ddp, DistributedDataParallel):
-            return contextlib.nullcontext()
-        return ddp.no_sync()
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._stepped = True
 
     def _log(self, window: dict[str, Any]) -> None:
         """Turn the window's tensors into numbers (one device sync per log interval) and record them."""
@@ -221,43 +198,42 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- state
     def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(shared, own): what every rank holds alike, and what is this rank's alone."""
-        counters = {"step": self.step, "skipped_steps": self.skipped_steps}
         learner = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.ema is not None:  # with the model: per rank when the model is
             learner["ema"] = self.ema.module.state_dict()
+        shared_learner, own_learner = self.grad_sync.split_state(learner)
+        shared = {"step": self.step, "skipped_steps": self.skipped_steps, "scaler": self.scaler.state_dict()}
         own = {"rng": rng_state(), "data": self.loader.state_dict()}
-        # Self-synchronising optimizers keep per-rank moments (and may let parameters drift between syncs).
-        if self.spec.grad_sync == "self":
-            own.update(learner)
-            learner = {}
-        return {**counters, **learner, "scaler": self.scaler.state_dict()}, own
+        return {**shared, **shared_learner}, {**own, **own_learner}
 
     def load_state_dicts(self, shared: dict[str, Any], own: dict[str, Any]) -> None:
-        source = own if self.spec.grad_sync == "self" else shared
-        self.model.load_state_dict(source["model"])
-        self.optimizer.load_state_dict(source["optimizer"])
+        learner = self.grad_sync.learner_state(shared, own)
+        self.model.load_state_dict(learner["model"])
+        self.optimizer.load_state_dict(learner["optimizer"])
         if self.ema is not None:  # a checkpoint from before EMA was switched on: start it from the weights
-            self.ema.module.load_state_dict(source.get("ema", self.model.state_dict()))
+            self.ema.module.load_state_dict(learner.get("ema", self.model.state_dict()))
         self.scaler.load_state_dict(shared["scaler"])
         self.loader.load_state_dict(own["data"])
         self.step, self.skipped_steps = shared["step"], shared["skipped_steps"]
         set_rng_state(own["rng"])  # last: building anything above must not shift the restored streams
 
     def save_checkpoint(self) -> None:
-        latest = self.checkpointer.latest()
-        if latest is not None and latest.name == f"step_{self.step:08d}":
+        # Decided from memory, not from listing the directory: every rank must take the same branch.
+        if self._saved_step == self.step:
             return
         path = self.checkpointer.save(self.step, *self.state_dicts())
+        self._saved_step = self.step
         self.logger.info(f"checkpoint {path}")
 
     def _resume(self) -> Path | None:
-        latest = self.checkpointer.latest()
+        latest = self.checkpointer.agreed_latest()
         if latest is not None:
             self.load_state_dicts(*self.checkpointer.load(latest))
+            self._saved_step = self.step
         return latest
 
     def _refuse_to_overwrite(self) -> None:
-        latest = self.checkpointer.latest()
+        latest = self.checkpointer.agreed_latest()
         if latest is not None:
             raise RuntimeError(
                 f"{self.run_dir} already has checkpoint {latest} and trainer.resume=false: "
