@@ -1,6 +1,6 @@
 """Model builders keyed by config name (`conf/model/*.yaml` -> `create_model`)."""
 
-from models._registry import create_model, list_models, model_kwargs_error, register_model
+from models._registry import check_model_config, create_model, list_models, register_model
 from models.bert import BERT_SIZES, BertForPreTrainingMaskedLM, build_bert_config, pad_vocab_size
 from models.swin import export_timm_model, swin
 
@@ -8,10 +8,10 @@ __all__ = [
     "BERT_SIZES",
     "BertForPreTrainingMaskedLM",
     "build_bert_config",
+    "check_model_config",
     "create_model",
     "export_timm_model",
     "list_models",
-    "model_kwargs_error",
     "pad_vocab_size",
     "register_model",
     "swin",

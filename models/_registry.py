@@ -1,48 +1,68 @@
-"""A name -> builder registry for models, filled by the `@register_model` decorator."""
+"""A name -> builder registry for models, filled by the `@register_model` decorator, and the models' config check."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-_MODELS: dict[str, Callable[..., nn.Module]] = {}
+from conf.checks import ConfigError, InvalidOption, check_kwargs
 
 
-def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """Register a builder under its own function name; a second builder with the same name is an error."""
-    if fn.__name__ in _MODELS:
-        raise ValueError(f"model '{fn.__name__}' is registered twice")
-    _MODELS[fn.__name__] = fn
-    return fn
+@dataclass(frozen=True)
+class ModelSpec:
+    """A builder and the check of its options (raising `InvalidOption`), run at compose time without weights."""
+
+    name: str  # the builder's own name, as `model.name` in conf/model/*.yaml
+    build: Callable[..., nn.Module]
+    check: Callable[..., None] | None = None
+
+
+_MODELS: dict[str, ModelSpec] = {}
+
+
+def register_model(fn: Callable[..., nn.Module] | None = None, *, check: Callable[..., None] | None = None) -> Any:
+    """Register a builder under its own function name (`@register_model` or `@register_model(check=...)`).
+
+    `check` takes the builder's keyword arguments (None ones dropped, as `create_model` does) and raises
+    `InvalidOption` for a value that cannot build. A second builder with the same name is an error.
+    """
+
+    def add(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if builder.__name__ in _MODELS:
+            raise ValueError(f"model '{builder.__name__}' is registered twice")
+        _MODELS[builder.__name__] = ModelSpec(builder.__name__, builder, check)
+        return builder
+
+    return add if fn is None else add(fn)
 
 
 def list_models() -> list[str]:
     return sorted(_MODELS)
 
 
-def _builder(name: str) -> Callable[..., nn.Module]:
+def _spec(name: str) -> ModelSpec:
     try:
         return _MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model '{name}'; known models: {', '.join(list_models())}") from None
 
 
-def model_kwargs_error(name: str, kwargs: dict[str, Any]) -> str | None:
-    """Return a one-line complaint if `kwargs` do not fit the builder `name`, else None (checked before launch)."""
+def check_model_config(name: str, kwargs: Mapping[str, Any]) -> None:
+    """Compose-time check of `model.name` and its options; errors name the key (`model.num_attention_heads=...`)."""
+    if name not in _MODELS:
+        raise ConfigError(f"model.name={name} is not a registered model; known models: {', '.join(list_models())}")
+    spec = _MODELS[name]
     try:
-        builder = _builder(name)
-    except ValueError as err:
-        return str(err)
-    params = inspect.signature(builder).parameters
-    unknown = sorted(set(kwargs) - set(params))
-    if unknown:
-        return f"model.{unknown[0]} is not an option of model '{name}'; options: {', '.join(params)}"
-    return None
+        check_kwargs(spec.build, kwargs, owner=f"model '{name}'")
+        if spec.check is not None:
+            spec.check(**{k: v for k, v in kwargs.items() if v is not None})
+    except InvalidOption as err:
+        raise err.within("model") from None
 
 
 def create_model(name: str, **kwargs: Any) -> nn.Module:
     """Build model `name`; kwargs that are None are dropped so the builder's own defaults apply."""
-    return _builder(name)(**{k: v for k, v in kwargs.items() if v is not None})
+    return _spec(name).build(**{k: v for k, v in kwargs.items() if v is not None})

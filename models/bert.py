@@ -9,10 +9,12 @@ back in stock transformers.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import torch
 from transformers import BertConfig, BertForPreTraining, BertForQuestionAnswering
 
+from conf.checks import InvalidOption
 from models._registry import register_model
 
 # hidden size, layers, attention heads, feed-forward size. "xl" is the SLAMB paper's 2.8B-parameter scale:
@@ -56,12 +58,12 @@ def build_bert_config(
         config._attn_implementation = "sdpa"
         return config
     if size not in BERT_SIZES:
-        raise ValueError(f"unknown BERT size '{size}'; known sizes: {', '.join(BERT_SIZES)}")
+        raise InvalidOption("size", f"is an unknown BERT size; known sizes: {', '.join(BERT_SIZES)}", size)
     hidden, layers, heads, ffn = BERT_SIZES[size]
     hidden = hidden_size or hidden
     heads = num_attention_heads or heads
     if hidden % heads:
-        raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+        raise InvalidOption("num_attention_heads", f"does not divide the hidden size {hidden}", heads)
     return BertConfig(
         vocab_size=pad_vocab_size(vocab_size, pad_vocab_to_multiple_of),
         hidden_size=hidden,
@@ -98,7 +100,15 @@ class BertForPreTrainingMaskedLM(BertForPreTraining):
         return self.cls.predictions(masked_output), self.cls.seq_relationship(pooled_output)
 
 
-@register_model
+def check_bert_options(**config_kwargs) -> None:
+    """Compose-time check: building the BertConfig (no weights) validates size, shape and `config_from`."""
+    config_from = config_kwargs.get("config_from")
+    if config_from is not None and not (Path(config_from) / "config.json").is_file():
+        raise InvalidOption("config_from", "has no config.json (a transformers model directory)", config_from)
+    build_bert_config(**config_kwargs)
+
+
+@register_model(check=check_bert_options)
 def bert_pretraining(**config_kwargs) -> BertForPreTrainingMaskedLM:
     """BERT with MLM + NSP heads; keyword arguments are those of `build_bert_config`."""
     model = BertForPreTrainingMaskedLM(build_bert_config(**config_kwargs))
@@ -107,7 +117,7 @@ def bert_pretraining(**config_kwargs) -> BertForPreTrainingMaskedLM:
     return model
 
 
-@register_model
+@register_model(check=check_bert_options)
 def bert_question_answering(**config_kwargs) -> BertForQuestionAnswering:
     """BERT with a span start/end head (SQuAD); keyword arguments are those of `build_bert_config`."""
     return BertForQuestionAnswering(build_bert_config(**config_kwargs))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conf.checks import InvalidOption
 from models._registry import register_model
 
 
@@ -23,7 +24,18 @@ def _to_channels_last(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ..
     return (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
 
 
-@register_model
+def check_swin_options(arch: str = "swin", depths: Sequence[int] | None = None,
+                       num_heads: Sequence[int] | None = None, **_: Any) -> None:
+    """Compose-time check of what timm would reject only once it builds: the architecture and the stage lists."""
+    if not arch.startswith("swin"):
+        import timm
+
+        raise InvalidOption("arch", f"is not a Swin architecture; known: {', '.join(timm.list_models('swin*'))}", arch)
+    if depths is not None and num_heads is not None and len(depths) != len(num_heads):
+        raise InvalidOption("num_heads", f"must have one entry per stage, as depths={list(depths)}", list(num_heads))
+
+
+@register_model(check=check_swin_options)
 def swin(
     arch: str = "swin_base_patch4_window7_224",
     num_classes: int = 1000,
@@ -48,8 +60,7 @@ def swin(
     """
     import timm  # here, not at module top: BERT-only runs need not pay timm's import time
 
-    if not arch.startswith("swin"):
-        raise ValueError(f"model.arch={arch} is not a Swin architecture; known: {', '.join(timm.list_models('swin*'))}")
+    check_swin_options(arch=arch, depths=depths, num_heads=num_heads)
     overrides = {
         "img_size": img_size, "patch_size": patch_size, "embed_dim": embed_dim,
         "depths": tuple(depths) if depths is not None else None,
@@ -58,10 +69,6 @@ def swin(
     }
     model_args = {"num_classes": num_classes, "drop_path_rate": drop_path_rate,
                   **{k: v for k, v in overrides.items() if v is not None}}
-    if depths is not None and num_heads is not None and len(model_args["depths"]) != len(model_args["num_heads"]):
-        raise ValueError(
-            f"model.depths={list(depths)} and model.num_heads={list(num_heads)} must have one entry per stage"
-        )
     model = timm.create_model(arch, pretrained=False, **model_args)
     model.model_args = model_args  # what export_timm_model writes, so timm can rebuild the same shape
     if channels_last:

@@ -10,11 +10,11 @@ from train.config import ConfigError, batch_geometry, validate
 
 def test_demo_is_the_default():
     assert compose().name == "demo"
-    assert compose(["+experiment=demo"]).name == "demo"
+    assert compose(["experiment=demo"]).name == "demo"
 
 
 def test_bert_large_phase1_carries_nvidia_recipe():
-    cfg = compose(["+experiment=bert_large_phase1"])
+    cfg = compose(["experiment=bert_large_phase1"])
     assert cfg.model.size == "large"
     assert (cfg.data.max_seq_len, cfg.data.max_predictions) == (128, 20)
     assert cfg.trainer.global_batch_size == 65536
@@ -32,7 +32,7 @@ def test_bert_large_phase1_carries_nvidia_recipe():
 
 
 def test_bert_large_phase2_derives_from_phase1():
-    cfg = compose(["+experiment=bert_large_phase2"])
+    cfg = compose(["experiment=bert_large_phase2"])
     assert (cfg.data.max_seq_len, cfg.data.max_predictions) == (512, 80)
     assert cfg.trainer.global_batch_size == 32768
     assert cfg.trainer.max_steps == 1563
@@ -94,7 +94,7 @@ def test_cli_rejects_bad_key_and_value_before_training(tmp_path):
 
 @pytest.mark.slow
 def test_cli_prints_phase1_recipe():
-    result = run_train(["+experiment=bert_large_phase1", "--cfg", "job"], timeout=120)
+    result = run_train(["experiment=bert_large_phase1", "--cfg", "job"], timeout=120)
     assert result.returncode == 0, result.stderr
     for fragment in ("global_batch_size: 65536", "lr: 0.006", "warmup_fraction: 0.2843", "max_steps: 7038"):
         assert fragment in result.stdout

@@ -23,5 +23,12 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def accept_appended_experiment(argv: list[str]) -> list[str]:
+    """`+experiment=NAME` means `experiment=NAME`: the defaults list has an `experiment` slot (so Hydra alone would
+    refuse to append one), and `+experiment=` is the spelling many recipes and scripts use."""
+    return [arg[1:] if arg.startswith("+experiment=") else arg for arg in argv]
+
+
 if __name__ == "__main__":
+    sys.argv = accept_appended_experiment(sys.argv)
     main()

@@ -113,42 +113,44 @@ class ScheduleConfig:
 
 @dataclass
 class PrecisionConfig:
-    dtype: Precision = Precision.fp32  # autocast dtype; fp16 adds a GradScaler
-    init_scale: float = 65536.0  # fp16 loss scale at the start (NVIDIA BERT: 2^20)
-    growth_interval: int = 2000  # fp16 steps without overflow before the scale doubles
+    dtype: Precision = MISSING  # autocast dtype; fp16 adds a GradScaler
+    init_scale: float | None = MISSING  # fp16 loss scale at the start (null without loss scaling)
+    growth_interval: int | None = MISSING  # fp16 steps without overflow before the scale doubles
 
 
 @dataclass
 class TrainerConfig:
-    seed: int = 42
-    max_steps: int | None = None  # optimizer steps of the whole run (or set epochs)
-    epochs: float | None = None  # passes over the training set; max_steps is derived from it
-    global_batch_size: int = MISSING  # sequences per optimizer step over all ranks: the source of truth
-    micro_batch_size: int = MISSING  # sequences per forward pass on one rank; accumulation is derived
-    grad_clip: float = 1.0  # global grad-norm clip; 0 disables
-    device: str = "auto"  # auto | cpu | cuda
-    nproc_per_node: int = 1  # >1: start that many local workers (torch elastic); under torchrun/srun: 1
-    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
-    log_every: int = 10  # optimizer steps between metric records
-    eval_every: int = 0  # optimizer steps between evaluations (tasks that have one); 0: only at the end
-    checkpoint_every: int = 200  # optimizer steps between checkpoints; 0 keeps only the final one
-    keep_last: int = 3  # checkpoints kept
-    resume: bool = True  # continue from the run directory's newest checkpoint
-    steps_this_run: int | None = None  # stop (with a checkpoint) after this many steps, for time-boxed jobs
-    init_from: str | None = None  # weights to start from (a checkpoint dir or a save_pretrained dir)
-    compile: bool = False  # torch.compile the model
-    ema_decay: float | None = None  # keep an EMA of the weights with this decay (evaluated too; null: off)
-    best_metric: str | None = None  # keep the checkpoints with the best values of this eval metric (eval/top1)
-    best_metric_mode: str = "max"  # max | min: which end of best_metric is best
-    keep_best: int = 0  # best checkpoints kept besides the last keep_last (needs best_metric)
+    """Types only: the values and their meaning are in conf/trainer/default.yaml."""
+
+    seed: int = MISSING
+    max_steps: int | None = MISSING
+    epochs: float | None = MISSING
+    global_batch_size: int = MISSING
+    micro_batch_size: int = MISSING
+    grad_clip: float = MISSING
+    device: str = MISSING
+    nproc_per_node: int = MISSING
+    backend: str = MISSING
+    log_every: int = MISSING
+    eval_every: int = MISSING
+    checkpoint_every: int = MISSING
+    keep_last: int = MISSING
+    resume: bool = MISSING
+    steps_this_run: int | None = MISSING
+    init_from: str | None = MISSING
+    compile: bool = MISSING
+    ema_decay: float | None = MISSING
+    best_metric: str | None = MISSING
+    best_metric_mode: str = MISSING
+    keep_best: int = MISSING
 
 
 @dataclass
 class LoggerConfig:
-    progress_bar: bool = True
-    tensorboard: bool = True
-    wandb: WandbMode = WandbMode.disabled
-    wandb_project: str = "slamb-trainer"
+    progress_bar: bool = MISSING
+    tensorboard: bool = MISSING
+    wandb: WandbMode = MISSING
+    wandb_project: str = MISSING
 
 
 @dataclass

@@ -19,9 +19,6 @@ def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextMana
 
 def make_grad_scaler(cfg: DictConfig, device: torch.device) -> torch.amp.GradScaler:
     """A dynamic loss scaler for fp16; for bf16 and fp32 a disabled one that passes everything through."""
-    return torch.amp.GradScaler(
-        device.type,
-        init_scale=cfg.init_scale,
-        growth_interval=cfg.growth_interval,
-        enabled=cfg.dtype == "fp16",
-    )
+    if cfg.dtype != "fp16":
+        return torch.amp.GradScaler(device.type, enabled=False)
+    return torch.amp.GradScaler(device.type, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
