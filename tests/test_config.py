@@ -93,8 +93,9 @@ def test_cli_rejects_bad_key_and_value_before_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_prints_phase1_recipe():
-    result = run_train(["experiment=bert_large_phase1", "--cfg", "job"], timeout=120)
+@pytest.mark.parametrize("spelling", ["experiment", "+experiment"])
+def test_cli_prints_phase1_recipe(spelling):
+    result = run_train([f"{spelling}=bert_large_phase1", "--cfg", "job"], timeout=120)
     assert result.returncode == 0, result.stderr
     for fragment in ("global_batch_size: 65536", "lr: 0.006", "warmup_fraction: 0.2843", "max_steps: 7038"):
         assert fragment in result.stdout

@@ -12,6 +12,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from data.atomic import atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
 _BAR_KEYS = {"loss": "loss", "lr": "lr", "seq_per_s": "seq/s", "comm_bytes_per_step": "B/step"}
 
@@ -67,10 +69,7 @@ class MetricLogger:
         if not self.path.exists():
             return
         kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as handle:
-            handle.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:

@@ -20,7 +20,7 @@ from train.metrics import read_metrics
 STAGES = ("phase1", "phase2", "squad")
 EXPERIMENTS = {"phase1": "bert_large_phase1", "phase2": "bert_large_phase2", "squad": "bert_large_squad"}
 
-# Published SQuAD v1.1 dev results for BERT-Large (specs/recipes.md §2): (source, EM, F1).
+# Published SQuAD v1.1 dev results for BERT-Large fine-tuned with the recipe above: (source, EM, F1).
 REFERENCES = (
     ("NVIDIA, Wikipedia + BooksCorpus (5-seed mean)", 84.30, 91.08),
     ("NVIDIA, Wikipedia only (10-seed mean)", 83.96, 90.68),
