@@ -1,18 +1,18 @@
-"""`python -m data.prepare corpus=<name> output_dir=<dir>`: raw corpora to phase-1 / phase-2 pretraining shards.
+"""The offline preparation pipeline behind `python -m data.prepare`: raw corpora to phase-1 / phase-2 shards.
 
 The pipeline, per phase (phase 1: seq 128 / 20 predictions, phase 2: seq 512 / 80, as NVIDIA's recipe):
 
-1. The sources (:mod:`data.sources`) are read as one ordered stream of documents and cut into chunks of
+1. The sources (:mod:`data.corpus.sources`) are read as one ordered stream of documents and cut into chunks of
    about ``chunk_mb`` MB of raw text (at least two documents each). Chunks depend only on the input, never
    on the number of processes.
-2. Each chunk is prepared by a worker process exactly as :func:`data.build_pretraining_dataset` would
+2. Each chunk is prepared by a worker process exactly as :func:`data.text.pretraining.build_pretraining_dataset` would
    prepare those documents with the seed ``chunk_seed(seed, chunk)``: sentences split, lower-cased
    WordPiece tokenisation, NSP pairs (``create_nsp_instances``: 50 % random B from another document *of the
    same chunk*, short_seq_prob, dupe_factor passes) and, with static masking, the 80/10/10 masks of
    ``masking_rng(chunk_seed, 0, i)``. With ``masking: dynamic`` the shards hold unmasked instances and the
    loader draws fresh masks every epoch. As in NVIDIA's sharded create_pretraining_data runs, random
    next segments come from the chunk, which is why chunks are tens of MB (thousands of documents).
-3. Chunk ``c`` becomes ``<output_dir>/<phase>/shard-<c>.parquet`` (:mod:`data.shards`, atomic writes) in
+3. Chunk ``c`` becomes ``<output_dir>/<phase>/shard-<c>.parquet`` (:mod:`data.text.shards`, atomic writes) in
    every phase; when all chunks are done each phase gets its ``manifest.json`` with the whole config,
    the input fingerprint, counts, the vocab checksum and every shard's sha256.
 
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from data.sources import CorpusError, CorpusSource, Document, document_sentences, source_config
+from data.corpus.sources import CorpusError, CorpusSource, Document, document_sentences, source_config
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class PrepareConfig:
 
     output_dir: str = "???"  # one subdirectory per phase is written here
     corpus_name: str = "custom"  # recorded in the manifest (wiki_books, python_docs, ...)
-    sources: list[Any] = field(default_factory=list)  # data.sources.SourceConfig mappings, read in order
+    sources: list[Any] = field(default_factory=list)  # data.corpus.sources.SourceConfig mappings, read in order
     phases: dict[str, PhaseConfig] = field(default_factory=lambda: {
         "phase1": PhaseConfig(128, 20), "phase2": PhaseConfig(512, 80)})
     masking: str = "static"  # static: masks fixed in the shards; dynamic: unmasked, the loader masks per epoch
@@ -165,7 +165,7 @@ _TOKENIZERS: dict[str, Any] = {}
 
 def _tokenizer(vocab_path: str):
     if vocab_path not in _TOKENIZERS:
-        from data.tokenizer import load_tokenizer
+        from data.text.tokenizer import load_tokenizer
 
         _TOKENIZERS[vocab_path] = load_tokenizer(vocab_path)
     return _TOKENIZERS[vocab_path]
@@ -190,10 +190,10 @@ def build_chunk(job: _ChunkJob) -> dict[str, dict[str, Any]]:
     The instances are those of ``build_pretraining_dataset(tokenizer, sentences, seed=chunk_seed(...))``:
     the same tokenisation, pairing and masking calls, in the same order.
     """
-    from data.masking import MLMMasker, masking_rng
-    from data.nsp import create_nsp_instances
-    from data.pretraining import STATIC_MASKING_EPOCH, mask_instance, tokenize_documents
-    from data.shards import write_shard
+    from data.text.masking import MLMMasker, masking_rng
+    from data.text.nsp import create_nsp_instances
+    from data.text.pretraining import STATIC_MASKING_EPOCH, mask_instance, tokenize_documents
+    from data.text.shards import write_shard
 
     chunk = job.chunk
     tokenizer = _tokenizer(job.vocab_path)
@@ -232,18 +232,18 @@ def train_vocab(sources: list[CorpusSource], path: Path, vocab_size: int, min_fr
     """Train a lower-cased WordPiece vocab on the corpus text and write ``vocab.txt`` atomically."""
     from tokenizers import BertWordPieceTokenizer
 
-    from data.shards import atomic_write_bytes
+    from data.atomic import atomic_write_text
 
     tokenizer = BertWordPieceTokenizer(lowercase=True)
     texts = (doc.text for source in sources for doc in source.documents())
     tokenizer.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    atomic_write_bytes(path, "".join(f"{token}\n" for token, _ in vocab).encode("utf-8"))
+    atomic_write_text(path, "".join(f"{token}\n" for token, _ in vocab))
 
 
 def _resolve_vocab(cfg: PrepareConfig, sources: list[CorpusSource], out: Path) -> Path:
-    from data.tokenizer import DEFAULT_VOCAB_PATH
+    from data.text.tokenizer import DEFAULT_VOCAB_PATH
 
     if not cfg.train_vocab:
         path = Path(cfg.vocab_path).expanduser() if cfg.vocab_path else DEFAULT_VOCAB_PATH
@@ -261,9 +261,9 @@ def _check_state(out: Path, state: dict[str, Any]) -> None:
     """Refuse to resume into ``out`` when it was started with another config or other inputs."""
     path = out / STATE_NAME
     if not path.is_file():
-        from data.shards import atomic_write_json
+        from data.atomic import atomic_write_json
 
-        atomic_write_json(path, state)
+        atomic_write_json(path, state, indent=1, sort_keys=True)
         return
     old = json.loads(path.read_text())
     for key in sorted(set(old) | set(state)):
@@ -281,7 +281,7 @@ def _clean_temporaries(directory: Path) -> None:
 
 def _phase_manifest(cfg: PrepareConfig, name: str, phase: PhaseConfig, records: list[dict[str, Any]],
                     vocab: Path, inputs: list[Any], seconds: float) -> dict[str, Any]:
-    from data.shards import FORMAT_NAME, FORMAT_VERSION, sha256_file
+    from data.text.shards import FORMAT_NAME, FORMAT_VERSION, sha256_file
 
     with vocab.open(encoding="utf-8") as f:
         vocab_tokens = sum(1 for _ in f)
@@ -320,7 +320,7 @@ def _phase_manifest(cfg: PrepareConfig, name: str, phase: PhaseConfig, records: 
 
 def prepare(cfg: PrepareConfig) -> dict[str, dict[str, Any]]:
     """Prepare (or finish preparing) every phase of ``cfg``; returns the manifests by phase name."""
-    from data.shards import MANIFEST_NAME, VOCAB_NAME, atomic_write_json, finished_shard, sha256_file
+    from data.text.shards import VOCAB_NAME, finished_shard, sha256_file, write_manifest
 
     validate_prepare_config(cfg)
     start = time.perf_counter()
@@ -388,41 +388,10 @@ def prepare(cfg: PrepareConfig) -> dict[str, dict[str, Any]]:
     for name, phase in cfg.phases.items():
         phase_records = [records[i][name] for i in range(len(records))]
         manifest = _phase_manifest(cfg, name, phase, phase_records, vocab, inputs, seconds)
-        atomic_write_json(out / name / MANIFEST_NAME, manifest)
+        write_manifest(out / name, manifest)
         manifests[name] = manifest
         counts = manifest["counts"]
         log.info("%s: %d shards, %d instances, %d documents, %d words, %.1f MB raw text -> %s", name,
                  len(phase_records), counts["instances"], counts["documents"], counts["words"],
                  counts["raw_bytes"] / 1e6, out / name)
     return manifests
-
-
-def register_prepare_configs() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
-
-
-def main() -> None:
-    """The Hydra entry point (config: conf/prepare/config.yaml + conf/prepare/corpus/<name>.yaml)."""
-    import hydra
-    from omegaconf import DictConfig, OmegaConf
-
-    register_prepare_configs()
-
-    @hydra.main(config_path="../conf/prepare", config_name="config", version_base="1.3")
-    def _run(cfg: DictConfig) -> None:
-        try:
-            prepare(OmegaConf.to_object(cfg))
-        except (CorpusError, ValueError) as err:
-            log.error("%s", err)
-            sys.exit(2)
-
-    _run()
-
-
-if __name__ == "__main__":
-    # Run through the importable module, so worker processes unpickle `data.prepare.build_chunk`.
-    from data import prepare as _module
-
-    _module.main()
