@@ -85,7 +85,7 @@ class Config:
     name: str = MISSING  # run name: the run directory is runs/<name> unless hydra.run.dir says otherwise
     task: TaskConfig = field(default_factory=TaskConfig)
     model: dict[str, Any] = field(default_factory=dict)  # `name` + the builder's keyword arguments
-    data: Any = MISSING  # typed by the chosen option's schema (e.g. data/pretraining_schema)
+    data: Any = MISSING  # typed by the chosen option's schema (e.g. data/text_schema)
     optim: dict[str, Any] = field(default_factory=dict)  # `name` + the optimizer's keyword arguments
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
