@@ -4,11 +4,11 @@
     python -m benchmarks.data_loader --path data/prepared/python_docs --workers 0 2
 
 For seq 128 and 512 it times rank 0 of an 8-rank job (micro-batch 64 / 8, NVIDIA's V100 preset) reading
-statically masked shards through `PretrainingLoader` (shard-blocked shuffle, sha256-verified shard loads,
+statically masked shards through `ResumableLoader` (shard-blocked shuffle, sha256-verified shard loads,
 padding, collation; worker processes and pinned memory as configured), and the same with dynamic masking,
 where the loader also draws the 80/10/10 masks. The reference is the published per-GPU consumption of
 NVIDIA's BERT-Large LAMB run on A100-80G (fp16): 580 sequences/s at seq 128 and 210 at seq 512
-(specs/recipes.md §11); a ratio above 1 means one rank's loader outruns its GPU.
+(NVIDIA DeepLearningExamples' BERT results); a ratio above 1 means one rank's loader outruns its GPU.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 from pydoc_data.topics import topics
 
-from data import PretrainingLoader, load_tokenizer
-from data.prepare import PhaseConfig, PrepareConfig, prepare
-from data.shards import VOCAB_NAME, load_prepared_dataset, resolve_phase_dir
+from data import ResumableLoader
+from data.corpus.pipeline import PhaseConfig, PrepareConfig, prepare
+from data.text.shards import VOCAB_NAME, load_prepared_dataset, resolve_phase_dir
+from data.text.tokenizer import load_tokenizer
 
 A100_SEQ_PER_S = {128: 580, 512: 210}
 MICRO_BATCH = {128: 64, 512: 8}
@@ -46,7 +47,7 @@ def sequences_per_second(path: Path, seq_len: int, workers: int, masking: str, s
     tokenizer = load_tokenizer(directory / VOCAB_NAME)
     manifest_keys = {"max_seq_len": seq_len, "max_predictions": 20 if seq_len == 128 else 80, "masking": masking}
     dataset = load_prepared_dataset(directory, tokenizer, directory / VOCAB_NAME, seed=1, **manifest_keys)
-    loader = PretrainingLoader(dataset, MICRO_BATCH[seq_len], 0, WORLD_SIZE, seed=1, num_workers=workers,
+    loader = ResumableLoader(dataset, MICRO_BATCH[seq_len], 0, WORLD_SIZE, seed=1, num_workers=workers,
                                pin_memory=False, shard_sizes=dataset.instances.shard_sizes)
     for _ in range(3):  # warm-up: worker start, first shard decode
         next(loader)

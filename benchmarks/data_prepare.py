@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from pydoc_data.topics import topics
 
-from data.prepare import PrepareConfig, iter_chunks, prepare
-from data.pretraining import tokenize_documents
-from data.sources import CorpusSource, document_sentences, source_config
-from data.tokenizer import load_tokenizer
+from data.corpus.pipeline import PrepareConfig, iter_chunks, prepare
+from data.corpus.sources import CorpusSource, document_sentences, source_config
+from data.text.pretraining import tokenize_documents
+from data.text.tokenizer import load_tokenizer
 
 WIKI_BOOKS_BYTES = 20e9  # ≈ 2.5 B + 0.8 B words of raw text
 NODE_CORES = 64

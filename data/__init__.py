@@ -1,32 +1,35 @@
-"""Text pretraining data: vendored WordPiece vocab, demo corpus, NSP pairs, MLM masking, resumable loader."""
+"""Training data: generic resumable loading, and the data kinds (text, images, SQuAD) chosen by `data.name`.
 
-from data.demo_corpus import demo_documents
-from data.loader import PretrainingLoader, build_pretraining_loader
-from data.masking import MLMMasker, masking_rng
-from data.nsp import PretrainingInstance, create_nsp_instances
-from data.pretraining import (
-    BATCH_KEYS,
-    PretrainingDataset,
-    build_demo_dataset,
-    build_pretraining_dataset,
-    collate_pretraining_batch,
+Subpackages by feature: `data.text` (tokenizer, masking, NSP, shards, pretraining datasets), `data.corpus`
+(the offline `python -m data.prepare` pipeline), `data.images` and `data.squad`. This package imports neither
+`optim` nor `train`: plain integers go in (`DataRequest`), a `TaskData` comes out.
+"""
+
+from data._registry import (
+    DataKind,
+    DataRequest,
+    TaskData,
+    build_data,
+    check_data,
+    data_schemas,
+    list_data_kinds,
 )
+from data.atomic import atomic_write, atomic_write_json, atomic_write_text, replace_directory
+from data.loader import ResumableLoader
 from data.sampler import ResumableDistributedSampler
-from data.tokenizer import load_tokenizer
 
 __all__ = [
-    "BATCH_KEYS",
-    "MLMMasker",
-    "PretrainingDataset",
-    "PretrainingInstance",
-    "PretrainingLoader",
+    "DataKind",
+    "DataRequest",
     "ResumableDistributedSampler",
-    "build_demo_dataset",
-    "build_pretraining_dataset",
-    "build_pretraining_loader",
-    "collate_pretraining_batch",
-    "create_nsp_instances",
-    "demo_documents",
-    "load_tokenizer",
-    "masking_rng",
+    "ResumableLoader",
+    "TaskData",
+    "atomic_write",
+    "atomic_write_json",
+    "atomic_write_text",
+    "build_data",
+    "check_data",
+    "data_schemas",
+    "list_data_kinds",
+    "replace_directory",
 ]

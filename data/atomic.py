@@ -1,37 +1,86 @@
-"""Atomic file and directory writes: a reader sees the old content or the complete new one, never a part."""
+"""Atomic writes: a reader sees a path's old content or all of the new one, never a partial file or tree.
+
+Files are written to a temporary sibling (`.<name>.tmp-<pid>-<random>`, so a leftover of a killed writer is
+recognisable and never mistaken for a finished file), flushed, fsynced and renamed into place; the rename is
+made durable by fsyncing the directory. Directories are built completely under a staging name first.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+PathLike = str | os.PathLike[str]
 
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call `write` on a temporary file beside `path`, flush and fsync it, then rename it over `path`."""
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename inside `directory` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def temporary_sibling(path: PathLike) -> Path:
+    """A unique temporary name beside `path` (same directory, so the final rename is atomic)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write(path, lambda handle: handle.write(text.encode()))
+def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Run `write` on a temporary file beside `path`, then rename it over `path`, so no crash leaves half a file.
+
+    E.g. `atomic_write(path, lambda f: torch.save(obj, f))`.
+    """
+    path = Path(path)
+    tmp = temporary_sibling(path)
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
 
 
-def atomic_write_json(path: str | Path, obj: Any, **json_kwargs: Any) -> None:
+def atomic_write_text(path: PathLike, text: str) -> None:
+    """`atomic_write` of UTF-8 text."""
+    data = text.encode("utf-8")
+    atomic_write(path, lambda handle: handle.write(data))
+
+
+def atomic_write_json(path: PathLike, obj: Any, **json_kwargs: Any) -> None:
+    """`atomic_write` of `json.dumps(obj, **json_kwargs)` plus a final newline (manifests, records, predictions)."""
     atomic_write_text(path, json.dumps(obj, **json_kwargs) + "\n")
 
 
-def replace_directory(staging: str | Path, final: str | Path) -> None:
-    """Put a fully written `staging` directory in `final`'s place (an old `final` is removed first)."""
-    final = Path(final)
+def replace_directory(staging: PathLike, final: PathLike) -> None:
+    """Put the fully written directory `staging` in `final`'s place; an old `final` is removed afterwards.
+
+    The old tree is renamed aside before the new one is renamed in, so `final` is either the old complete tree
+    or the new complete one, apart from the instant between the two renames.
+    """
+    staging, final = Path(staging), Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    old = None
     if final.exists():
-        shutil.rmtree(final)
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
     os.replace(staging, final)
+    _fsync_directory(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""An endless, exactly resumable micro-batch loader for one rank of a data-parallel run.
+"""An endless, exactly resumable micro-batch loader for one rank of a data-parallel run (every data kind).
 
 Positions are global, as in :mod:`data.sampler`: the loader's state is ``(epoch, index)`` where ``index`` is
 how many samples of the epoch's order all ranks together have consumed *before the next micro-batch this
@@ -17,7 +17,9 @@ already too close to the end for one more step, the loader starts the next epoch
 only on ``(dataset seed, epoch, sample index)``, so they do not change either.
 
 Samples are fetched with ``dataset.get_item(index, epoch)`` when the dataset has it (so per-epoch dynamic
-masking sees the epoch), otherwise with ``dataset[index]``; any indexable collection works.
+masking sees the epoch), otherwise with ``dataset[index]``; any indexable collection works. Samples are
+stacked by ``collate_fn``, by default the dataset's own ``collate`` when it has one, else torch's
+``default_collate``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from typing import Any
 
 import torch
 
-from data.pretraining import collate_pretraining_batch
 from data.sampler import ResumableDistributedSampler
 
 
@@ -48,7 +49,7 @@ class _EpochKeyedView(torch.utils.data.Dataset):
 class _BatchPlan:
     """Endless batches of ``(epoch, index)`` keys for one rank, starting from a global position."""
 
-    def __init__(self, loader: PretrainingLoader, epoch: int, index: int) -> None:
+    def __init__(self, loader: ResumableLoader, epoch: int, index: int) -> None:
         self.loader, self.epoch, self.index = loader, epoch, index
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
@@ -60,7 +61,7 @@ class _BatchPlan:
             epoch, index = self.loader.next_position(epoch, index)
 
 
-class PretrainingLoader:
+class ResumableLoader:
     """Yields this rank's micro-batches forever, across epochs, with exact ``state_dict`` resume.
 
     ``samples_per_epoch`` counts samples consumed per full epoch by all ranks together
@@ -71,11 +72,11 @@ class PretrainingLoader:
 
     def __init__(self, dataset: Sequence[Any], micro_batch_size: int, rank: int, world_size: int, seed: int,
                  *, shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False,
-                 collate_fn: Callable[[list[Any]], Any] = collate_pretraining_batch,
+                 collate_fn: Callable[[list[Any]], Any] | None = None,
                  shard_sizes: Sequence[int] | None = None) -> None:
         num_samples = len(dataset)
         if num_samples == 0:
-            raise ValueError("the dataset is empty: a pretraining loader needs at least one sample")
+            raise ValueError("the dataset is empty: a loader needs at least one sample")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if num_workers < 0:
@@ -93,7 +94,7 @@ class PretrainingLoader:
         self.micro_batch_size = micro_batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
-        self.collate_fn = collate_fn
+        self.collate_fn = collate_fn or getattr(dataset, "collate", None) or torch.utils.data.default_collate
         self.batches_per_epoch = share // micro_batch_size
         self.samples_per_epoch = self.batches_per_epoch * micro_batch_size * world_size
         self.epoch, self.index = 0, 0
@@ -113,7 +114,7 @@ class PretrainingLoader:
             return epoch + 1, 0
         return epoch, index
 
-    def __iter__(self) -> PretrainingLoader:
+    def __iter__(self) -> ResumableLoader:
         return self
 
     def __next__(self) -> Any:
@@ -158,9 +159,3 @@ class PretrainingLoader:
         """Stop prefetching (shuts worker processes down); iteration restarts lazily from the position."""
         self._iterator = None
 
-
-def build_pretraining_loader(dataset: Sequence[Any], micro_batch_size: int, rank: int, world_size: int,
-                             seed: int, num_workers: int = 0, pin_memory: bool = False) -> PretrainingLoader:
-    """Convenience factory for :class:`PretrainingLoader` with the pretraining batch collate."""
-    return PretrainingLoader(dataset, micro_batch_size, rank, world_size, seed,
-                             num_workers=num_workers, pin_memory=pin_memory)

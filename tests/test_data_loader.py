@@ -4,19 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from data import (
-    BATCH_KEYS,
-    PretrainingLoader,
-    ResumableDistributedSampler,
-    build_demo_dataset,
-    load_tokenizer,
-)
+from data import ResumableDistributedSampler, ResumableLoader
 from data.sampler import epoch_permutation
+from data.text.pretraining import BATCH_KEYS, build_demo_dataset
+from data.text.tokenizer import load_tokenizer
 
 
 def _ids_loader(n, batch, rank, world, seed=0, **kw):
     """A loader over ``range(n)``: any indexable collection works; each batch is the tensor of indices."""
-    return PretrainingLoader(list(range(n)), batch, rank, world, seed, collate_fn=torch.tensor, **kw)
+    return ResumableLoader(list(range(n)), batch, rank, world, seed, collate_fn=torch.tensor, **kw)
 
 
 def _take(loader, k):
@@ -109,7 +105,7 @@ def test_sampler_bad_arguments():
 # ----- loader --------------------------------------------------------------------------------------------
 
 def test_loader_yields_pretraining_batches_forever(demo_ds):
-    loader = PretrainingLoader(demo_ds, 8, 0, 2, seed=1)
+    loader = ResumableLoader(demo_ds, 8, 0, 2, seed=1)
     assert loader.batches_per_epoch == len(demo_ds) // 2 // 8
     assert loader.samples_per_epoch == loader.batches_per_epoch * 8 * 2
     batches = _take(loader, loader.batches_per_epoch + 3)
@@ -135,41 +131,41 @@ def test_loader_epochs_cover_each_rank_share_and_reshuffle():
 @pytest.mark.parametrize("k", [0, 1, 5, 19, 20, 23])  # 20 batches per epoch: also resume across the boundary
 def test_loader_resume_gives_the_same_next_batches(demo_ds, k):
     world, rank, batch = 3, 2, 4
-    reference = PretrainingLoader(demo_ds, batch, rank, world, seed=4)
+    reference = ResumableLoader(demo_ds, batch, rank, world, seed=4)
     bpe = reference.batches_per_epoch
     k = k * bpe // 20
     expected = _take(reference, k + 4)
 
-    interrupted = PretrainingLoader(demo_ds, batch, rank, world, seed=4)
+    interrupted = ResumableLoader(demo_ds, batch, rank, world, seed=4)
     _take(interrupted, k)
     state = interrupted.state_dict()
-    resumed = PretrainingLoader(demo_ds, batch, rank, world, seed=4)
+    resumed = ResumableLoader(demo_ds, batch, rank, world, seed=4)
     resumed.load_state_dict(state)
     _assert_same_batches(_take(resumed, 4), expected[k:])
     assert resumed.state_dict() == reference.state_dict()
 
 
 def test_loader_resume_at_exact_epoch_boundary_uses_new_epoch_masks(demo_ds):
-    reference = PretrainingLoader(demo_ds, 16, 0, 1, seed=2)
+    reference = ResumableLoader(demo_ds, 16, 0, 1, seed=2)
     bpe = reference.batches_per_epoch
     expected = _take(reference, bpe + 1)
-    first = PretrainingLoader(demo_ds, 16, 0, 1, seed=2)
+    first = ResumableLoader(demo_ds, 16, 0, 1, seed=2)
     _take(first, bpe)
     state = first.state_dict()
     assert state["epoch"] == 1 and state["index"] == 0
-    resumed = PretrainingLoader(demo_ds, 16, 0, 1, seed=2)
+    resumed = ResumableLoader(demo_ds, 16, 0, 1, seed=2)
     resumed.load_state_dict(state)
     _assert_same_batches(_take(resumed, 1), expected[bpe:])
 
 
 def test_loader_with_workers_matches_and_resumes_exactly(demo_ds):
-    plain = _take(PretrainingLoader(demo_ds, 8, 1, 2, seed=3), 9)
-    workers = PretrainingLoader(demo_ds, 8, 1, 2, seed=3, num_workers=2)
+    plain = _take(ResumableLoader(demo_ds, 8, 1, 2, seed=3), 9)
+    workers = ResumableLoader(demo_ds, 8, 1, 2, seed=3, num_workers=2)
     first = _take(workers, 4)  # workers have prefetched more than 4 batches by now
     state = workers.state_dict()
     workers.close()
     _assert_same_batches(first, plain[:4])
-    resumed = PretrainingLoader(demo_ds, 8, 1, 2, seed=3, num_workers=2)
+    resumed = ResumableLoader(demo_ds, 8, 1, 2, seed=3, num_workers=2)
     resumed.load_state_dict(state)
     _assert_same_batches(_take(resumed, 5), plain[4:])
     resumed.close()
@@ -177,9 +173,9 @@ def test_loader_with_workers_matches_and_resumes_exactly(demo_ds):
 
 def test_loader_is_deterministic_per_seed_and_leaves_global_rng_alone(demo_ds):
     torch_state, np_state = torch.get_rng_state(), np.random.get_state()
-    a = _take(PretrainingLoader(demo_ds, 8, 0, 2, seed=5), 3)
-    b = _take(PretrainingLoader(demo_ds, 8, 0, 2, seed=5), 3)
-    c = _take(PretrainingLoader(demo_ds, 8, 0, 2, seed=6), 3)
+    a = _take(ResumableLoader(demo_ds, 8, 0, 2, seed=5), 3)
+    b = _take(ResumableLoader(demo_ds, 8, 0, 2, seed=5), 3)
+    c = _take(ResumableLoader(demo_ds, 8, 0, 2, seed=6), 3)
     _assert_same_batches(a, b)
     assert not torch.equal(a[0]["input_ids"], c[0]["input_ids"])
     assert torch.equal(torch.get_rng_state(), torch_state)
@@ -218,7 +214,7 @@ def test_loader_clear_errors():
     with pytest.raises(ValueError, match=r"micro_batch_size=9 .* 34 samples // world_size=4 = 8"):
         _ids_loader(34, 9, 0, 4)
     with pytest.raises(ValueError, match="empty"):
-        PretrainingLoader([], 1, 0, 1, seed=0)
+        ResumableLoader([], 1, 0, 1, seed=0)
     loader = _ids_loader(30, 2, 0, 1, seed=1)
     with pytest.raises(ValueError, match="seed=2"):
         loader.load_state_dict({"epoch": 0, "index": 4, "seed": 2, "num_samples": 30})

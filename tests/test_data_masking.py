@@ -4,15 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from data import (
-    BATCH_KEYS,
-    MLMMasker,
-    build_demo_dataset,
-    collate_pretraining_batch,
-    load_tokenizer,
-    masking_rng,
-)
-from data.masking import IGNORE_INDEX
+from data.text.masking import IGNORE_INDEX, MLMMasker, masking_rng
+from data.text.pretraining import BATCH_KEYS, build_demo_dataset, collate_pretraining_batch
+from data.text.tokenizer import load_tokenizer
 
 VOCAB, PAD, UNK, CLS, SEP, MASK = 30522, 0, 100, 101, 102, 103
 SPECIAL = (PAD, UNK, CLS, SEP, MASK)
@@ -182,7 +176,7 @@ def test_collate_builds_the_batch_dict(dynamic_ds):
 
 
 def test_empty_corpus_is_a_clear_error(tokenizer):
-    from data import build_pretraining_dataset
+    from data.text.pretraining import build_pretraining_dataset
 
     with pytest.raises(ValueError, match="empty"):
         build_pretraining_dataset(tokenizer, [])

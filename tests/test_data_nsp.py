@@ -6,11 +6,10 @@ import random
 import numpy as np
 import pytest
 
-from data import create_nsp_instances, demo_documents, load_tokenizer
-from data.demo_corpus import split_sentences
-from data.nsp import NEXT_SENTENCE, RANDOM_SENTENCE
-from data.pretraining import tokenize_documents
-from data.tokenizer import DEFAULT_VOCAB_PATH
+from data.text.demo_corpus import demo_documents, split_sentences
+from data.text.nsp import NEXT_SENTENCE, RANDOM_SENTENCE, create_nsp_instances
+from data.text.pretraining import tokenize_documents
+from data.text.tokenizer import DEFAULT_VOCAB_PATH, load_tokenizer
 
 VOCAB_MD5 = "64800d5d8528ce344256daf115d4965e"
 VOCAB_SIZE = 30522

@@ -19,12 +19,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import build_pretraining_dataset, load_tokenizer
-from data.masking import IGNORE_INDEX, MLMMasker
-from data.nsp import RANDOM_SENTENCE
-from data.prepare import PhaseConfig, PrepareConfig, chunk_seed, iter_chunks, prepare
-from data.shards import MANIFEST_NAME, PARTS_DIR, ShardSet, shard_name
-from data.sources import CorpusError, CorpusSource, Document, SourceConfig, document_sentences, file_documents
+from data.corpus.pipeline import PhaseConfig, PrepareConfig, chunk_seed, iter_chunks, prepare
+from data.corpus.sources import CorpusError, CorpusSource, Document, SourceConfig, document_sentences, file_documents
+from data.text.masking import IGNORE_INDEX, MLMMasker
+from data.text.nsp import RANDOM_SENTENCE
+from data.text.pretraining import build_pretraining_dataset
+from data.text.shards import MANIFEST_NAME, PARTS_DIR, ShardSet, shard_name
+from data.text.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = sorted(topics)

@@ -14,13 +14,13 @@ import torch
 from conftest import TINY, run_train
 from test_data_prepare import small_config, write_corpus
 
-from data import PretrainingLoader, load_tokenizer
-from data.masking import masking_rng
-from data.prepare import PhaseConfig, prepare
-from data.pretraining import mask_instance
+from data import ResumableLoader
+from data.corpus.pipeline import PhaseConfig, prepare
 from data.sampler import ShardBlockedOrder
-from data.shards import MANIFEST_NAME, ShardError, ShardSet, load_prepared_dataset, shard_name
-from data.tokenizer import DEFAULT_VOCAB_PATH
+from data.text.masking import masking_rng
+from data.text.pretraining import mask_instance
+from data.text.shards import MANIFEST_NAME, ShardError, ShardSet, load_prepared_dataset, shard_name
+from data.text.tokenizer import DEFAULT_VOCAB_PATH, load_tokenizer
 
 EXPECTED = dict(max_seq_len=64, max_predictions=10, masking="static", masked_lm_prob=0.15, short_seq_prob=0.1,
                 dupe_factor=2)
@@ -134,7 +134,7 @@ def test_shard_blocked_order_is_a_blocked_permutation():
 # ----- the loader over shards ----------------------------------------------------------------------------
 
 def _loader(dataset, rank, world, batch=4, **kw):
-    return PretrainingLoader(dataset, batch, rank, world, seed=9, shard_sizes=dataset.instances.shard_sizes, **kw)
+    return ResumableLoader(dataset, batch, rank, world, seed=9, shard_sizes=dataset.instances.shard_sizes, **kw)
 
 
 def _ids(batch) -> list[tuple[int, ...]]:

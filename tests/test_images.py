@@ -12,13 +12,19 @@ import torch
 from conftest import compose
 from PIL import Image
 
-from data import PretrainingLoader
-from data.digits import write_digits_imagefolder
-from data.image_sources import FolderSource, HFImageSource, ImageReadError, TarShardSource, open_source, tar_shards
-from data.images import AugmentConfig, ImageCollate, ImageDataset, build_image_sets, check_classes
+from data import ResumableLoader
+from data.images.digits import write_digits_imagefolder
+from data.images.sources import FolderSource, HFImageSource, ImageReadError, TarShardSource, open_source, tar_shards
+from data.images.transforms import AugmentConfig, ImageCollate, ImageDataset, build_image_sets, check_classes
 from train.config import ConfigError, validate
 
-DEMO = AugmentConfig(img_size=32, scale=(0.7, 1.0), hflip=0.0, auto_augment=None, re_prob=0.0,
+
+def augment_config(**overrides) -> AugmentConfig:
+    """The official recipe as conf/data/imagenet.yaml holds it (the only place of its values), with overrides."""
+    return AugmentConfig.from_config(compose(["data=imagenet", "data.path=/nowhere"]).data, **overrides)
+
+
+DEMO = augment_config(img_size=32, scale=(0.7, 1.0), hflip=0.0, auto_augment=None, re_prob=0.0,
                      mixup_alpha=0.0, cutmix_alpha=0.0, crop_pct=1.0)
 
 
@@ -122,17 +128,15 @@ def test_empty_and_mismatched_datasets_fail_clearly(tmp_path, digits):
 
 
 def test_class_count_mismatch_stops_the_trainer_data_build(digits):
-    from optim.comm import Comm
-    from train.config import batch_geometry
-    from train.loaders import build_data
+    from data import DataRequest, build_data
 
     cfg = compose(["+experiment=swin_demo", f"data.path={digits}", "model.num_classes=7"])
     with pytest.raises(ValueError, match=r"10 classes .* model.num_classes=7: set model.num_classes=10"):
-        build_data(cfg.data, batch_geometry(cfg.trainer, 1), Comm(), 0, torch.device("cpu"))
+        build_data(cfg.data, DataRequest(rank=0, world_size=1, micro_batch_size=cfg.trainer.micro_batch_size, seed=0))
 
 
 def test_official_transforms_are_timm_swin_recipe():
-    augment = AugmentConfig()  # defaults = conf/data/imagenet.yaml = the official recipe
+    augment = augment_config()  # defaults = conf/data/imagenet.yaml = the official recipe
     text = repr(augment.train_transform())
     for part in ("RandomResizedCropAndInterpolation", "interpolation=bicubic", "RandAugment", "m=9",
                  "RandomErasing", "p=0.25", "mode=pixel", "RandomHorizontalFlip"):
@@ -149,7 +153,7 @@ def test_official_transforms_are_timm_swin_recipe():
 
 
 def test_augmentation_is_keyed_by_seed_epoch_index_and_leaves_global_rng_alone(digits):
-    dataset = ImageDataset(FolderSource(digits / "val"), AugmentConfig(img_size=32).train_transform(), seed=3)
+    dataset = ImageDataset(FolderSource(digits / "val"), augment_config(img_size=32).train_transform(), seed=3)
     random.seed(1)
     np.random.seed(1)
     torch.manual_seed(1)
@@ -165,7 +169,7 @@ def test_augmentation_is_keyed_by_seed_epoch_index_and_leaves_global_rng_alone(d
 
 
 def test_mixup_collate_gives_soft_targets_reproducibly():
-    augment = AugmentConfig(img_size=8)
+    augment = augment_config(img_size=8)
     collate = ImageCollate(augment, num_classes=10, seed=0)
     samples = [{"image": torch.randn(3, 8, 8), "label": i % 10, "key": (0, 40 + i)} for i in range(8)]
     state = np.random.get_state()
@@ -184,13 +188,13 @@ def test_mixup_collate_gives_soft_targets_reproducibly():
 
 
 def test_loader_resumes_exactly_with_workers(digits):
-    augment = AugmentConfig(img_size=32, auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.25)
+    augment = augment_config(img_size=32, auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.25)
     dataset, collate, evaluation = build_image_sets(
         "folder", str(digits), "train", "val", augment, 10, seed=1, eval_batch_size=100)
     assert evaluation is not None and len(evaluation.dataset) == 1797 - len(dataset)
 
-    def loader(workers: int) -> PretrainingLoader:
-        return PretrainingLoader(dataset, 8, 0, 1, seed=1, num_workers=workers, collate_fn=collate)
+    def loader(workers: int) -> ResumableLoader:
+        return ResumableLoader(dataset, 8, 0, 1, seed=1, num_workers=workers, collate_fn=collate)
 
     reference = loader(0)
     series = [next(reference) for _ in range(5)]

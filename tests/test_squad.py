@@ -11,14 +11,14 @@ import pytest
 from conftest import REPO, TINY, compose
 from torchmetrics.text import SQuAD
 
-from data import load_tokenizer
-from data.squad import SquadExample, SquadFormatError, build_features, load_squad, postprocess_predictions
-from data.squad_metric import f1_score, normalize_answer, squad_scores
+from data.squad.features import SquadExample, SquadFormatError, build_features, load_squad, postprocess_predictions
+from data.squad.metric import f1_score, normalize_answer, squad_scores
+from data.text.tokenizer import load_tokenizer
 from train.metrics import read_metrics
 from train.pipeline import results_table, stage_command
 from train.run import run
 
-DEMO = REPO / "data" / "squad_demo" / "squad_demo.json"
+DEMO = REPO / "data" / "squad" / "squad_demo.json"
 
 
 def _write(tmp_path, data) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import compose, run_train
 
-from data.digits import write_digits_imagefolder
+from data.images.digits import write_digits_imagefolder
 from models import create_model, export_timm_model
 from optim.param_groups import param_groups_weight_decay
 from optim.schedule import linear_warmup_cosine

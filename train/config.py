@@ -13,9 +13,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message is one line naming the key."""
+from conf.checks import ConfigError
+from data import check_data, data_schemas
 
 
 class Precision(str, Enum):
@@ -33,76 +32,6 @@ class WandbMode(str, Enum):
 @dataclass
 class TaskConfig:
     name: str = MISSING  # a task in train/tasks (bert_pretraining)
-
-
-@dataclass
-class PretrainingDataConfig:
-    """Schema of the text-pretraining data options (conf/data/demo.yaml, ...)."""
-
-    name: str = MISSING  # demo: the embedded pydoc corpus; shards: `python -m data.prepare` output (data.path)
-    max_seq_len: int = MISSING  # tokens per sequence (128 in phase 1, 512 in phase 2)
-    max_predictions: int = MISSING  # masked positions per sequence (20 / 80)
-    masked_lm_prob: float = MISSING
-    short_seq_prob: float = MISSING
-    dupe_factor: int = MISSING  # passes over the corpus with different masks and pairings
-    masking: str = MISSING  # static (fixed at preparation) or dynamic (redrawn per epoch)
-    vocab_path: str | None = None  # null: the vendored bert-base-uncased vocab
-    num_workers: int = 0  # loader worker processes per rank
-    # shards only: a prepared output_dir (the phase matching max_seq_len is picked) or one phase directory
-    path: str | None = None
-
-
-@dataclass
-class SquadDataConfig:
-    """Schema of the question-answering data options (conf/data/squad*.yaml)."""
-
-    name: str = MISSING  # squad
-    train_file: str | None = MISSING  # SQuAD v1.1 JSON; null with hf_dataset set
-    dev_file: str | None = MISSING
-    hf_dataset: str | None = None  # e.g. "squad": load train/validation with `datasets` (needs the network)
-    vocab_path: str | None = None  # a vocab.txt or a tokenizer directory; null: the vendored vocab
-    max_seq_len: int = MISSING  # 384
-    doc_stride: int = MISSING  # 128
-    max_query_len: int = MISSING  # 64
-    n_best_size: int = MISSING  # 20
-    max_answer_len: int = MISSING  # 30
-    eval_batch_size: int = 32
-    num_workers: int = 0
-
-
-@dataclass
-class ImageDataConfig:
-    """Schema of the image-classification data options (conf/data/imagenet.yaml, digits.yaml)."""
-
-    name: str = MISSING  # images: data.format under data.path; digits: scikit-learn's digits written to data.path
-    format: str = MISSING  # folder (<path>/<split>/<class>/<image>) | tar (WebDataset shards) | hf (datasets)
-    path: str | None = MISSING  # the dataset root (hf: a save_to_disk directory or a hub name)
-    train_split: str = MISSING
-    eval_split: str | None = MISSING  # null: no held-out evaluation
-    image_key: str = "image"  # hf columns
-    label_key: str = "label"
-    num_classes: int | None = MISSING  # the model head's classes, checked against the data (null: unchecked)
-    img_size: int = MISSING
-    scale: list[float] = MISSING  # RandomResizedCrop area range
-    ratio: list[float] = MISSING  # RandomResizedCrop aspect-ratio range
-    hflip: float = MISSING
-    auto_augment: str | None = MISSING  # timm RandAugment spec, e.g. rand-m9-mstd0.5-inc1
-    color_jitter: float = MISSING
-    interpolation: str = MISSING
-    re_prob: float = MISSING  # random erasing
-    re_mode: str = MISSING
-    re_count: int = MISSING
-    mean: list[float] = MISSING
-    std: list[float] = MISSING
-    crop_pct: float = MISSING  # eval: resize floor(img_size / crop_pct), centre crop img_size
-    mixup_alpha: float = MISSING
-    cutmix_alpha: float = MISSING
-    mixup_prob: float = MISSING
-    mixup_switch_prob: float = MISSING
-    mixup_mode: str = MISSING
-    label_smoothing: float = MISSING
-    eval_batch_size: int = MISSING
-    num_workers: int = 0  # loader worker processes per rank
 
 
 @dataclass
@@ -158,7 +87,7 @@ class Config:
     name: str = MISSING  # run name: the run directory is runs/<name> unless hydra.run.dir says otherwise
     task: TaskConfig = field(default_factory=TaskConfig)
     model: dict[str, Any] = field(default_factory=dict)  # `name` + the builder's keyword arguments
-    data: Any = MISSING  # typed by the chosen option's schema (e.g. data/pretraining_schema)
+    data: Any = MISSING  # typed by the chosen option's schema (e.g. data/text_schema)
     optim: dict[str, Any] = field(default_factory=dict)  # `name` + the optimizer's keyword arguments
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -179,9 +108,8 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("package_path", _package_path)
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
-    store.store(group="data", name="pretraining_schema", node=PretrainingDataConfig)
-    store.store(group="data", name="images_schema", node=ImageDataConfig)
-    store.store(group="data", name="squad_schema", node=SquadDataConfig)
+    for name, node in data_schemas().items():
+        store.store(group="data", name=name, node=node)
 
 
 @dataclass(frozen=True)
@@ -222,12 +150,6 @@ def _positive(cfg: DictConfig, *keys: str) -> None:
             raise ConfigError(f"{key}={value} must be positive")
 
 
-def _in_range(cfg: DictConfig, key: str, low: float, high: float) -> None:
-    value = OmegaConf.select(cfg, key)
-    if not low <= value <= high:
-        raise ConfigError(f"{key}={value} must be in [{low}, {high}]")
-
-
 def _kwargs_error(kind: str, cfg_node: DictConfig) -> str | None:
     """Check a `name` + kwargs node (model, optim) against its registry before anything is built."""
     if "name" not in cfg_node:
@@ -261,43 +183,11 @@ def _check_length(trainer: DictConfig) -> None:
         raise ConfigError(f"{key}={OmegaConf.select(trainer, key.split('.')[1])} must be positive")
 
 
-def _check_pretraining_data(cfg: DictConfig) -> None:
-    _positive(cfg, "data.max_seq_len", "data.max_predictions", "data.dupe_factor")
-    if cfg.data.masking not in ("static", "dynamic"):
-        raise ConfigError(f"data.masking={cfg.data.masking} must be one of static, dynamic")
-    _in_range(cfg, "data.masked_lm_prob", 0.0, 1.0)
-    _in_range(cfg, "data.short_seq_prob", 0.0, 1.0)
-    if cfg.data.max_predictions >= cfg.data.max_seq_len:
-        raise ConfigError(
-            f"data.max_predictions={cfg.data.max_predictions} must be below data.max_seq_len={cfg.data.max_seq_len}"
-        )
-    if cfg.data.name == "shards" and not cfg.data.path:
-        raise ConfigError("data.path=None must name a prepared directory (python -m data.prepare output_dir=...)")
-
-
-def _check_image_data(cfg: DictConfig) -> None:
-    data = cfg.data
-    for key, allowed in (("format", ("folder", "tar", "hf")), ("mixup_mode", ("batch", "pair", "elem")),
-                         ("re_mode", ("const", "rand", "pixel"))):
-        if data[key] not in allowed:
-            raise ConfigError(f"data.{key}={data[key]} must be one of {', '.join(allowed)}")
-    if data.name != "digits" and not data.path:
-        raise ConfigError(f"data.path={data.path} must name the dataset root (data.format={data.format})")
-    _positive(cfg, "data.img_size", "data.eval_batch_size")
-    for key in ("hflip", "re_prob", "mixup_prob", "mixup_switch_prob"):
-        _in_range(cfg, f"data.{key}", 0.0, 1.0)
-    _in_range(cfg, "data.label_smoothing", 0.0, 0.999)
-    if not 0.0 < data.crop_pct <= 1.0:
-        raise ConfigError(f"data.crop_pct={data.crop_pct} must be in (0, 1]")
-    mixing = (data.mixup_alpha > 0 or data.cutmix_alpha > 0) and data.mixup_prob > 0
-    if mixing and cfg.trainer.micro_batch_size % 2:
-        raise ConfigError(
-            f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} must be even with mixup/cutmix on "
-            "(timm mixes each batch with its reverse); or set data.mixup_alpha=0 data.cutmix_alpha=0"
-        )
-    model_classes = OmegaConf.select(cfg, "model.num_classes")
-    if data.num_classes is not None and model_classes is not None and data.num_classes != model_classes:
-        raise ConfigError(f"data.num_classes={data.num_classes} differs from model.num_classes={model_classes}")
+def _check_data_classes(cfg: DictConfig) -> None:
+    """The data's class count must be the model head's (a cross-group check: data and model)."""
+    data_classes, model_classes = OmegaConf.select(cfg, "data.num_classes"), OmegaConf.select(cfg, "model.num_classes")
+    if data_classes is not None and model_classes is not None and data_classes != model_classes:
+        raise ConfigError(f"data.num_classes={data_classes} differs from model.num_classes={model_classes}")
 
 
 def _check_ema_and_best(trainer: DictConfig) -> None:
@@ -325,10 +215,8 @@ def validate(cfg: DictConfig) -> BatchGeometry:
     for key, allowed in (("trainer.device", ("auto", "cpu", "cuda")), ("trainer.backend", ("auto", "gloo", "nccl"))):
         if OmegaConf.select(cfg, key) not in allowed:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be one of {', '.join(allowed)}")
-    if "max_predictions" in cfg.data:
-        _check_pretraining_data(cfg)
-    if "mixup_alpha" in cfg.data:
-        _check_image_data(cfg)
+    check_data(cfg.data, cfg.trainer.micro_batch_size)
+    _check_data_classes(cfg)
     _check_ema_and_best(cfg.trainer)
     for kind in ("model", "optim"):
         error = _kwargs_error(kind, cfg[kind])

@@ -13,13 +13,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from data import DataRequest, build_data
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
 from train.checkpoint import Checkpointer, rng_state, set_rng_state
 from train.config import batch_geometry
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
-from train.loaders import build_data
 from train.metrics import MetricLogger
 from train.model_io import build_model, export_pretrained
 from train.precision import autocast, make_grad_scaler
@@ -38,7 +38,9 @@ class Trainer:
         # Each rank draws its own dropout stream; rank-agreed randomness uses private generators.
         torch.manual_seed(tcfg.seed + comm.rank)
 
-        self.data = build_data(cfg.data, self.geometry, comm, tcfg.seed, self.device)
+        self.data = build_data(cfg.data, DataRequest(
+            rank=comm.rank, world_size=comm.world_size, micro_batch_size=self.geometry.micro_batch_size,
+            seed=tcfg.seed, pin_memory=self.device.type == "cuda"))
         self.loader, self.tokenizer = self.data.train, self.data.tokenizer
         self.max_steps = tcfg.max_steps or math.ceil(
             tcfg.epochs * self.loader.samples_per_epoch / self.geometry.global_batch_size

@@ -3,10 +3,9 @@
 from train.tasks._registry import Task, get_task, list_tasks, register_task
 from train.tasks.bert_pretraining import bert_pretraining_step
 from train.tasks.image_classification import evaluate_image_classification, image_classification_step
-from train.tasks.question_answering import SquadEvalData, evaluate_squad, question_answering_step
+from train.tasks.question_answering import evaluate_squad, question_answering_step
 
 __all__ = [
-    "SquadEvalData",
     "Task",
     "bert_pretraining_step",
     "evaluate_image_classification",

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data.squad import SquadDataset, SquadExample, SquadFeatures, postprocess_predictions, write_json_atomic
-from data.squad_metric import squad_scores
+from data.atomic import atomic_write_json
+from data.squad.features import SquadDataset, SquadEvalData, postprocess_predictions
+from data.squad.metric import squad_scores
 from train.tasks._registry import Task, register_task
 
 
@@ -32,17 +32,6 @@ def _span_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torc
     return out.start_logits, out.end_logits
 
 
-@dataclass
-class SquadEvalData:
-    """A held-out SQuAD set and the post-processing settings its predictions are scored with."""
-
-    examples: list[SquadExample]
-    features: SquadFeatures
-    batch_size: int = 32
-    n_best_size: int = 20
-    max_answer_len: int = 30
-
-
 def evaluate_squad(model: nn.Module, data: SquadEvalData, output_dir: Path) -> dict[str, float]:
     """Predict every question, write predictions.json / nbest_predictions.json, and score EM / F1."""
     device = next(model.parameters()).device
@@ -61,8 +50,8 @@ def evaluate_squad(model: nn.Module, data: SquadEvalData, output_dir: Path) -> d
         n_best_size=data.n_best_size, max_answer_len=data.max_answer_len,
     )
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(predictions, output_dir / "predictions.json")
-    write_json_atomic(nbest, output_dir / "nbest_predictions.json")
+    atomic_write_json(output_dir / "predictions.json", predictions, indent=2, ensure_ascii=False)
+    atomic_write_json(output_dir / "nbest_predictions.json", nbest, indent=2, ensure_ascii=False)
     scores = squad_scores(predictions, ((e.id, e.answers) for e in data.examples))
     return {**scores, "questions": float(len(data.examples)), "windows": float(len(data.features))}
 

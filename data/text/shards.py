@@ -42,14 +42,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data.masking import IGNORE_INDEX
-from data.nsp import RANDOM_SENTENCE, PretrainingInstance
+from data.atomic import atomic_write, atomic_write_json
+from data.text.masking import IGNORE_INDEX
+from data.text.nsp import RANDOM_SENTENCE, PretrainingInstance
 
 MANIFEST_NAME = "manifest.json"
 VOCAB_NAME = "vocab.txt"
 PARTS_DIR = ".parts"
 FORMAT_NAME = "slamb-pretraining-shards"
 FORMAT_VERSION = 1
+_JSON_FORMAT = {"indent": 1, "sort_keys": True}  # how manifests and records are written (stable bytes)
 
 
 class ShardError(ValueError):
@@ -70,26 +72,6 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` so that the path holds either the old content or all of the new."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def _list_array(arrays: Sequence[np.ndarray]) -> pa.ListArray:
@@ -134,12 +116,19 @@ def write_shard(directory: Path, index: int, instances: Sequence[PretrainingInst
     pq.write_table(instances_table(instances, masked), sink, compression="zstd", row_group_size=8192)
     data = sink.getvalue()
     name = shard_name(index)
-    atomic_write_bytes(directory / name, memoryview(data))
+    atomic_write(directory / name, lambda handle: handle.write(memoryview(data)))
     record = {"file": name, "bytes": data.size, "sha256": sha256_bytes(memoryview(data)),
               **shard_stats(instances, masked), **(extra or {})}
     (directory / PARTS_DIR).mkdir(exist_ok=True)
-    atomic_write_json(directory / PARTS_DIR / f"{name}.json", record)
+    atomic_write_json(directory / PARTS_DIR / f"{name}.json", record, **_JSON_FORMAT)
     return record
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> Path:
+    """Write a phase's manifest, last: its presence is what marks the directory finished and loadable."""
+    path = directory / MANIFEST_NAME
+    atomic_write_json(path, manifest, **_JSON_FORMAT)
+    return path
 
 
 def finished_shard(directory: Path, index: int) -> dict[str, Any] | None:
@@ -303,6 +292,14 @@ def resolve_phase_dir(path: str | os.PathLike[str], max_seq_len: int) -> Path:
 PREPARED_KEYS = ("max_seq_len", "max_predictions", "masking", "masked_lm_prob", "short_seq_prob", "dupe_factor")
 
 
+def check_prepared_keys(manifest: dict[str, Any], directory: Path, expected: dict[str, Any]) -> None:
+    """Fail when the training config's :data:`PREPARED_KEYS` differ from what the shards were prepared with."""
+    for key, value in expected.items():
+        if key in PREPARED_KEYS and manifest[key] != value:
+            raise ShardError(f"data.{key}={value} but the shards in {directory} were prepared with "
+                             f"{key}={manifest[key]} ({directory / MANIFEST_NAME})")
+
+
 def load_prepared_dataset(path: str | os.PathLike[str], tokenizer, vocab_path: str | os.PathLike[str], *,
                           seed: int, cache_shards: int = 2, **expected: Any):
     """A :class:`data.PretrainingDataset` over prepared shards, checked against the training config.
@@ -312,16 +309,13 @@ def load_prepared_dataset(path: str | os.PathLike[str], tokenizer, vocab_path: s
     silently replaced). ``vocab_path`` must be the vocabulary the shards were prepared with. Dynamic-masking
     shards are masked per epoch with ``masking_rng(seed, epoch, index)``.
     """
-    from data.masking import MLMMasker
-    from data.pretraining import PretrainingDataset
+    from data.text.masking import MLMMasker
+    from data.text.pretraining import PretrainingDataset
 
     directory = resolve_phase_dir(path, int(expected.get("max_seq_len", 0)))
     shards = ShardSet(directory, cache_shards=cache_shards)
     manifest = shards.manifest
-    for key, value in expected.items():
-        if key in PREPARED_KEYS and manifest[key] != value:
-            raise ShardError(f"data.{key}={value} but the shards in {directory} were prepared with "
-                             f"{key}={manifest[key]} ({directory / MANIFEST_NAME})")
+    check_prepared_keys(manifest, directory, expected)
     check_vocab(manifest, directory, vocab_path)
     if len(tokenizer) != manifest["vocab"]["tokens"]:
         raise ShardError(f"the tokenizer has {len(tokenizer)} tokens but {directory / VOCAB_NAME} has "

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import numpy as np
+
+from data.atomic import replace_directory, temporary_sibling
 
 COMPLETE_MARKER = ".complete"
 
 
 def default_digits_dir() -> Path:
+    """Where `digits` is written when data.path is null: the user's cache, shared by every run."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return cache / "slamb-trainer" / "digits"
 
@@ -41,7 +43,7 @@ def write_digits_imagefolder(root: str | Path | None = None, size: int = 32, val
     digits = load_digits()
     pixels = np.clip(digits.images * (255.0 / 16.0), 0, 255).astype(np.uint8)  # values are 0..16
     rng = np.random.default_rng(seed)
-    staging = root.with_name(f"{root.name}.tmp-{uuid.uuid4().hex[:8]}")
+    staging = temporary_sibling(root)
     try:
         for label in range(10):
             members = rng.permutation(np.flatnonzero(digits.target == label))
@@ -53,13 +55,8 @@ def write_digits_imagefolder(root: str | Path | None = None, size: int = 32, val
                     image = Image.fromarray(pixels[index]).resize((size, size), Image.BICUBIC)
                     image.convert("RGB").save(directory / f"{index:04d}.png")
         (staging / COMPLETE_MARKER).write_text(f"size={size} val_fraction={val_fraction} seed={seed}\n")
-        root.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(staging, root)
-        except OSError:  # another writer finished first (or a stale incomplete tree is in the way)
-            if not (root / COMPLETE_MARKER).is_file():
-                shutil.rmtree(root, ignore_errors=True)
-                os.replace(staging, root)
+        if not (root / COMPLETE_MARKER).is_file():  # else another writer finished first: keep its tree
+            replace_directory(staging, root)  # (a stale incomplete tree in the way is removed)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return root

@@ -26,9 +26,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from data.demo_corpus import demo_documents
-from data.masking import MLMMasker, masking_rng
-from data.nsp import PretrainingInstance, create_nsp_instances
+from data.text.demo_corpus import demo_documents
+from data.text.masking import MLMMasker, masking_rng
+from data.text.nsp import PretrainingInstance, create_nsp_instances
 
 BATCH_KEYS = (
     "input_ids",
@@ -68,6 +68,11 @@ class PretrainingDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.instances)
+
+    @staticmethod
+    def collate(samples: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+        """The batch collate of these samples: what a loader over this dataset stacks with by default."""
+        return collate_pretraining_batch(samples)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         return self.get_item(index, epoch=0)
@@ -166,7 +171,7 @@ def build_pretraining_dataset(tokenizer, documents: Sequence[Sequence[str]], *, 
 def build_demo_dataset(tokenizer, max_seq_len: int = 128, max_predictions: int = 20, dupe_factor: int = 5,
                        seed: int = 12345, masking: Literal["static", "dynamic"] = "static",
                        masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1) -> PretrainingDataset:
-    """The pretraining dataset over the embedded pydoc corpus (:mod:`data.demo_corpus`); offline, seconds."""
+    """The pretraining dataset over the embedded pydoc corpus (:mod:`data.text.demo_corpus`); offline, seconds."""
     return build_pretraining_dataset(
         tokenizer, demo_documents(), max_seq_len=max_seq_len, max_predictions=max_predictions,
         dupe_factor=dupe_factor, seed=seed, masking=masking, masked_lm_prob=masked_lm_prob,

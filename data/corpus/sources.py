@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from data.demo_corpus import split_sentences
+from data.text.demo_corpus import split_sentences
 
 DocFormat = Literal["prose", "lines", "rst"]
 
@@ -65,7 +65,7 @@ class Document(NamedTuple):
 
 
 def document_sentences(doc: Document) -> list[str]:
-    """The document's sentences, by the rule its format names (see :mod:`data.demo_corpus` for prose)."""
+    """The document's sentences, by the rule its format names (see :mod:`data.text.demo_corpus` for prose)."""
     if doc.format == "lines":
         return [" ".join(line.split()) for line in doc.text.splitlines() if line.strip()]
     text = doc.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from transformers import BertTokenizerFast
 
@@ -30,3 +31,15 @@ def load_tokenizer(vocab_path: str | os.PathLike[str] | None = None) -> BertToke
             "the vocabulary file was not loaded correctly"
         )
     return tokenizer
+
+
+def load_any_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:
+    """A vocab.txt (or the vendored vocab) through :func:`load_tokenizer`, or a tokenizer directory (any HF BERT).
+
+    Fine-tuning may start from a published checkpoint whose tokenizer ships as a directory, not one vocab file.
+    """
+    if path is not None and Path(path).is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)

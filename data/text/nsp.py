@@ -31,7 +31,7 @@ class PretrainingInstance(NamedTuple):
     """One unpadded pretraining example: ``[CLS] A [SEP] B [SEP]``.
 
     ``masked_lm_positions``/``masked_lm_labels`` are ``None`` until the instance is masked statically;
-    once set they have the fixed size ``max_predictions`` (see :mod:`data.masking`) and ``input_ids``
+    once set they have the fixed size ``max_predictions`` (see :mod:`data.text.masking`) and ``input_ids``
     holds the corrupted tokens.
     """
 

@@ -227,13 +227,15 @@ def postprocess_predictions(
     return predictions, nbest
 
 
-def write_json_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(obj, handle, indent=2, ensure_ascii=False)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+@dataclass
+class SquadEvalData:
+    """A held-out SQuAD set and the post-processing settings its predictions are scored with."""
+
+    examples: list[SquadExample]
+    features: SquadFeatures
+    batch_size: int = 32
+    n_best_size: int = 20
+    max_answer_len: int = 30
 
 
 def load_squad_hub(name: str, split: str) -> list[SquadExample]:

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from data.image_sources import FolderSource, HFImageSource, TarShardSource
+from data.images.sources import FolderSource, HFImageSource, TarShardSource
 
 ImageSource = FolderSource | TarShardSource | HFImageSource
+_SEQUENCE_KEYS = ("scale", "ratio", "mean", "std")  # lists in the YAML, tuples here
 
 
 @contextlib.contextmanager
@@ -49,28 +50,34 @@ def isolated_global_rng(*key: int) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class AugmentConfig:
-    """The training augmentation (timm names); defaults are the official Swin recipe (specs/recipes.md §6)."""
+    """The training augmentation and eval transform (timm names); the values live in conf/data/imagenet.yaml."""
 
-    img_size: int = 224
-    scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop area range
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    hflip: float = 0.5
-    auto_augment: str | None = "rand-m9-mstd0.5-inc1"  # RandAugment, magnitude 9, std 0.5, increasing ops
+    img_size: int
+    scale: tuple[float, float]  # RandomResizedCrop area range
+    ratio: tuple[float, float]  # RandomResizedCrop aspect-ratio range
+    hflip: float
+    auto_augment: str | None  # timm RandAugment spec, e.g. rand-m9-mstd0.5-inc1
     # Swin's config sets 0.4, but timm (then and now) applies colour jitter only when RandAugment is off.
-    color_jitter: float = 0.4
-    interpolation: str = "bicubic"
-    re_prob: float = 0.25  # random erasing
-    re_mode: str = "pixel"
-    re_count: int = 1
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)  # ImageNet
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
-    crop_pct: float = 0.875  # eval: resize to floor(img_size / crop_pct), centre-crop img_size
-    mixup_alpha: float = 0.8
-    cutmix_alpha: float = 1.0
-    mixup_prob: float = 1.0
-    mixup_switch_prob: float = 0.5  # chance of CutMix instead of Mixup when both are on
-    mixup_mode: str = "batch"
-    label_smoothing: float = 0.1
+    color_jitter: float
+    interpolation: str
+    re_prob: float  # random erasing
+    re_mode: str
+    re_count: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    crop_pct: float  # eval: resize to floor(img_size / crop_pct), centre-crop img_size
+    mixup_alpha: float
+    cutmix_alpha: float
+    mixup_prob: float
+    mixup_switch_prob: float  # chance of CutMix instead of Mixup when both are on
+    mixup_mode: str
+    label_smoothing: float
+
+    @classmethod
+    def from_config(cls, data_cfg: Mapping[str, Any], **overrides: Any) -> AugmentConfig:
+        """The augmentation an image data config asks for (its other keys ignored), with `overrides` on top."""
+        values = {key: overrides.get(key, data_cfg[key]) for key in cls.__dataclass_fields__}
+        return cls(**{key: tuple(value) if key in _SEQUENCE_KEYS else value for key, value in values.items()})
 
     @property
     def mixup(self) -> bool:
@@ -211,7 +218,7 @@ def build_image_sets(format: str, path: str, train_split: str, eval_split: str |
                      pin_memory: bool = False, image_key: str = "image", label_key: str = "label",
                      ) -> tuple[ImageDataset, ImageCollate, EvalImages | None]:
     """The augmented training set with its collate, and the held-out set, after the class-count checks."""
-    from data.image_sources import open_source
+    from data.images.sources import open_source
 
     hf_keys = {"image_key": image_key, "label_key": label_key} if format == "hf" else {}
     train = open_source(format, path, train_split, **hf_keys)

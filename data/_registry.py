@@ -1,0 +1,120 @@
+"""The data kinds (`data.name`): each one's typed schema, compose-time check and builder, looked up by name."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from conf.checks import ConfigError, InvalidOption
+
+# The packages whose kinds exist without being asked for; imported on first use so `import data` stays light.
+_BUILTIN_KIND_MODULES = ("data.text.kinds", "data.images.kinds", "data.squad.kinds")
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """What a run asks of its data, as plain values: who reads (rank of world size), how much, with which seed."""
+
+    rank: int
+    world_size: int
+    micro_batch_size: int
+    seed: int
+    pin_memory: bool = False  # pin batches for faster host-to-GPU copies (on when training on CUDA)
+
+
+@dataclass
+class TaskData:
+    """What a run gets from its data: the training stream, the held-out data and the tokenizer."""
+
+    train: Any  # an endless, resumable micro-batch iterator: state_dict(), load_state_dict(), samples_per_epoch
+    eval: Any | None = None  # held-out data for the task's evaluate(), built on rank 0 only
+    tokenizer: Any | None = None  # exported beside text models
+
+
+@dataclass(frozen=True)
+class DataKind:
+    """One `data.name`: its config schema (a dataclass), its value check and its builder."""
+
+    name: str
+    schema: type
+    check: Callable[[DictConfig, int], None]  # (data config, micro-batch size); raises ConfigError naming data.<key>
+    build: Callable[[DictConfig, DataRequest, bool], TaskData | None]  # dry=True: check the files, return None
+
+
+_KINDS: dict[str, DataKind] = {}
+_loaded = False
+
+
+def register_data_kind(kind: DataKind) -> None:
+    """Make `kind` selectable as `data.name=<kind.name>`; registering a name again replaces it."""
+    _KINDS[kind.name] = kind
+
+
+def _kinds() -> dict[str, DataKind]:
+    global _loaded
+    if not _loaded:
+        import importlib
+
+        for module in _BUILTIN_KIND_MODULES:
+            importlib.import_module(module)
+        _loaded = True
+    return _KINDS
+
+
+def list_data_kinds() -> list[str]:
+    """The names `data.name` may take, sorted."""
+    return sorted(_kinds())
+
+
+def schema_name(schema: type) -> str:
+    """The Hydra name of a schema, `<package>_schema` (text_schema, images_schema, squad_schema)."""
+    parts = schema.__module__.split(".")
+    return f"{parts[1] if len(parts) > 2 and parts[0] == 'data' else schema.__name__.lower()}_schema"
+
+
+def data_schemas() -> dict[str, type]:
+    """Every data schema by the name the `conf/data/*.yaml` defaults lists use, for registration with Hydra."""
+    return {schema_name(kind.schema): kind.schema for kind in sorted(_kinds().values(), key=lambda k: k.name)}
+
+
+def get_data_kind(name: Any) -> DataKind:
+    """The kind `data.name` selects; an unknown name is a ConfigError listing the known ones."""
+    kinds = _kinds()
+    if name not in kinds:
+        raise ConfigError(f"data.name={name} must be one of {', '.join(sorted(kinds))}")
+    return kinds[name]
+
+
+def check_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
+    """Reject data values that cannot work before any worker starts (ConfigError naming `data.<key>`)."""
+    get_data_kind(data_cfg.get("name")).check(data_cfg, micro_batch_size)
+
+
+def build_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
+    """This rank's training stream, held-out data and tokenizer for `data_cfg`.
+
+    `dry=True` checks what can be checked without reading the dataset (paths, manifests, vocabularies),
+    writes nothing, and returns None.
+    """
+    return get_data_kind(data_cfg.get("name")).build(data_cfg, request, dry)
+
+
+@contextlib.contextmanager
+def data_keys() -> Iterator[None]:
+    """Inside a kind's check: an `InvalidOption("masking", ...)` becomes a ConfigError naming `data.masking`."""
+    try:
+        yield
+    except InvalidOption as err:
+        raise err.within("data") from None
+
+
+def require_file(path: Any, what: str) -> None:
+    """A FileNotFoundError naming `path` unless it is an existing file or directory (dry builds)."""
+    from pathlib import Path
+
+    if path is None or not Path(path).expanduser().exists():
+        raise FileNotFoundError(f"{what} not found: {path}")

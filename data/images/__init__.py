@@ -1,0 +1,1 @@
+"""Image classification data: sources (folder, tar, HF), timm transforms and mixup, the digits demo."""

@@ -1,0 +1,1 @@
+"""Text pretraining data: WordPiece tokenizer and vocab, demo corpus, NSP pairs, MLM masking, shards, datasets."""

@@ -1,0 +1,109 @@
+"""The text-pretraining data kinds `demo` and `shards`: their schema, compose-time check and builder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING, DictConfig
+
+from conf.checks import check_choice, check_positive, check_range, require
+from data._registry import DataKind, DataRequest, TaskData, data_keys, register_data_kind, require_file
+
+
+@dataclass
+class TextDataConfig:
+    """Schema of the text-pretraining data options (conf/data/demo.yaml, shards.yaml, ...)."""
+
+    name: str = MISSING  # demo: the embedded pydoc corpus; shards: `python -m data.prepare` output (data.path)
+    max_seq_len: int = MISSING  # tokens per sequence (128 in phase 1, 512 in phase 2)
+    max_predictions: int = MISSING  # masked positions per sequence (20 / 80)
+    masked_lm_prob: float = MISSING
+    short_seq_prob: float = MISSING
+    dupe_factor: int = MISSING  # passes over the corpus with different masks and pairings
+    masking: str = MISSING  # static (fixed at preparation) or dynamic (redrawn per epoch)
+    vocab_path: str | None = None  # null: the vendored bert-base-uncased vocab (shards: the one stored with them)
+    num_workers: int = 0  # loader worker processes per rank
+    # shards only: a prepared output_dir (the phase matching max_seq_len is picked) or one phase directory
+    path: str | None = None
+
+
+def check_text_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
+    """Values that cannot work: sizes, probabilities, the masking mode, and shards without a path."""
+    with data_keys():
+        for key in ("max_seq_len", "max_predictions", "dupe_factor"):
+            check_positive(key, data_cfg[key])
+        check_choice("masking", data_cfg.masking, ("static", "dynamic"))
+        check_range("masked_lm_prob", data_cfg.masked_lm_prob, 0.0, 1.0)
+        check_range("short_seq_prob", data_cfg.short_seq_prob, 0.0, 1.0)
+        require(data_cfg.max_predictions < data_cfg.max_seq_len, "max_predictions", data_cfg.max_predictions,
+                f"must be below data.max_seq_len={data_cfg.max_seq_len}")
+        if data_cfg.name == "shards":
+            require(bool(data_cfg.path), "path", data_cfg.path,
+                    "must name a prepared directory (python -m data.prepare output_dir=...)")
+
+
+def _loader(dataset, data_cfg: DictConfig, request: DataRequest, **kwargs):
+    from data.loader import ResumableLoader
+
+    return ResumableLoader(dataset, request.micro_batch_size, request.rank, request.world_size, request.seed,
+                           num_workers=data_cfg.num_workers, pin_memory=request.pin_memory, **kwargs)
+
+
+def build_demo_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
+    """The tokenizer and this rank's loader over the embedded corpus; every rank builds the same instances."""
+    from data.text.tokenizer import DEFAULT_VOCAB_PATH, load_tokenizer
+
+    if dry:
+        require_file(data_cfg.vocab_path or DEFAULT_VOCAB_PATH, "data.vocab_path: WordPiece vocabulary file")
+        return None
+    from data.text.pretraining import build_demo_dataset
+
+    tokenizer = load_tokenizer(data_cfg.vocab_path)
+    dataset = build_demo_dataset(
+        tokenizer,
+        max_seq_len=data_cfg.max_seq_len,
+        max_predictions=data_cfg.max_predictions,
+        dupe_factor=data_cfg.dupe_factor,
+        seed=request.seed,
+        masking=data_cfg.masking,
+        masked_lm_prob=data_cfg.masked_lm_prob,
+        short_seq_prob=data_cfg.short_seq_prob,
+    )
+    return TaskData(train=_loader(dataset, data_cfg, request), tokenizer=tokenizer)
+
+
+def build_shards_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
+    """This rank's loader over shards from `python -m data.prepare` (data.path), checked against the config.
+
+    data.vocab_path null means the vocabulary stored with the shards; an explicit one must match its sha256.
+    """
+    from data.text.shards import (
+        PREPARED_KEYS,
+        VOCAB_NAME,
+        check_prepared_keys,
+        check_vocab,
+        load_prepared_dataset,
+        read_manifest,
+        resolve_phase_dir,
+    )
+    from data.text.tokenizer import load_tokenizer
+
+    require_file(data_cfg.path, "data.path: prepared data directory")
+    directory = resolve_phase_dir(data_cfg.path, data_cfg.max_seq_len)
+    vocab_path = data_cfg.vocab_path or directory / VOCAB_NAME
+    expected = {key: data_cfg[key] for key in PREPARED_KEYS}
+    if dry:
+        manifest = read_manifest(directory)
+        check_prepared_keys(manifest, directory, expected)
+        require_file(vocab_path, "data.vocab_path: WordPiece vocabulary file")
+        check_vocab(manifest, directory, vocab_path)
+        return None
+    tokenizer = load_tokenizer(vocab_path)
+    dataset = load_prepared_dataset(directory, tokenizer, vocab_path, seed=request.seed, **expected)
+    # shard_sizes: shard-blocked shuffle, O(#shards) order memory
+    loader = _loader(dataset, data_cfg, request, shard_sizes=dataset.instances.shard_sizes)
+    return TaskData(train=loader, tokenizer=tokenizer)
+
+
+register_data_kind(DataKind("demo", TextDataConfig, check_text_data, build_demo_data))
+register_data_kind(DataKind("shards", TextDataConfig, check_text_data, build_shards_data))
