@@ -1,4 +1,4 @@
-"""`python -m train [overrides]`: the Hydra entry point (the demo by default; `+experiment=...` for recipes)."""
+"""`python -m train [overrides]`: the Hydra entry point (the demo by default; `experiment=...` for recipes)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def image_classification_step(model: nn.Module, batch: dict[str, torch.Tensor]) 
 def evaluate_image_classification(model: nn.Module, data: Any, output_dir: Path) -> dict[str, float]:
     """Top-1 / top-5 (percent) and mean CE over the whole held-out set, plus the eval transform's geometry.
 
-    `data` is a `data.images.EvalImages`. Its `protocol` (resize, crop, crop_pct) is returned with the
+    `data` is a `data.images.transforms.EvalImages`. Its `protocol` (resize, crop, crop_pct) is returned with the
     accuracies, so every logged top-1 carries the transform it was measured with: the crop protocol alone
     moves ImageNet top-1 by about 0.1.
     """
