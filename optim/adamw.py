@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from optim._math import check_adam_hyperparameters
 from optim._registry import OptimSpec, register_optimizer
 
 register_optimizer(OptimSpec(
@@ -11,4 +12,5 @@ register_optimizer(OptimSpec(
     cls=torch.optim.AdamW,
     grad_sync="ddp",
     description="torch.optim.AdamW (Loshchilov & Hutter, arXiv 1711.05101): Adam with decoupled weight decay",
+    check=check_adam_hyperparameters,  # torch's constructor checks the same values itself
 ))

@@ -8,8 +8,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optim._math import check_adam_hyperparameters, foreach_adam_update, foreach_momentum_, foreach_variance_
-from optim._registry import OptimSpec, register_optimizer
+from conf.checks import check_choice, require
+from optim._math import (
+    check_adam_hyperparameters,
+    check_flags,
+    foreach_adam_update,
+    foreach_momentum_,
+    foreach_variance_,
+)
+from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
 from optim.compressed import CompressedBuckets, average_, bucket_layout
 
@@ -39,6 +46,21 @@ DIFFERENCES_FROM_DEEPSPEED = """
     - Step boundaries for `freeze_step` < 2 follow our rule (`t > max(freeze_step, first real step)`);
       DeepSpeed needs at least one warm-up step for its freeze check.
 """
+
+
+def check_onebit_family_options(options: dict[str, Any], bucketings: Sequence[str] = ("per_group", "per_tensor"),
+                                freeze_key: str = "freeze_step") -> None:
+    """What the family's checks share: Adam's hyper-parameters, the warm-up length, bucketing, the switches."""
+    check_adam_hyperparameters(options)
+    require(isinstance(options[freeze_key], int) and options[freeze_key] >= 0, freeze_key, options[freeze_key],
+            "must be an integer >= 0")
+    check_choice("bucketing", repr(options["bucketing"]), [repr(b) for b in bucketings])  # quoted: a string
+    check_flags(options, "init_noop_step", "mask_zero_variance")
+
+
+def check_onebit_adam_options(options: dict[str, Any]) -> None:
+    """1-bit Adam's value checks, run by its constructor and, through the registry, on the config."""
+    check_onebit_family_options(options)
 
 
 class OneBitFamily(torch.optim.Optimizer):
@@ -202,9 +224,10 @@ class OneBitAdam(OneBitFamily):
     def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100000, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
-        check_adam_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
-        if bucketing not in ("per_group", "per_tensor"):
-            raise ValueError(f"OneBitAdam: bucketing={bucketing!r}; must be 'per_group' or 'per_tensor'")
+        run_check(type(self).__name__, check_onebit_adam_options, dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, bucketing=bucketing,
+            init_noop_step=init_noop_step, mask_zero_variance=mask_zero_variance,
+        ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.freeze_step = freeze_step
         super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance)
@@ -250,4 +273,5 @@ register_optimizer(OptimSpec(
     cls=OneBitAdam,
     grad_sync="self",
     description="1-bit Adam (DeepSpeed 0.19.6 semantics): full-precision warm-up, then 1-bit compressed momentum",
+    check=check_onebit_adam_options,
 ))

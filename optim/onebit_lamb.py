@@ -8,16 +8,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conf.checks import check_non_negative, check_positive, require
 from optim._math import (
-    check_adam_hyperparameters,
     clamped_trust_ratio,
     foreach_adam_update,
     foreach_momentum_,
     foreach_variance_,
 )
-from optim._registry import OptimSpec, register_optimizer
+from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
-from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily
+from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, check_onebit_family_options
+
+
+def check_onebit_lamb_options(options: dict[str, Any]) -> None:
+    """1-bit LAMB's value checks, run by its constructor and, through the registry, on the config."""
+    o = options
+    check_onebit_family_options(o, bucketings=("flat_scaled", "per_group", "per_tensor"))
+    for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
+        check_positive(low, o[low])
+        require(o[low] <= o[high], high, o[high], f"must be >= {low}={o[low]} (need 0 < {low} <= {high})")
+    check_non_negative("factor_threshold", o["factor_threshold"])
+    require(0.0 <= o["coeff_beta"] < 1.0, "coeff_beta", o["coeff_beta"], "must be in [0, 1)")
 
 
 class OneBitLAMB(OneBitFamily):
@@ -64,14 +75,12 @@ class OneBitLAMB(OneBitFamily):
                  min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, bucketing: str = "flat_scaled", init_noop_step: bool = True,
                  mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
-        check_adam_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
-        if not 0.0 < min_coeff <= max_coeff:
-            raise ValueError(f"OneBitLAMB: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
-        if not 0.0 < factor_min <= factor_max or factor_threshold < 0:
-            raise ValueError(f"OneBitLAMB: need 0 < factor_min <= factor_max and factor_threshold >= 0, got "
-                             f"{factor_min}, {factor_max}, {factor_threshold}")
-        if not 0.0 <= coeff_beta < 1.0:
-            raise ValueError(f"OneBitLAMB: invalid coeff_beta={coeff_beta}; must be in [0, 1)")
+        run_check(type(self).__name__, check_onebit_lamb_options, dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, max_coeff=max_coeff,
+            min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
+            factor_threshold=factor_threshold, bucketing=bucketing, init_noop_step=init_noop_step,
+            mask_zero_variance=mask_zero_variance,
+        ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                         min_coeff=min_coeff)
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
@@ -206,4 +215,5 @@ register_optimizer(OptimSpec(
     cls=OneBitLAMB,
     grad_sync="self",
     description="1-bit LAMB (DeepSpeed 0.19.6 semantics): LAMB warm-up, then fused 1-bit momentum, frozen coefficients",
+    check=check_onebit_lamb_options,
 ))

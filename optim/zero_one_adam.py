@@ -9,10 +9,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from optim._math import check_adam_hyperparameters, foreach_momentum_, foreach_variance_
-from optim._registry import OptimSpec, register_optimizer
+from conf.checks import require
+from optim._math import foreach_momentum_, foreach_variance_
+from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
-from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, onebit_adam_update_
+from optim.onebit_adam import (
+    DIFFERENCES_FROM_DEEPSPEED,
+    OneBitFamily,
+    check_onebit_family_options,
+    onebit_adam_update_,
+)
 
 StepKind = Literal["init", "variance", "onebit_grad", "sync", "local"]
 
@@ -78,6 +84,13 @@ def zero_one_adam_step_kinds(steps: int, var_freeze_step: int, var_update_scaler
     return kinds
 
 
+def check_zero_one_adam_options(options: dict[str, Any]) -> None:
+    """0/1 Adam's value checks, run by its constructor and, through the registry, on the config."""
+    check_onebit_family_options(options, freeze_key="var_freeze_step")
+    for key in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        require(isinstance(options[key], int) and options[key] >= 1, key, options[key], "must be an integer >= 1")
+
+
 class ZeroOneAdam(OneBitFamily):
     r"""0/1 Adam (Lu, Li, Zhang, De Sa, He; ICLR 2023, arXiv 2202.06009), with DeepSpeed 0.19.6's semantics.
 
@@ -121,13 +134,12 @@ class ZeroOneAdam(OneBitFamily):
                  weight_decay: float = 0.0, var_freeze_step: int = 100000, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
-        check_adam_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
-        for name, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
-                            ("local_step_clipper", local_step_clipper)):
-            if value < 1:
-                raise ValueError(f"ZeroOneAdam: invalid {name}={value}; must be >= 1")
-        if bucketing not in ("per_group", "per_tensor"):
-            raise ValueError(f"ZeroOneAdam: bucketing={bucketing!r}; must be 'per_group' or 'per_tensor'")
+        run_check(type(self).__name__, check_zero_one_adam_options, dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, var_freeze_step=var_freeze_step,
+            var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper, bucketing=bucketing, init_noop_step=init_noop_step,
+            mask_zero_variance=mask_zero_variance,
+        ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance)
         self.schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
@@ -199,4 +211,5 @@ register_optimizer(OptimSpec(
     grad_sync="self",
     description="0/1 Adam (DeepSpeed 0.19.6 semantics): adaptive variance freezing, 1-bit gradients, "
                 "1-bit syncs after local steps",
+    check=check_zero_one_adam_options,
 ))
