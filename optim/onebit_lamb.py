@@ -40,10 +40,10 @@ class OneBitLAMB(OneBitFamily):
       :math:`u = m/(\sqrt v+\epsilon) + \lambda w`, :math:`c = \lVert w\rVert/\lVert u\rVert` clamped to
       [``min_coeff``, ``max_coeff``] (1 if a norm is 0), :math:`w \leftarrow w - \eta c u`; the frozen
       coefficient :math:`c_{frz} \leftarrow \beta_c c_{frz} + (1-\beta_c) c` from 0, no bias correction,
-      skipped when :math:`c = 1` (Q12). At the last warm-up step :math:`v_{fresh} \leftarrow v`.
+      skipped when :math:`c = 1`. At the last warm-up step :math:`v_{fresh} \leftarrow v`.
     - Compression (:math:`v` frozen): at its first step every tensor gets ``scaling_coeff`` = mean RMS of
-      all momenta / its own momentum's RMS (Q11). Then :math:`m \leftarrow C\big((\beta_1 m + (1-\beta_1)
-      g_{local}) s_p\big)/s_p` with one fused compressed call over all momenta (padded tail kept, Q16b),
+      all momenta / its own momentum's RMS. Then :math:`m \leftarrow C\big((\beta_1 m + (1-\beta_1)
+      g_{local}) s_p\big)/s_p` with one fused compressed call over all momenta (padded tail kept),
       masked; :math:`\tilde g = (m - \beta_1 m_{old})/(1-\beta_1)` refreshes :math:`v_{fresh}`;
       ``factor`` = max over elements of :math:`(\sqrt v+\epsilon)/(\sqrt{v_{fresh}}+\epsilon)`, blended
       with :math:`\rho = \min(1, \lVert m/(\sqrt v+\epsilon)\rVert/\lVert u\rVert)` when :math:`\lambda>0`,
@@ -155,7 +155,7 @@ class OneBitLAMB(OneBitFamily):
 
 
 def momentum_scaling_coeffs(exp_avgs: list[Tensor]) -> list[float]:
-    """Q11: `mean_q rms(m_q) / rms(m_p)` per tensor, so one worker scale suits every momentum in the buffer.
+    """`mean_q rms(m_q) / rms(m_p)` per tensor, so one worker scale suits every momentum in the buffer.
 
     Computed once, at the first compression step, in Python floats as DeepSpeed does (one host sync, once).
     """

@@ -25,7 +25,7 @@ StepKind = Literal["init", "variance", "onebit_grad", "sync", "local"]
 
 @dataclass
 class ZeroOneSchedule:
-    """DeepSpeed 0.19.6's communication policy for 0/1 Adam as a small state machine (§4.2, Q5-Q7).
+    """DeepSpeed 0.19.6's communication policy for 0/1 Adam as a small state machine.
 
     Phase 1: step t refreshes the variance with an exact mean gradient iff `t % var_interval == 0`
     ("variance"), otherwise it 1-bit all-reduces the local gradient ("onebit_grad"); every
@@ -104,7 +104,7 @@ class ZeroOneAdam(OneBitFamily):
       g_{local}`, :math:`w \leftarrow w - \eta u_t` with :math:`u_t = m/(\sqrt v+\epsilon) + \lambda w`.
       On a sync step, with :math:`w_a` the parameters after the last sync and
       :math:`\Lambda = \sum \eta` since then: :math:`q = (w - w_a)(\sqrt v + \epsilon)` (weight decay leaks
-      into :math:`q`, Q4), :math:`\bar q = C(q)` masked, :math:`m \leftarrow -\bar q/\Lambda`,
+      into :math:`q`, as in DeepSpeed), :math:`\bar q = C(q)` masked, :math:`m \leftarrow -\bar q/\Lambda`,
       :math:`w \leftarrow w_a + \bar q/(\sqrt v+\epsilon)`.
     - Every real step of phase 1 uses the same Adam update (no bias correction, decoupled decay).
 
@@ -116,7 +116,7 @@ class ZeroOneAdam(OneBitFamily):
         var_freeze_step: phase 2 starts after the first step with t > var_freeze_step.
         var_update_scaler: variance steps between doublings of the variance interval (kappa).
         local_step_scaler: phase-2 steps between doublings of the sync interval (alpha; DeepSpeed's default
-            32678 is kept, Q7).
+            32678 is kept).
         local_step_clipper: the largest sync interval (H).
         bucketing, init_noop_step, mask_zero_variance, comm: as in `OneBitAdam`.
     """
@@ -171,7 +171,7 @@ class ZeroOneAdam(OneBitFamily):
             self._variance_changed()
         if kind == "sync":
             self._sync(params, exp_avgs, exp_avg_sqs)
-        if self.schedule.advance(t):  # phase 2 from the next step: errors now track u, not gradients (Q13)
+        if self.schedule.advance(t):  # phase 2 from the next step: errors now track u, not gradients
             self.buckets.zero_errors_()
             torch._foreach_copy_(self._states("sync_anchor"), params)
 

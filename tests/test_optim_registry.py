@@ -63,7 +63,7 @@ def test_each_config_builds_its_optimizer_and_steps(name):
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids).last_hidden_state.square().mean().backward()
     optimizer.step()
-    optimizer.step()  # DeepSpeed's 1-bit family leaves the weights alone on its first step (onebit spec, Q1)
+    optimizer.step()  # DeepSpeed's 1-bit family leaves the weights alone on its first step
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 

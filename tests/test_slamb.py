@@ -1,4 +1,4 @@
-"""SLAMB: equals LAMB on one rank with k = 1, and the spec's properties (specs/slamb.md §8) on 1, 2 and 4 ranks."""
+"""SLAMB: equals LAMB on one rank with k = 1, and its properties on 1, 2 and 4 ranks."""
 
 from __future__ import annotations
 
