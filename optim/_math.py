@@ -3,13 +3,14 @@
 LAMB, SLAMB and 1-bit LAMB differ in what they communicate and when, not in these formulas, so each
 formula lives here once, in a single-tensor form (the readable reference) and, where a hot path needs it,
 a foreach form over a list of tensors. Nothing here reads a tensor's value on the host: fallbacks are
-`torch.where`, so a step stays free of device-to-host syncs.
+`torch.where`, so a step stays free of device-to-host syncs. The value checks every optimizer's options share
+(the Adam four, switches) and the closure handling of `step` live here too.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -140,6 +141,14 @@ def clamped_trust_ratio(weight_norm: Tensor, update_norm: Tensor, max_ratio: flo
     """
     ratio = (weight_norm / update_norm).double().clamp(min=min_ratio, max=max_ratio)
     return torch.where((weight_norm > 0) & (update_norm > 0), ratio, torch.ones_like(ratio))
+
+
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """What `step(closure)` returns: the closure's loss, evaluated with gradients enabled; None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def check_adam_hyperparameters(options: Mapping[str, Any]) -> None:

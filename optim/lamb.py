@@ -15,6 +15,7 @@ from optim._math import (
     bias_corrections,
     check_adam_hyperparameters,
     check_flags,
+    closure_loss,
     foreach_adam_denom,
     foreach_adam_moments_,
     global_grad_norm,
@@ -129,10 +130,7 @@ class LAMB(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One LAMB update of every parameter that has a gradient; `p.grad` is left unchanged."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
 
         grad_divisor = None
         max_grad_norm = self.defaults["max_grad_norm"]
@@ -316,9 +314,6 @@ def _multi_tensor_lamb(
 
 
 register_optimizer(OptimSpec(
-    name="lamb",
-    cls=LAMB,
-    grad_sync="ddp",
+    "lamb", LAMB, "ddp", check=check_lamb_options,
     description="NVLAMB (apex FusedLAMB semantics): global grad-norm pre-normalisation, Adam, trust ratio",
-    check=check_lamb_options,
 ))

@@ -12,6 +12,7 @@ from conf.checks import check_choice, require
 from optim._math import (
     check_adam_hyperparameters,
     check_flags,
+    closure_loss,
     foreach_adam_update,
     foreach_momentum_,
     foreach_variance_,
@@ -108,10 +109,7 @@ class OneBitFamily(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step of the algorithm; `p.grad` may be replaced by the (compressed) mean over ranks."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self.step_count += 1
         if self.init_noop_step and self.step_count == 1:
             return loss  # DeepSpeed's initialisation step leaves m, v and the parameters untouched
@@ -269,9 +267,6 @@ def onebit_adam_update_(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sq
 
 
 register_optimizer(OptimSpec(
-    name="onebit_adam",
-    cls=OneBitAdam,
-    grad_sync="self",
+    "onebit_adam", OneBitAdam, "self", check=check_onebit_adam_options,
     description="1-bit Adam (DeepSpeed 0.19.6 semantics): full-precision warm-up, then 1-bit compressed momentum",
-    check=check_onebit_adam_options,
 ))

@@ -211,9 +211,6 @@ def onebit_lamb_compressed_update_(params: list[Tensor], exp_avgs: list[Tensor],
 
 
 register_optimizer(OptimSpec(
-    name="onebit_lamb",
-    cls=OneBitLAMB,
-    grad_sync="self",
+    "onebit_lamb", OneBitLAMB, "self", check=check_onebit_lamb_options,
     description="1-bit LAMB (DeepSpeed 0.19.6 semantics): LAMB warm-up, then fused 1-bit momentum, frozen coefficients",
-    check=check_onebit_lamb_options,
 ))

@@ -11,7 +11,14 @@ import torch
 from torch import Tensor
 
 from conf.checks import check_choice, check_non_negative, check_positive, check_range, require
-from optim._math import bias_corrections, check_adam_hyperparameters, check_flags, foreach_adam_moments_, trust_ratio
+from optim._math import (
+    bias_corrections,
+    check_adam_hyperparameters,
+    check_flags,
+    closure_loss,
+    foreach_adam_moments_,
+    trust_ratio,
+)
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
 
@@ -182,10 +189,7 @@ class SLAMB(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One SLAMB step: local moments, masked momentum average, rescaled LAMB update, periodic dense sync."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         layout = self._ensure_layout()
         glob = self.state[_GLOBAL]
         glob["step"] += 1
@@ -579,10 +583,7 @@ def _always(p: Tensor, min_compress_numel: int) -> bool:
 
 
 register_optimizer(OptimSpec(
-    name="slamb",
-    cls=SLAMB,
-    grad_sync="self",
+    "slamb", SLAMB, "self", check=check_slamb_options,
     description="SLAMB (Xu et al., ICML 2023): LAMB with a randomly masked momentum all-reduce, freshness "
                 "rescaling and periodic dense parameter averaging",
-    check=check_slamb_options,
 ))

@@ -206,10 +206,7 @@ class ZeroOneAdam(OneBitFamily):
 
 
 register_optimizer(OptimSpec(
-    name="zero_one_adam",
-    cls=ZeroOneAdam,
-    grad_sync="self",
+    "zero_one_adam", ZeroOneAdam, "self", check=check_zero_one_adam_options,
     description="0/1 Adam (DeepSpeed 0.19.6 semantics): adaptive variance freezing, 1-bit gradients, "
                 "1-bit syncs after local steps",
-    check=check_zero_one_adam_options,
 ))
