@@ -3,7 +3,7 @@
     pip install --no-deps deepspeed==0.19.6 hjson msgpack ninja psutil py-cpuinfo einops   # DS_BUILD_OPS=0
     python -m benchmarks.deepspeed_reference --steps 60 --world-size 2
 
-DeepSpeed's optimizers cannot run on a CPU as shipped (specs/onebit_zeroone.md §8); a test-only adapter,
+DeepSpeed's optimizers cannot run on a CPU as shipped; a test-only adapter,
 applied here and never in the product, makes them: (1) a pure-torch sign packer stands in for the
 accelerator's `PackbitsBuilder`, (2) the compressed backend's `all_gather` gets its 0-dim scales as shape
 (1,) (gloo's shape check). The optimizer code itself runs unmodified. Instead of DeepSpeed's engine a
@@ -78,7 +78,7 @@ class _GlooScalarShapes:
 
 
 def install_adapter() -> None:
-    """The test-only adapter of spec §8 (call after `torch.distributed` is initialised)."""
+    """The test-only adapter of the module docstring (call after `torch.distributed` is initialised)."""
     import deepspeed.comm
     import deepspeed.ops.op_builder as op_builder
     import deepspeed.runtime.comm.compressed as compressed

@@ -15,7 +15,7 @@ Volume: bits per parameter per step over a full BERT-Large phase-1 schedule (703
 optimizer's communication schedule and the byte counts of `optim.comm.Comm` (the tests check that the
 counted bytes equal these predictions step by step on 2 and 4 ranks). SLAMB's figure comes from its
 configuration (conf/optim/slamb.yaml: k, H, tau) and BERT-Large's tensor shapes, by the formula of
-specs/slamb.md §5 (masked coordinates drawn with probability k are counted at their expectation).
+`slamb_bits_per_step` (masked coordinates drawn with probability k are counted at their expectation).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def freeze_kinds(steps: int, freeze_step: int) -> list[str]:
 
 
 def slamb_bits_per_step(model: torch.nn.Module, steps: int, cfg: dict[str, Any]) -> float:
-    """specs/slamb.md §5: per step k of the masked coordinates plus every always-synced one, and a dense
+    """Per step k of the masked coordinates plus every always-synced one, and a dense
     parameter average every H steps, all in the communication dtype."""
     bits = {"fp32": 32, "fp16": 16, "bf16": 16}[cfg["comm_dtype"]]
     numel = always = 0
@@ -109,12 +109,12 @@ def volume_table(world_sizes: tuple[int, ...] = (8, 128)) -> list[str]:
         with open("conf/optim/slamb.yaml") as f:
             slamb_cfg = yaml.safe_load(f)
         slamb = slamb_bits_per_step(model, PHASE1_STEPS, slamb_cfg)
-        lines.append(f"| SLAMB (formula, specs/slamb.md §5) | k {slamb_cfg['compress_ratio']}, H "
+        lines.append(f"| SLAMB (formula) | k {slamb_cfg['compress_ratio']}, H "
                      f"{slamb_cfg['sync_interval']}, tau {slamb_cfg['min_compress_numel']}, "
                      f"{slamb_cfg['comm_dtype']} | " + " | ".join(f"{slamb:.3f}" for _ in world_sizes) + " |")
     except FileNotFoundError:
         lines.append("| SLAMB | conf/optim/slamb.yaml absent | - |")
-    lines += ["", f"Published BERT-Large schedule ({PUBLISHED_STEPS} steps, batch 4096; specs/onebit_zeroone.md §5), "
+    lines += ["", f"Published BERT-Large schedule ({PUBLISHED_STEPS} steps, batch 4096), "
               f"W={world_sizes[-1]}:", "", "| optimizer | bits/param/step | vs fp32 Adam |", "|---|---|---|"]
     for label, kinds in (("1-bit Adam, freeze_step 23000", freeze_kinds(PUBLISHED_STEPS, 23000)),
                          ("0/1 Adam, var_freeze_step 12500", zero_one_adam_step_kinds(PUBLISHED_STEPS, 12500))):

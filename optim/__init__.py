@@ -7,6 +7,7 @@ from optim import adamw  # noqa: F401  (registers `adamw`)
 from optim._registry import (
     OptimSpec,
     build_optimizer,
+    check_optimizer_config,
     get_optimizer_spec,
     list_optimizers,
     register_optimizer,
@@ -28,6 +29,7 @@ __all__ = [
     "ZeroOneAdam",
     "build_lr_schedule",
     "build_optimizer",
+    "check_optimizer_config",
     "get_optimizer_spec",
     "list_optimizers",
     "param_groups_weight_decay",

@@ -3,16 +3,20 @@
 LAMB, SLAMB and 1-bit LAMB differ in what they communicate and when, not in these formulas, so each
 formula lives here once, in a single-tensor form (the readable reference) and, where a hot path needs it,
 a foreach form over a list of tensors. Nothing here reads a tensor's value on the host: fallbacks are
-`torch.where`, so a step stays free of device-to-host syncs.
+`torch.where`, so a step stays free of device-to-host syncs. The value checks every optimizer's options share
+(the Adam four, switches) and the closure handling of `step` live here too.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from conf.checks import check_non_negative, require
 
 
 def global_grad_norm(grads: list[Tensor]) -> Tensor:
@@ -139,13 +143,28 @@ def clamped_trust_ratio(weight_norm: Tensor, update_norm: Tensor, max_ratio: flo
     return torch.where((weight_norm > 0) & (update_norm > 0), ratio, torch.ones_like(ratio))
 
 
-def check_adam_hyperparameters(name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
-    """Bad Adam-family hyper-parameters fail at construction, naming the optimizer and the value."""
-    if not lr >= 0.0:
-        raise ValueError(f"{name}: invalid learning rate lr={lr}; must be >= 0")
-    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
-        raise ValueError(f"{name}: invalid betas={betas}; need two values in [0, 1)")
-    if not eps >= 0.0:
-        raise ValueError(f"{name}: invalid eps={eps}; must be >= 0")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"{name}: invalid weight_decay={weight_decay}; must be >= 0")
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """What `step(closure)` returns: the closure's loss, evaluated with gradients enabled; None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def check_adam_hyperparameters(options: Mapping[str, Any]) -> None:
+    """The Adam family's `lr`, `betas`, `eps`, `weight_decay`: an `InvalidOption` naming the first bad one.
+
+    The check of `adamw` and the first part of every other optimizer's check (constructors and config alike).
+    """
+    check_non_negative("lr", options["lr"])
+    betas = options["betas"]
+    require(isinstance(betas, Sequence) and len(betas) == 2 and all(0.0 <= beta < 1.0 for beta in betas),
+            "betas", betas, "must be two values in [0, 1)")
+    check_non_negative("eps", options["eps"])
+    check_non_negative("weight_decay", options["weight_decay"])
+
+
+def check_flags(options: Mapping[str, Any], *keys: str) -> None:
+    """Options that are switches must be true or false (a string or a pair is some other optimizer's option)."""
+    for key in keys:
+        require(isinstance(options[key], bool), key, options[key], "must be true or false")

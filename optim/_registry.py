@@ -1,25 +1,49 @@
-"""The optimizer registry: a frozen `OptimSpec` per name, and `build_optimizer`, where names are resolved."""
+"""The optimizer registry: a frozen `OptimSpec` per name, `check_optimizer_config` and `build_optimizer`.
+
+Each optimizer module registers its own spec: its class, its value check (the same function its constructor
+runs) and the keyword arguments the entry fixes. The compose-time validator calls `check_optimizer_config`,
+before any worker starts; the trainer calls `build_optimizer`.
+"""
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from conf.checks import ConfigError, InvalidOption, check_kwargs
 from optim.param_groups import param_groups_weight_decay
+
+_RESERVED = ("params", "comm")  # filled by `build_optimizer`, never by the config
 
 
 @dataclass(frozen=True)
 class OptimSpec:
-    """What the trainer needs to know about an optimizer besides its keyword arguments."""
+    """What the trainer needs to know about an optimizer besides its keyword arguments.
+
+    `check` validates a complete set of the class's keyword arguments (every option of its signature but
+    `params` and `comm`) and raises `conf.checks.InvalidOption` naming the bare option (`lr`); the class's
+    constructor runs the same function, so the config and a direct call agree on what is valid.
+
+    `defaults` are keyword arguments this entry fixes for its class, applied under the config's values:
+    one class can stand under several names with other defaults (as timm's `lambc` is its `Lamb` with
+    `trust_clip=True`). Precedence, lowest first: the class signature, `defaults`, the config.
+    """
 
     name: str  # same string as conf/optim/<name>.yaml and its `name:` field
     cls: type[torch.optim.Optimizer]
     grad_sync: Literal["ddp", "self"]  # who makes gradients global: DDP all-reduce, or the optimizer itself
     description: str
+    check: Callable[[dict[str, Any]], None]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))  # frozen all the way
 
 
 _OPTIMIZERS: dict[str, OptimSpec] = {}
@@ -31,6 +55,8 @@ def register_optimizer(spec: OptimSpec) -> OptimSpec:
         raise ValueError(f"optimizer '{spec.name}' is registered twice")
     if spec.grad_sync not in ("ddp", "self"):
         raise ValueError(f"optimizer '{spec.name}': grad_sync={spec.grad_sync!r} must be 'ddp' or 'self'")
+    check_kwargs(spec.cls, spec.defaults, owner=f"optimizer '{spec.name}' (in its registry defaults)",
+                 reserved=_RESERVED)
     _OPTIMIZERS[spec.name] = spec
     return spec
 
@@ -47,27 +73,62 @@ def get_optimizer_spec(name: str) -> OptimSpec:
         raise ValueError(f"unknown optimizer '{name}'; known optimizers: {known}") from None
 
 
+def run_check(owner: str, check: Callable[[dict[str, Any]], None], options: dict[str, Any]) -> None:
+    """A constructor's call of its `check`: the message names the class (`LAMB: lr=-1.0 must be >= 0`)."""
+    try:
+        check(options)
+    except InvalidOption as err:
+        err.args = (f"{owner}: {err.args[0]}",)  # `err.within("optim")` still gives the config's form
+        raise
+
+
+def check_optimizer_config(name: str, kwargs: Mapping[str, Any]) -> None:
+    """Check an `optim` config node (`name` + keyword arguments) without building anything.
+
+    Raises `ConfigError` with one line naming the key as the user writes it: `optim.lr=-1 must be >= 0`,
+    `optim.momentum is not an option of optimizer 'lamb'; options: ...`, `optim.name=sgdx ...`.
+    """
+    if name not in _OPTIMIZERS:
+        raise ConfigError(f"optim.name={name} is not a registered optimizer; known optimizers: "
+                          f"{', '.join(list_optimizers())}")
+    spec = _OPTIMIZERS[name]
+    try:
+        check_kwargs(spec.cls, kwargs, owner=f"optimizer '{name}'", reserved=_RESERVED)
+        spec.check({**_options(spec.cls), **spec.defaults, **_plain(kwargs)})
+    except InvalidOption as err:
+        raise err.within("optim") from None
+
+
 def build_optimizer(
-    model: nn.Module, name: str, kwargs: dict[str, Any], comm: Any = None
+    model: nn.Module, name: str, kwargs: Mapping[str, Any], comm: Any = None
 ) -> torch.optim.Optimizer:
-    """Build optimizer `name` over `model`'s trainable parameters, from config kwargs.
+    """Build optimizer `name` over `model`'s trainable parameters, from config kwargs over the entry's defaults.
 
     `weight_decay` goes to the decay group only (biases and norm weights get 0, see `param_groups.py`); the
     other kwargs go to the class as they are. None values are passed on, not dropped: `max_grad_norm: null`
     means "off", not "the class default". Optimizers that synchronise themselves also get `comm`.
     """
     spec = get_optimizer_spec(name)
-    kwargs = dict(kwargs)
-    options = inspect.signature(spec.cls).parameters
-    reserved = {"params", "comm"}
-    unknown = sorted(k for k in kwargs if k not in options or k in reserved)
-    if unknown:
-        allowed = ", ".join(k for k in options if k not in reserved)
-        raise ValueError(f"'{unknown[0]}' is not an option of optimizer '{name}'; options: {allowed}")
-    class_default = options["weight_decay"].default if "weight_decay" in options else 0.0
-    weight_decay = kwargs.pop("weight_decay", class_default)
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}  # YAML lists: betas
+    try:
+        check_kwargs(spec.cls, kwargs, owner=f"optimizer '{name}'", reserved=_RESERVED)
+    except InvalidOption as err:
+        raise ConfigError(f"'{err.key}' {err.why}") from None
+    kwargs = {**spec.defaults, **_plain(kwargs)}
+    weight_decay = kwargs.pop("weight_decay", _options(spec.cls).get("weight_decay", 0.0))
     groups = param_groups_weight_decay(model, weight_decay)
     if spec.grad_sync == "self":
         kwargs["comm"] = comm
     return spec.cls(groups, **kwargs)
+
+
+def _options(cls: type) -> dict[str, Any]:
+    """The class's keyword arguments with their signature defaults (`params`, `comm` left out)."""
+    return {
+        name: p.default for name, p in inspect.signature(cls).parameters.items()
+        if name not in _RESERVED and p.default is not inspect.Parameter.empty
+    }
+
+
+def _plain(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Config sequences (YAML lists, OmegaConf ListConfig: betas, bounds) as tuples, as the classes expect."""
+    return {k: tuple(v) if isinstance(v, Sequence) and not isinstance(v, str) else v for k, v in kwargs.items()}

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from optim._math import check_adam_hyperparameters
 from optim._registry import OptimSpec, register_optimizer
 
 register_optimizer(OptimSpec(
-    name="adamw",
-    cls=torch.optim.AdamW,
-    grad_sync="ddp",
+    "adamw", torch.optim.AdamW, "ddp", check=check_adam_hyperparameters,  # torch's constructor checks them too
     description="torch.optim.AdamW (Loshchilov & Hutter, arXiv 1711.05101): Adam with decoupled weight decay",
 ))

@@ -1,12 +1,12 @@
 """Error-feedback 1-bit compressed all-reduce (DeepSpeed's two-phase scheme) with real bit packing.
 
-Shared by 1-bit Adam, 1-bit LAMB and 0/1 Adam (specs/onebit_zeroone.md §1). Each rank compresses its padded
+Shared by 1-bit Adam, 1-bit LAMB and 0/1 Adam. Each rank compresses its padded
 vector to signs (1 bit per element, packed 8 to a byte) and one RMS scale, keeping what the compression lost
 in a worker error buffer. Phase 1 is an all-to-all: rank j receives every rank's signs for chunk j, averages
 them with the scales, adds its server error and compresses the result again. Phase 2 all-gathers the W
 compressed chunks. Every rank decodes the same bytes, so the output is bit-identical across ranks.
 
-Why padding: the vector is padded to a multiple of `W * lcm(W, 8)` so each chunk is whole bytes (§1.2).
+Why padding: the vector is padded to a multiple of `W * lcm(W, 8)` so each chunk is whole bytes.
 Each scale rides in the same collective as its signs (4 bytes appended per chunk), so one compressed
 all-reduce is two collectives, not DeepSpeed's four; the arithmetic is the same.
 """
@@ -140,7 +140,7 @@ class CompressedBuckets:
     `layout` lists, per bucket, the indices of the tensors it holds (in order) and `numels` their sizes.
     With `keep_tail` the padded tail of each bucket's flat buffer is kept from call to call, as 1-bit LAMB's
     fused momentum buffer is in DeepSpeed (the tail holds the previous decompressed output, which feeds the
-    next compression and its scale, §7 Q16b); without it the tail is zero on every call, as DeepSpeed's
+    next compression and its scale); without it the tail is zero on every call, as DeepSpeed's
     per-tensor padding. The error buffers are rank-specific state: checkpoint them with `state_dict()`.
     """
 

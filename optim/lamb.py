@@ -8,18 +8,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conf.checks import require
 from optim._math import (
     adam_direction,
     adam_moments_,
     bias_corrections,
     check_adam_hyperparameters,
+    check_flags,
+    closure_loss,
     foreach_adam_denom,
     foreach_adam_moments_,
     global_grad_norm,
     grad_prenorm_divisor,
     trust_ratio,
 )
-from optim._registry import OptimSpec, register_optimizer
+from optim._registry import OptimSpec, register_optimizer, run_check
 
 
 class LAMB(torch.optim.Optimizer):
@@ -75,9 +78,6 @@ class LAMB(torch.optim.Optimizer):
         always_adapt: bool = False,
         foreach: bool | None = None,
     ) -> None:
-        check_adam_hyperparameters("LAMB", lr, betas, eps, weight_decay)
-        if max_grad_norm is not None and not max_grad_norm > 0.0:
-            raise ValueError(f"LAMB: invalid max_grad_norm={max_grad_norm}; must be > 0, or None")
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -89,6 +89,7 @@ class LAMB(torch.optim.Optimizer):
             always_adapt=always_adapt,
             foreach=foreach,
         )
+        run_check("LAMB", check_lamb_options, defaults)
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["max_grad_norm"] != max_grad_norm:
@@ -129,10 +130,7 @@ class LAMB(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One LAMB update of every parameter that has a gradient; `p.grad` is left unchanged."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
 
         grad_divisor = None
         max_grad_norm = self.defaults["max_grad_norm"]
@@ -202,6 +200,17 @@ def lamb(
         return
     for chunk in _foreach_chunks(params, _FOREACH_CHUNK_NUMEL.get(params[0].device.type)):
         _multi_tensor_lamb(params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], steps[chunk], **options)
+
+
+def check_lamb_options(options: dict[str, Any]) -> None:
+    """LAMB's value checks, run by its constructor and, through the registry, on the config before any worker."""
+    check_adam_hyperparameters(options)
+    max_grad_norm = options["max_grad_norm"]
+    require(max_grad_norm is None or max_grad_norm > 0.0, "max_grad_norm", max_grad_norm,
+            "must be positive, or null (off)")
+    check_flags(options, "bias_correction", "trust_clip", "always_adapt")
+    foreach = options["foreach"]
+    require(foreach is None or isinstance(foreach, bool), "foreach", foreach, "must be true, false or null (auto)")
 
 
 def _same_device_and_dtype(tensors: list[Tensor]) -> bool:
@@ -305,8 +314,6 @@ def _multi_tensor_lamb(
 
 
 register_optimizer(OptimSpec(
-    name="lamb",
-    cls=LAMB,
-    grad_sync="ddp",
+    "lamb", LAMB, "ddp", check=check_lamb_options,
     description="NVLAMB (apex FusedLAMB semantics): global grad-norm pre-normalisation, Adam, trust ratio",
 ))

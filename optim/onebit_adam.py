@@ -8,28 +8,36 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optim._math import check_adam_hyperparameters, foreach_adam_update, foreach_momentum_, foreach_variance_
-from optim._registry import OptimSpec, register_optimizer
+from conf.checks import check_choice, require
+from optim._math import (
+    check_adam_hyperparameters,
+    check_flags,
+    closure_loss,
+    foreach_adam_update,
+    foreach_momentum_,
+    foreach_variance_,
+)
+from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
 from optim.compressed import CompressedBuckets, average_, bucket_layout
 
-# Kept in every docstring of the family (specs/onebit_zeroone.md §7): where we differ from DeepSpeed 0.19.6.
+# Kept in every docstring of the family: where we differ from DeepSpeed 0.19.6.
 DIFFERENCES_FROM_DEEPSPEED = """
-    Deliberate differences from DeepSpeed 0.19.6 (specs/onebit_zeroone.md §7):
+    Deliberate differences from DeepSpeed 0.19.6:
 
-    - Resume is exact (Q18, Q19): per-rank error buffers, LAMB's padded tail, scaling and frozen coefficients,
+    - Resume is exact: per-rank error buffers, LAMB's padded tail, scaling and frozen coefficients,
       phase flags and every counter are in `state_dict()` (the trainer saves it per rank); the first step
       after a resume is a real step. DeepSpeed drops the errors, re-runs the no-op init step and, for 0/1
       Adam, resets its counters and updates the variance with local gradients (replicas desynchronise).
-    - The loss is divided by the accumulation count on every micro-step (Q20, the trainer's rule), so the
+    - The loss is divided by the accumulation count on every micro-step (the trainer's rule), so the
       compressed stages see the same gradient scale as the warm-up (DeepSpeed 0.16.0-0.18.2 did not).
-    - Clipping acts on each rank's local gradient in every stage (Q14: `trainer.grad_clip` runs before the
+    - Clipping acts on each rank's local gradient in every stage (`trainer.grad_clip` runs before the
       optimizer averages anything); DeepSpeed clips the averaged gradient in its full-precision stages.
-    - The init step (Q1, kept: `init_noop_step`) communicates nothing: DeepSpeed averages a gradient it then
+    - The init step (kept: `init_noop_step`) communicates nothing: DeepSpeed averages a gradient it then
       discards and compresses a zero buffer, neither of which changes any number.
     - One compressed all-reduce is two collectives (each scale travels with its signs), not four.
     - A parameter without a gradient is stepped with a zero gradient, so every rank runs the same
-      collectives; parameters with no elements are dropped (Q21).
+      collectives; parameters with no elements are dropped.
     - `mask_zero_variance` (our option, on in conf/optim): elements whose variance is exactly 0 (gradients
       never seen, e.g. BERT's position rows beyond the sequence length) have their communicated values
       zeroed like DeepSpeed's `exp_avg_mask`; otherwise 1-bit noise / eps would move them by huge steps. The
@@ -39,6 +47,21 @@ DIFFERENCES_FROM_DEEPSPEED = """
     - Step boundaries for `freeze_step` < 2 follow our rule (`t > max(freeze_step, first real step)`);
       DeepSpeed needs at least one warm-up step for its freeze check.
 """
+
+
+def check_onebit_family_options(options: dict[str, Any], bucketings: Sequence[str] = ("per_group", "per_tensor"),
+                                freeze_key: str = "freeze_step") -> None:
+    """What the family's checks share: Adam's hyper-parameters, the warm-up length, bucketing, the switches."""
+    check_adam_hyperparameters(options)
+    require(isinstance(options[freeze_key], int) and options[freeze_key] >= 0, freeze_key, options[freeze_key],
+            "must be an integer >= 0")
+    check_choice("bucketing", repr(options["bucketing"]), [repr(b) for b in bucketings])  # quoted: a string
+    check_flags(options, "init_noop_step", "mask_zero_variance")
+
+
+def check_onebit_adam_options(options: dict[str, Any]) -> None:
+    """1-bit Adam's value checks, run by its constructor and, through the registry, on the config."""
+    check_onebit_family_options(options)
 
 
 class OneBitFamily(torch.optim.Optimizer):
@@ -52,7 +75,7 @@ class OneBitFamily(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: dict[str, Any], comm: Comm | None, bucketing: str,
                  init_noop_step: bool, mask_zero_variance: bool, keep_tail: bool = False) -> None:
         super().__init__(params, defaults)
-        for group in self.param_groups:  # Q21: empty tensors would give NaN scales
+        for group in self.param_groups:  # empty tensors would give NaN scales
             group["params"] = [p for p in group["params"] if p.numel() > 0]
         self.comm = comm if comm is not None else Comm()
         self.bucketing, self.init_noop_step, self.mask_zero_variance = bucketing, init_noop_step, mask_zero_variance
@@ -86,13 +109,10 @@ class OneBitFamily(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step of the algorithm; `p.grad` may be replaced by the (compressed) mean over ranks."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self.step_count += 1
         if self.init_noop_step and self.step_count == 1:
-            return loss  # Q1: DeepSpeed's initialisation step leaves m, v and the parameters untouched
+            return loss  # DeepSpeed's initialisation step leaves m, v and the parameters untouched
         self._step(self.step_count)
         return loss
 
@@ -184,7 +204,7 @@ class OneBitAdam(OneBitFamily):
       :math:`m \leftarrow C(\beta_1 m + (1-\beta_1) g_{\text{local}})`, the error-compensated 1-bit mean
       over ranks (identical on every rank), times the mask.
     - Every real step: :math:`w \leftarrow w - \eta\,(m / (\sqrt v + \epsilon) + \lambda w)`, no bias
-      correction (Q2, Q3).
+      correction.
 
     Args:
         params: parameters or param groups; a group may carry ``exp_avg_mask`` (DeepSpeed's momentum mask).
@@ -202,9 +222,10 @@ class OneBitAdam(OneBitFamily):
     def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100000, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
-        check_adam_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
-        if bucketing not in ("per_group", "per_tensor"):
-            raise ValueError(f"OneBitAdam: bucketing={bucketing!r}; must be 'per_group' or 'per_tensor'")
+        run_check(type(self).__name__, check_onebit_adam_options, dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, bucketing=bucketing,
+            init_noop_step=init_noop_step, mask_zero_variance=mask_zero_variance,
+        ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.freeze_step = freeze_step
         super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance)
@@ -246,8 +267,6 @@ def onebit_adam_update_(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sq
 
 
 register_optimizer(OptimSpec(
-    name="onebit_adam",
-    cls=OneBitAdam,
-    grad_sync="self",
+    "onebit_adam", OneBitAdam, "self", check=check_onebit_adam_options,
     description="1-bit Adam (DeepSpeed 0.19.6 semantics): full-precision warm-up, then 1-bit compressed momentum",
 ))

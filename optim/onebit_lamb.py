@@ -8,16 +8,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conf.checks import check_non_negative, check_positive, require
 from optim._math import (
-    check_adam_hyperparameters,
     clamped_trust_ratio,
     foreach_adam_update,
     foreach_momentum_,
     foreach_variance_,
 )
-from optim._registry import OptimSpec, register_optimizer
+from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
-from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily
+from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, check_onebit_family_options
+
+
+def check_onebit_lamb_options(options: dict[str, Any]) -> None:
+    """1-bit LAMB's value checks, run by its constructor and, through the registry, on the config."""
+    o = options
+    check_onebit_family_options(o, bucketings=("flat_scaled", "per_group", "per_tensor"))
+    for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
+        check_positive(low, o[low])
+        require(o[low] <= o[high], high, o[high], f"must be >= {low}={o[low]} (need 0 < {low} <= {high})")
+    check_non_negative("factor_threshold", o["factor_threshold"])
+    require(0.0 <= o["coeff_beta"] < 1.0, "coeff_beta", o["coeff_beta"], "must be in [0, 1)")
 
 
 class OneBitLAMB(OneBitFamily):
@@ -29,10 +40,10 @@ class OneBitLAMB(OneBitFamily):
       :math:`u = m/(\sqrt v+\epsilon) + \lambda w`, :math:`c = \lVert w\rVert/\lVert u\rVert` clamped to
       [``min_coeff``, ``max_coeff``] (1 if a norm is 0), :math:`w \leftarrow w - \eta c u`; the frozen
       coefficient :math:`c_{frz} \leftarrow \beta_c c_{frz} + (1-\beta_c) c` from 0, no bias correction,
-      skipped when :math:`c = 1` (Q12). At the last warm-up step :math:`v_{fresh} \leftarrow v`.
+      skipped when :math:`c = 1`. At the last warm-up step :math:`v_{fresh} \leftarrow v`.
     - Compression (:math:`v` frozen): at its first step every tensor gets ``scaling_coeff`` = mean RMS of
-      all momenta / its own momentum's RMS (Q11). Then :math:`m \leftarrow C\big((\beta_1 m + (1-\beta_1)
-      g_{local}) s_p\big)/s_p` with one fused compressed call over all momenta (padded tail kept, Q16b),
+      all momenta / its own momentum's RMS. Then :math:`m \leftarrow C\big((\beta_1 m + (1-\beta_1)
+      g_{local}) s_p\big)/s_p` with one fused compressed call over all momenta (padded tail kept),
       masked; :math:`\tilde g = (m - \beta_1 m_{old})/(1-\beta_1)` refreshes :math:`v_{fresh}`;
       ``factor`` = max over elements of :math:`(\sqrt v+\epsilon)/(\sqrt{v_{fresh}}+\epsilon)`, blended
       with :math:`\rho = \min(1, \lVert m/(\sqrt v+\epsilon)\rVert/\lVert u\rVert)` when :math:`\lambda>0`,
@@ -64,14 +75,12 @@ class OneBitLAMB(OneBitFamily):
                  min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, bucketing: str = "flat_scaled", init_noop_step: bool = True,
                  mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
-        check_adam_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
-        if not 0.0 < min_coeff <= max_coeff:
-            raise ValueError(f"OneBitLAMB: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
-        if not 0.0 < factor_min <= factor_max or factor_threshold < 0:
-            raise ValueError(f"OneBitLAMB: need 0 < factor_min <= factor_max and factor_threshold >= 0, got "
-                             f"{factor_min}, {factor_max}, {factor_threshold}")
-        if not 0.0 <= coeff_beta < 1.0:
-            raise ValueError(f"OneBitLAMB: invalid coeff_beta={coeff_beta}; must be in [0, 1)")
+        run_check(type(self).__name__, check_onebit_lamb_options, dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, max_coeff=max_coeff,
+            min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
+            factor_threshold=factor_threshold, bucketing=bucketing, init_noop_step=init_noop_step,
+            mask_zero_variance=mask_zero_variance,
+        ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                         min_coeff=min_coeff)
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
@@ -146,7 +155,7 @@ class OneBitLAMB(OneBitFamily):
 
 
 def momentum_scaling_coeffs(exp_avgs: list[Tensor]) -> list[float]:
-    """Q11: `mean_q rms(m_q) / rms(m_p)` per tensor, so one worker scale suits every momentum in the buffer.
+    """`mean_q rms(m_q) / rms(m_p)` per tensor, so one worker scale suits every momentum in the buffer.
 
     Computed once, at the first compression step, in Python floats as DeepSpeed does (one host sync, once).
     """
@@ -202,8 +211,6 @@ def onebit_lamb_compressed_update_(params: list[Tensor], exp_avgs: list[Tensor],
 
 
 register_optimizer(OptimSpec(
-    name="onebit_lamb",
-    cls=OneBitLAMB,
-    grad_sync="self",
+    "onebit_lamb", OneBitLAMB, "self", check=check_onebit_lamb_options,
     description="1-bit LAMB (DeepSpeed 0.19.6 semantics): LAMB warm-up, then fused 1-bit momentum, frozen coefficients",
 ))

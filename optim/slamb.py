@@ -10,14 +10,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optim._math import bias_corrections, check_adam_hyperparameters, foreach_adam_moments_, trust_ratio
-from optim._registry import OptimSpec, register_optimizer
+from conf.checks import check_choice, check_non_negative, check_positive, check_range, require
+from optim._math import (
+    bias_corrections,
+    check_adam_hyperparameters,
+    check_flags,
+    closure_loss,
+    foreach_adam_moments_,
+    trust_ratio,
+)
+from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _MASKS = ("bernoulli", "cyclic")
 _RESCALES = ("sum_of_products", "product_of_interpolations")
-_BIAS_CORRECTIONS = ("scalar", "full", "none")
+_BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
 # Elements per chunk of the flat buffers, by device type (absent: a whole param group). On the CPU the passes
 # of one chunk stay in cache (see optim/lamb.py's _FOREACH_CHUNK_NUMEL); on a GPU it bounds the scratch buffer.
 _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
@@ -68,9 +76,10 @@ class SLAMB(torch.optim.Optimizer):
     with :math:`F = S_t \cap w` (fresh) and :math:`U = w \setminus S_t` (stale); :math:`\phi_F` falls back to 1
     and :math:`\phi_U` to 0 when a norm is 0. Every ``sync_interval`` steps (after steps 1, 1+H, ...) the
     parameters are averaged densely; m, v and r are not. These are the semantics of the official
-    ``Slamb_V2`` (hangxu0304/SLAMB @ 7388495, ``Swin-Transformer/optimizer.py``) with the project's choices
-    of ``specs/slamb.md`` §4; the naive ``Slamb`` class is ``mask="cyclic", rescale="product_of_interpolations",
-    bias_correction="full", stale_ratio_fallback=1, clamp_1d=False``.
+    ``Slamb_V2`` (hangxu0304/SLAMB @ 7388495, ``Swin-Transformer/optimizer.py``), except that by default the
+    trust-ratio norms include the decay term as in LAMB (``wd_in_trust_ratio=True``; V2 is False) and the masks
+    come from a private generator (below); the naive ``Slamb`` class is ``mask="cyclic",
+    rescale="product_of_interpolations", bias_correction_form="full", stale_ratio_fallback=1, clamp_1d=False``.
 
     :math:`S_t` holds every coordinate of a tensor with ``dim <= 1`` or ``numel < min_compress_numel`` and,
     elsewhere, coordinates drawn from a private generator seeded by ``(seed, t)``, so all ranks agree without
@@ -94,13 +103,15 @@ class SLAMB(torch.optim.Optimizer):
             project requirements quote 0.93 for the paper, unverified, see the BERT experiments).
         sync_interval: :math:`H`, steps between dense parameter averages, 100 [code].
         min_compress_numel: :math:`\tau`, tensors with fewer elements (or 1-D) are synced every step, 9000 [code].
-        trust_clip: :math:`(c_{min}, c_{max})` = (0.01, 1000) [code].
+        trust_ratio_bounds: :math:`(c_{min}, c_{max})` = (0.01, 1000) [code], the clamp of the trust ratios
+            (not LAMB's boolean ``trust_clip``).
         mask: ``"bernoulli"`` (Slamb_V2) or ``"cyclic"`` (Slamb).
         rescale: ``"sum_of_products"`` (V2, above) or ``"product_of_interpolations"`` (naive):
             :math:`w \leftarrow w - \mathrm{clamp}(r\phi_F + (1-r)\phi_U, c_{min}, c_{max})
             \,(r\eta + (1-r)\eta/\sqrt N)\,\tilde u`.
-        bias_correction: ``"scalar"`` (V2: :math:`\epsilon` added to :math:`\sqrt v`, as above), ``"full"``
-            (naive and LAMB: :math:`\hat m / (\sqrt{\hat v} + \epsilon)`) or ``"none"``.
+        bias_correction_form: ``"scalar"`` (V2: :math:`\epsilon` added to :math:`\sqrt v`, as above), ``"full"``
+            (naive and LAMB: :math:`\hat m / (\sqrt{\hat v} + \epsilon)`) or ``"none"`` (where LAMB has a
+            boolean ``bias_correction``).
         wd_in_trust_ratio: the trust-ratio norms include :math:`\lambda w` (LAMB and the naive class); False
             is V2, which adds it only when applying the update.
         stale_ratio_fallback: :math:`\phi_U` when a stale norm is 0: 0 (V2) or 1 (naive).
@@ -129,10 +140,10 @@ class SLAMB(torch.optim.Optimizer):
         beta3: float = 0.99,
         sync_interval: int = 100,
         min_compress_numel: int = 9000,
-        trust_clip: Sequence[float] = (0.01, 1000.0),
+        trust_ratio_bounds: Sequence[float] = (0.01, 1000.0),
         mask: str = "bernoulli",
         rescale: str = "sum_of_products",
-        bias_correction: str = "scalar",
+        bias_correction_form: str = "scalar",
         wd_in_trust_ratio: bool = True,
         stale_ratio_fallback: float = 0.0,
         clamp_1d: bool = True,
@@ -142,28 +153,21 @@ class SLAMB(torch.optim.Optimizer):
         seed: int = 0,
         comm: Comm | None = None,
     ) -> None:
-        check_adam_hyperparameters("SLAMB", lr, betas, eps, weight_decay)
-        _check("compress_ratio", compress_ratio, 0.0 < compress_ratio <= 1.0, "must be in (0, 1]")
-        _check("beta3", beta3, 0.0 <= beta3 <= 1.0, "must be in [0, 1]")
-        _check("sync_interval", sync_interval, int(sync_interval) == sync_interval >= 1, "must be an integer >= 1")
-        _check("min_compress_numel", min_compress_numel, min_compress_numel >= 0, "must be >= 0")
-        _check("trust_clip", trust_clip, len(trust_clip) == 2 and 0.0 < trust_clip[0] <= trust_clip[1],
-               "need (c_min, c_max) with 0 < c_min <= c_max")
-        _check("mask", mask, mask in _MASKS, f"must be one of {', '.join(_MASKS)}")
-        _check("rescale", rescale, rescale in _RESCALES, f"must be one of {', '.join(_RESCALES)}")
-        _check("bias_correction", bias_correction, bias_correction in _BIAS_CORRECTIONS,
-               f"must be one of {', '.join(_BIAS_CORRECTIONS)}")
-        _check("stale_ratio_fallback", stale_ratio_fallback, stale_ratio_fallback in (0, 1), "must be 0 or 1")
-        _check("comm_dtype", comm_dtype, comm_dtype in _COMM_DTYPES, f"must be one of {', '.join(_COMM_DTYPES)}")
-        _check("sync_offset", sync_offset, sync_offset in (0, 1), "must be 0 or 1")
-        _check("bucket_mb", bucket_mb, bucket_mb > 0, "must be > 0")
+        run_check("SLAMB", check_slamb_options, dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, compress_ratio=compress_ratio, beta3=beta3,
+            sync_interval=sync_interval, min_compress_numel=min_compress_numel,
+            trust_ratio_bounds=trust_ratio_bounds, mask=mask, rescale=rescale,
+            bias_correction_form=bias_correction_form, wd_in_trust_ratio=wd_in_trust_ratio,
+            stale_ratio_fallback=stale_ratio_fallback, clamp_1d=clamp_1d, comm_dtype=comm_dtype,
+            sync_offset=sync_offset, bucket_mb=bucket_mb, seed=seed,
+        ))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.compress_ratio = float(compress_ratio)
         self.beta3 = float(beta3)
         self.sync_interval = int(sync_interval)
         self.min_compress_numel = int(min_compress_numel)
-        self.trust_clip = (float(trust_clip[0]), float(trust_clip[1]))
-        self.mask, self.rescale, self.bias_correction = mask, rescale, bias_correction
+        self.trust_ratio_bounds = (float(trust_ratio_bounds[0]), float(trust_ratio_bounds[1]))
+        self.mask, self.rescale, self.bias_correction_form = mask, rescale, bias_correction_form
         self.wd_in_trust_ratio, self.clamp_1d = bool(wd_in_trust_ratio), bool(clamp_1d)
         self.stale_ratio_fallback = float(stale_ratio_fallback)
         self.comm_dtype = _COMM_DTYPES[comm_dtype]
@@ -185,10 +189,7 @@ class SLAMB(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One SLAMB step: local moments, masked momentum average, rescaled LAMB update, periodic dense sync."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         layout = self._ensure_layout()
         glob = self.state[_GLOBAL]
         glob["step"] += 1
@@ -281,11 +282,11 @@ class SLAMB(torch.optim.Optimizer):
         group = self.param_groups[chunk.group]
         beta1, beta2 = group["betas"]
         lr, weight_decay = group["lr"], group["weight_decay"]
-        bc1, bc2 = bias_corrections(step, beta1, beta2, enabled=self.bias_correction != "none")
+        bc1, bc2 = bias_corrections(step, beta1, beta2, enabled=self.bias_correction_form != "none")
         # u' = m / (sqrt(v) + eps') is the direction up to the scalar `scale`, which is folded into the norms
         # and the step size instead of costing a pass over the chunk.
         scale = math.sqrt(bc2) / bc1
-        eps = group["eps"] * (math.sqrt(bc2) if self.bias_correction == "full" else 1.0)
+        eps = group["eps"] * (math.sqrt(bc2) if self.bias_correction_form == "full" else 1.0)
         direction = layout.scratch[:end - start]
         torch.sqrt(layout.exp_avg_sq[start:end], out=direction)
         direction.add_(eps)
@@ -316,7 +317,7 @@ class SLAMB(torch.optim.Optimizer):
             else:
                 ratio = torch.addcmul(stale_ratio[i], r, fresh_ratio[i] - stale_ratio[i])
                 if self.clamp_1d or s.param.dim() > 1:
-                    ratio.clamp_(*self.trust_clip)
+                    ratio.clamp_(*self.trust_ratio_bounds)
                 torch.mul(r, lr_fresh - lr_stale, out=coef).add_(lr_stale).mul_(ratio)
             s.param.addcmul_(updates[i], coef, value=-1.0)
 
@@ -352,7 +353,7 @@ class SLAMB(torch.optim.Optimizer):
         w_stale = torch.where(has_stale, w_stale, torch.zeros_like(w_stale))
         u_stale = torch.where(has_stale, u_stale, torch.zeros_like(u_stale))
 
-        c_min, c_max = self.trust_clip
+        c_min, c_max = self.trust_ratio_bounds
         fresh = trust_ratio(w_fresh, u_fresh)  # 1 when a norm is 0
         stale = torch.where((w_stale > 0) & (u_stale > 0), w_stale / u_stale,
                             torch.full_like(w_stale, self.stale_ratio_fallback))
@@ -431,9 +432,27 @@ class SLAMB(torch.optim.Optimizer):
         return self._layout
 
 
-def _check(name: str, value: Any, ok: bool, why: str) -> None:
-    if not ok:
-        raise ValueError(f"SLAMB: invalid {name}={value}; {why}")
+def check_slamb_options(options: dict[str, Any]) -> None:
+    """SLAMB's value checks, run by its constructor and, through the registry, on the config before any worker."""
+    check_adam_hyperparameters(options)
+    o = options
+    require(0.0 < o["compress_ratio"] <= 1.0, "compress_ratio", o["compress_ratio"], "must be in (0, 1]")
+    check_range("beta3", o["beta3"], 0.0, 1.0)
+    require(isinstance(o["sync_interval"], int | float) and int(o["sync_interval"]) == o["sync_interval"] >= 1,
+            "sync_interval", o["sync_interval"], "must be an integer >= 1")
+    check_non_negative("min_compress_numel", o["min_compress_numel"])
+    bounds = o["trust_ratio_bounds"]
+    require(isinstance(bounds, Sequence) and len(bounds) == 2 and 0.0 < bounds[0] <= bounds[1],
+            "trust_ratio_bounds", bounds, "must be a pair [c_min, c_max] with 0 < c_min <= c_max")
+    check_choice("mask", o["mask"], _MASKS)
+    check_choice("rescale", o["rescale"], _RESCALES)
+    check_choice("bias_correction_form", o["bias_correction_form"], _BIAS_CORRECTION_FORMS)
+    check_flags(o, "wd_in_trust_ratio", "clamp_1d")
+    check_choice("stale_ratio_fallback", o["stale_ratio_fallback"], (0, 1))
+    check_choice("comm_dtype", o["comm_dtype"], _COMM_DTYPES)
+    check_choice("sync_offset", o["sync_offset"], (0, 1))
+    check_positive("bucket_mb", o["bucket_mb"])
+    require(isinstance(o["seed"], int), "seed", o["seed"], "must be an integer")
 
 
 def _mask_seed(seed: int, step: int) -> int:
@@ -564,9 +583,7 @@ def _always(p: Tensor, min_compress_numel: int) -> bool:
 
 
 register_optimizer(OptimSpec(
-    name="slamb",
-    cls=SLAMB,
-    grad_sync="self",
+    "slamb", SLAMB, "self", check=check_slamb_options,
     description="SLAMB (Xu et al., ICML 2023): LAMB with a randomly masked momentum all-reduce, freshness "
                 "rescaling and periodic dense parameter averaging",
 ))

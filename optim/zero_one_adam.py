@@ -9,17 +9,23 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from optim._math import check_adam_hyperparameters, foreach_momentum_, foreach_variance_
-from optim._registry import OptimSpec, register_optimizer
+from conf.checks import require
+from optim._math import foreach_momentum_, foreach_variance_
+from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
-from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, onebit_adam_update_
+from optim.onebit_adam import (
+    DIFFERENCES_FROM_DEEPSPEED,
+    OneBitFamily,
+    check_onebit_family_options,
+    onebit_adam_update_,
+)
 
 StepKind = Literal["init", "variance", "onebit_grad", "sync", "local"]
 
 
 @dataclass
 class ZeroOneSchedule:
-    """DeepSpeed 0.19.6's communication policy for 0/1 Adam as a small state machine (§4.2, Q5-Q7).
+    """DeepSpeed 0.19.6's communication policy for 0/1 Adam as a small state machine.
 
     Phase 1: step t refreshes the variance with an exact mean gradient iff `t % var_interval == 0`
     ("variance"), otherwise it 1-bit all-reduces the local gradient ("onebit_grad"); every
@@ -78,6 +84,13 @@ def zero_one_adam_step_kinds(steps: int, var_freeze_step: int, var_update_scaler
     return kinds
 
 
+def check_zero_one_adam_options(options: dict[str, Any]) -> None:
+    """0/1 Adam's value checks, run by its constructor and, through the registry, on the config."""
+    check_onebit_family_options(options, freeze_key="var_freeze_step")
+    for key in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        require(isinstance(options[key], int) and options[key] >= 1, key, options[key], "must be an integer >= 1")
+
+
 class ZeroOneAdam(OneBitFamily):
     r"""0/1 Adam (Lu, Li, Zhang, De Sa, He; ICLR 2023, arXiv 2202.06009), with DeepSpeed 0.19.6's semantics.
 
@@ -91,7 +104,7 @@ class ZeroOneAdam(OneBitFamily):
       g_{local}`, :math:`w \leftarrow w - \eta u_t` with :math:`u_t = m/(\sqrt v+\epsilon) + \lambda w`.
       On a sync step, with :math:`w_a` the parameters after the last sync and
       :math:`\Lambda = \sum \eta` since then: :math:`q = (w - w_a)(\sqrt v + \epsilon)` (weight decay leaks
-      into :math:`q`, Q4), :math:`\bar q = C(q)` masked, :math:`m \leftarrow -\bar q/\Lambda`,
+      into :math:`q`, as in DeepSpeed), :math:`\bar q = C(q)` masked, :math:`m \leftarrow -\bar q/\Lambda`,
       :math:`w \leftarrow w_a + \bar q/(\sqrt v+\epsilon)`.
     - Every real step of phase 1 uses the same Adam update (no bias correction, decoupled decay).
 
@@ -103,7 +116,7 @@ class ZeroOneAdam(OneBitFamily):
         var_freeze_step: phase 2 starts after the first step with t > var_freeze_step.
         var_update_scaler: variance steps between doublings of the variance interval (kappa).
         local_step_scaler: phase-2 steps between doublings of the sync interval (alpha; DeepSpeed's default
-            32678 is kept, Q7).
+            32678 is kept).
         local_step_clipper: the largest sync interval (H).
         bucketing, init_noop_step, mask_zero_variance, comm: as in `OneBitAdam`.
     """
@@ -121,13 +134,12 @@ class ZeroOneAdam(OneBitFamily):
                  weight_decay: float = 0.0, var_freeze_step: int = 100000, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
-        check_adam_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
-        for name, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
-                            ("local_step_clipper", local_step_clipper)):
-            if value < 1:
-                raise ValueError(f"ZeroOneAdam: invalid {name}={value}; must be >= 1")
-        if bucketing not in ("per_group", "per_tensor"):
-            raise ValueError(f"ZeroOneAdam: bucketing={bucketing!r}; must be 'per_group' or 'per_tensor'")
+        run_check(type(self).__name__, check_zero_one_adam_options, dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, var_freeze_step=var_freeze_step,
+            var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper, bucketing=bucketing, init_noop_step=init_noop_step,
+            mask_zero_variance=mask_zero_variance,
+        ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance)
         self.schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
@@ -159,7 +171,7 @@ class ZeroOneAdam(OneBitFamily):
             self._variance_changed()
         if kind == "sync":
             self._sync(params, exp_avgs, exp_avg_sqs)
-        if self.schedule.advance(t):  # phase 2 from the next step: errors now track u, not gradients (Q13)
+        if self.schedule.advance(t):  # phase 2 from the next step: errors now track u, not gradients
             self.buckets.zero_errors_()
             torch._foreach_copy_(self._states("sync_anchor"), params)
 
@@ -194,9 +206,7 @@ class ZeroOneAdam(OneBitFamily):
 
 
 register_optimizer(OptimSpec(
-    name="zero_one_adam",
-    cls=ZeroOneAdam,
-    grad_sync="self",
+    "zero_one_adam", ZeroOneAdam, "self", check=check_zero_one_adam_options,
     description="0/1 Adam (DeepSpeed 0.19.6 semantics): adaptive variance freezing, 1-bit gradients, "
                 "1-bit syncs after local steps",
 ))

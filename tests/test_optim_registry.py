@@ -1,4 +1,5 @@
-"""The optimizer registry against conf/optim/, build_optimizer's errors, and the weight-decay param groups."""
+"""The optimizer registry against conf/optim/, its config checks, build_optimizer's errors, construction on the
+meta device, and the weight-decay param groups."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import yaml
 from torch import nn
 from transformers import BertConfig, BertModel
 
+from conf.checks import ConfigError
 from optim import (
+    LAMB,
     OptimSpec,
     _registry,
     build_optimizer,
+    check_optimizer_config,
     get_optimizer_spec,
     list_optimizers,
     param_groups_weight_decay,
@@ -59,7 +63,7 @@ def test_each_config_builds_its_optimizer_and_steps(name):
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids).last_hidden_state.square().mean().backward()
     optimizer.step()
-    optimizer.step()  # DeepSpeed's 1-bit family leaves the weights alone on its first step (onebit spec, Q1)
+    optimizer.step()  # DeepSpeed's 1-bit family leaves the weights alone on its first step
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
@@ -85,7 +89,7 @@ def test_unknown_option_names_optimizer_and_key(key):
 
 def test_duplicate_registration_is_an_error():
     with pytest.raises(ValueError, match="'lamb' is registered twice"):
-        register_optimizer(OptimSpec("lamb", torch.optim.SGD, "ddp", "again"))
+        register_optimizer(OptimSpec("lamb", torch.optim.SGD, "ddp", "again", check=lambda options: None))
 
 
 class _SelfSyncing(torch.optim.SGD):
@@ -95,7 +99,7 @@ class _SelfSyncing(torch.optim.SGD):
 
 
 def test_self_syncing_optimizers_get_comm(monkeypatch):
-    spec = OptimSpec("self_sync_test", _SelfSyncing, "self", "test only")
+    spec = OptimSpec("self_sync_test", _SelfSyncing, "self", "test only", check=lambda options: None)
     monkeypatch.setitem(_registry._OPTIMIZERS, spec.name, spec)  # removed again after the test
     comm = object()
     assert build_optimizer(_tiny_bert(), spec.name, {"lr": 0.5}, comm=comm).comm is comm
@@ -136,3 +140,213 @@ def test_param_groups_drop_empty_groups_and_honour_no_weight_decay():
     groups = param_groups_weight_decay(WithPositions(), 0.05)
     assert [len(g["params"]) for g in groups] == [1, 1]
     assert groups[1]["params"][0].shape == (1, 4, 8)
+
+
+# ------------------------------------------------------------------------------------------ config checks
+def _no_check(options):
+    return None
+
+
+@pytest.mark.parametrize("name", list_optimizers())
+def test_each_config_passes_its_check(name):
+    cfg = _config(name)
+    check_optimizer_config(cfg.pop("name"), cfg)
+
+
+def _check_fails(name: str, overrides: dict) -> str:
+    cfg = {k: v for k, v in _config(name).items() if k != "name"}
+    with pytest.raises(ConfigError) as info:
+        check_optimizer_config(name, {**cfg, **overrides})
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("name", list_optimizers())
+@pytest.mark.parametrize(
+    ("overrides", "start"),
+    [
+        ({"lr": -1}, "optim.lr=-1 must be >= 0"),
+        ({"betas": [0.9, 1.5]}, "optim.betas=[0.9, 1.5] must be"),
+        ({"betas": [0.9]}, "optim.betas=[0.9] must be"),
+        ({"eps": -1e-8}, "optim.eps=-1e-08 must be >= 0"),
+        ({"weight_decay": -0.1}, "optim.weight_decay=-0.1 must be >= 0"),
+        ({"momentum": 0.9}, "optim.momentum is not an option of optimizer"),
+        ({"params": []}, "optim.params is not an option of optimizer"),
+        ({"comm": None}, "optim.comm is not an option of optimizer"),
+    ],
+)
+def test_bad_values_and_unknown_keys_fail_at_check_time_naming_the_key(name, overrides, start):
+    assert _check_fails(name, overrides).startswith(start)
+
+
+# One bad value per option beyond the Adam four; the constructor rejects it with the same check.
+OWN_OPTIONS = [
+    ("lamb", "max_grad_norm", 0.0),
+    ("lamb", "bias_correction", "scalar"),
+    ("lamb", "trust_clip", [0.01, 1000.0]),
+    ("lamb", "always_adapt", "yes"),
+    ("lamb", "foreach", "auto"),
+    ("slamb", "compress_ratio", 0.0),
+    ("slamb", "beta3", 1.5),
+    ("slamb", "sync_interval", 0),
+    ("slamb", "min_compress_numel", -1),
+    ("slamb", "trust_ratio_bounds", [0.0, 10.0]),
+    ("slamb", "trust_ratio_bounds", True),
+    ("slamb", "mask", "topk"),
+    ("slamb", "rescale", "max"),
+    ("slamb", "bias_correction_form", True),
+    ("slamb", "wd_in_trust_ratio", "no"),
+    ("slamb", "stale_ratio_fallback", 0.5),
+    ("slamb", "clamp_1d", 1.5),
+    ("slamb", "comm_dtype", "int8"),
+    ("slamb", "sync_offset", 2),
+    ("slamb", "bucket_mb", 0),
+    ("slamb", "seed", "x"),
+    ("onebit_adam", "freeze_step", -1),
+    ("onebit_adam", "bucketing", "flat_scaled"),
+    ("onebit_adam", "init_noop_step", "yes"),
+    ("onebit_adam", "mask_zero_variance", 0),
+    ("onebit_lamb", "freeze_step", 1.5),
+    ("onebit_lamb", "bucketing", "flat"),
+    ("onebit_lamb", "max_coeff", 0.001),
+    ("onebit_lamb", "min_coeff", 0.0),
+    ("onebit_lamb", "coeff_beta", 1.0),
+    ("onebit_lamb", "factor_min", 0.0),
+    ("onebit_lamb", "factor_max", 0.1),
+    ("onebit_lamb", "init_noop_step", "no"),
+    ("onebit_lamb", "factor_threshold", -0.1),
+    ("onebit_lamb", "mask_zero_variance", None),
+    ("zero_one_adam", "var_freeze_step", -1),
+    ("zero_one_adam", "var_update_scaler", 0),
+    ("zero_one_adam", "local_step_scaler", 0),
+    ("zero_one_adam", "local_step_clipper", 0),
+    ("zero_one_adam", "bucketing", "per_chunk"),
+    ("zero_one_adam", "init_noop_step", [True]),
+    ("zero_one_adam", "mask_zero_variance", "true"),
+]
+
+
+@pytest.mark.parametrize(("name", "key", "value"), OWN_OPTIONS)
+def test_each_own_option_is_checked_in_the_config_and_the_constructor_alike(name, key, value):
+    assert _check_fails(name, {key: value}).startswith(f"optim.{key}=")
+    cfg = {k: v for k, v in _config(name).items() if k != "name"}
+    with pytest.raises(ValueError, match=f"^{get_optimizer_spec(name).cls.__name__}: {key}="):
+        build_optimizer(_tiny_bert(), name, {**cfg, key: value})
+
+
+def test_every_option_of_every_optimizer_is_exercised_by_a_bad_value():
+    adam = {"lr", "betas", "eps", "weight_decay"}
+    covered = {(name, key) for name, key, _ in OWN_OPTIONS}
+    for name in list_optimizers():
+        if name == "adamw":  # torch's own options (amsgrad, fused, ...) are torch's to check
+            continue
+        keys = set(_config(name)) - {"name"} - adam
+        assert keys == {key for n, key in covered if n == name}, name
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "start"),
+    [
+        # the old clash: LAMB's bool `bias_correction` and `trust_clip` are not SLAMB's options
+        ("slamb", {"bias_correction": True}, "optim.bias_correction is not an option of optimizer 'slamb'"),
+        ("slamb", {"trust_clip": False}, "optim.trust_clip is not an option of optimizer 'slamb'"),
+        ("lamb", {"trust_clip": [0.01, 1000.0]}, "optim.trust_clip=[0.01, 1000.0] must be true or false"),
+        ("lamb", {"bias_correction": "scalar"}, "optim.bias_correction=scalar must be true or false"),
+        ("lamb", {"bias_correction_form": "full"}, "optim.bias_correction_form is not an option of optimizer"),
+    ],
+)
+def test_options_of_a_sibling_optimizer_fail_at_check_time(name, overrides, start):
+    assert _check_fails(name, overrides).startswith(start)
+
+
+def test_unknown_name_fails_at_check_time():
+    with pytest.raises(ConfigError, match=r"^optim\.name=sgdx .*; known optimizers: adamw, lamb"):
+        check_optimizer_config("sgdx", {})
+
+
+def test_compose_time_validation_names_the_optimizer_key():
+    from conftest import compose
+
+    from train.config import ConfigError as TrainConfigError
+    from train.config import validate
+
+    for overrides, start in [
+        (["optim=slamb", "+optim.bias_correction=true"], "optim.bias_correction is not an option"),
+        (["optim=slamb", "optim.trust_ratio_bounds=[0,10]"], "optim.trust_ratio_bounds=[0, 10] must be"),
+        (["optim=lamb", "optim.betas=[0.9,1.0]"], "optim.betas=[0.9, 1.0] must be"),
+        (["optim=onebit_adam", "optim.bucketing=flat"], "optim.bucketing='flat' must be one of"),
+    ]:
+        with pytest.raises(TrainConfigError) as info:
+            validate(compose(overrides))
+        assert str(info.value).startswith(start), overrides
+
+
+# ------------------------------------------------------------------------------------------ entry defaults
+def test_entry_defaults_apply_under_the_config(monkeypatch):
+    monkeypatch.setattr(_registry, "_OPTIMIZERS", dict(_registry._OPTIMIZERS))  # restored after the test
+    seen = []
+    register_optimizer(OptimSpec("lambc_test", LAMB, "ddp", "LAMB with a clipped trust ratio", check=seen.append,
+                                 defaults={"trust_clip": True, "eps": 1e-8}))
+    spec = get_optimizer_spec("lambc_test")
+    with pytest.raises(TypeError):
+        spec.defaults["eps"] = 1.0  # frozen
+
+    check_optimizer_config("lambc_test", {"eps": 1e-7})
+    assert seen[-1]["trust_clip"] is True and seen[-1]["eps"] == 1e-7  # entry default, then config
+    assert seen[-1]["max_grad_norm"] == 1.0 and seen[-1]["betas"] == (0.9, 0.999)  # class signature
+    assert set(seen[-1]) == set(_registry._options(LAMB))
+
+    optimizer = build_optimizer(_tiny_bert(), "lambc_test", {"lr": 0.5})
+    assert optimizer.defaults["trust_clip"] is True and optimizer.defaults["eps"] == 1e-8
+    optimizer = build_optimizer(_tiny_bert(), "lambc_test", {"trust_clip": False})
+    assert optimizer.defaults["trust_clip"] is False  # the config wins
+
+    with pytest.raises(ValueError, match="beta3 is not an option of optimizer 'bad_defaults_test'"):
+        register_optimizer(OptimSpec("bad_defaults_test", LAMB, "ddp", "test only", check=_no_check,
+                                     defaults={"beta3": 0.9}))
+
+
+def test_shipped_entries_carry_their_modules_check():
+    for name in list_optimizers():
+        spec = get_optimizer_spec(name)
+        assert callable(spec.check) and dict(spec.defaults) == {}, name
+
+
+# ------------------------------------------------------------------------------------------ meta device
+class _Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.norm = nn.LayerNorm(16)
+        self.proj = nn.Linear(16, 200)
+        self.head = nn.Linear(200, 4)
+
+
+def _tensors(value, seen: set[int]):
+    """Every tensor reachable from an optimizer's attributes and state (lists, dicts, helper objects)."""
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in (*value.keys(), *value.values()):
+            yield from _tensors(item, seen)
+    elif isinstance(value, (list, tuple, set)):
+        for item in value:
+            yield from _tensors(item, seen)
+    elif hasattr(value, "__dict__") and type(value).__module__.startswith("optim"):
+        yield from _tensors(vars(value), seen)
+
+
+@pytest.mark.parametrize("name", list_optimizers())
+def test_each_optimizer_constructs_over_meta_parameters(name):
+    with torch.device("meta"):
+        model = _Small()
+    cfg = {k: v for k, v in _config(name).items() if k != "name"}
+    optimizer = build_optimizer(model, name, cfg)  # param_groups_weight_decay groups, the YAML values
+    assert [g["name"] for g in optimizer.param_groups] == ["decay", "no_decay"]
+    tensors = list(_tensors(vars(optimizer), set()))
+    off_meta = [(t.device, tuple(t.shape)) for t in tensors if t.device.type != "meta"]
+    assert tensors and not off_meta  # no real storage: no value was read, nothing was allocated

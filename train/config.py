@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -159,16 +158,12 @@ def _kwargs_error(kind: str, cfg_node: DictConfig) -> str | None:
         from models import model_kwargs_error
 
         return model_kwargs_error(cfg_node.name, kwargs)
-    from optim import get_optimizer_spec
+    from optim import check_optimizer_config
 
     try:
-        spec = get_optimizer_spec(cfg_node.name)
-    except ValueError as err:
-        return f"optim.name: {err}"
-    params = inspect.signature(spec.cls).parameters
-    unknown = sorted(set(kwargs) - set(params))
-    if unknown:
-        return f"optim.{unknown[0]} is not an option of optimizer '{spec.name}'; options: {', '.join(params)}"
+        check_optimizer_config(cfg_node.name, kwargs)
+    except ValueError as err:  # conf.checks.ConfigError: one line naming optim.<key>
+        return str(err)
     return None
 
 
