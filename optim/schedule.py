@@ -11,13 +11,25 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from omegaconf import MISSING
+
+from conf.checks import ConfigError, InvalidOption, check_kwargs, check_range, require
+
+
+@dataclass
+class ScheduleConfig:
+    """Schema of conf/schedule/*.yaml: a schedule's name and its own keyword arguments."""
+
+    name: str = MISSING  # poly_warmup | linear_warmup_cosine | linear_warmup_linear_decay | constant
+    kwargs: dict[str, Any] = MISSING
 
 
 def _check_total_steps(total_steps: int) -> None:
-    if not total_steps > 0:
-        raise ValueError(f"total_steps={total_steps} must be > 0")
+    require(total_steps > 0, "total_steps", total_steps, "must be > 0")
 
 
 def poly_warmup(step: int, total_steps: int, warmup_fraction: float, degree: float = 0.5) -> float:
@@ -30,10 +42,8 @@ def poly_warmup(step: int, total_steps: int, warmup_fraction: float, degree: flo
     0.846 at step 2001), and the last step (`step == total_steps`) has multiplier 0.
     """
     _check_total_steps(total_steps)
-    if not 0.0 <= warmup_fraction <= 1.0:
-        raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
-    if not degree >= 0.0:
-        raise ValueError(f"degree={degree} must be >= 0")
+    check_range("warmup_fraction", warmup_fraction, 0.0, 1.0)
+    require(degree >= 0.0, "degree", degree, "must be >= 0")
     progress = step / total_steps
     if progress < warmup_fraction:
         return progress / warmup_fraction
@@ -50,16 +60,14 @@ def linear_warmup_cosine(step: int, total_steps: int, warmup_steps: int | None =
     epochs) state the warm-up as a share of a run whose length in steps depends on the dataset and batch.
     """
     _check_total_steps(total_steps)
-    if (warmup_steps is None) == (warmup_fraction is None):
-        raise ValueError(f"give one of warmup_steps={warmup_steps} and warmup_fraction={warmup_fraction}")
+    require((warmup_steps is None) != (warmup_fraction is None), "warmup_steps", warmup_steps,
+            f"and warmup_fraction={warmup_fraction}: give exactly one of them")
     if warmup_fraction is not None:
-        if not 0.0 <= warmup_fraction <= 1.0:
-            raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
+        check_range("warmup_fraction", warmup_fraction, 0.0, 1.0)
         warmup_steps = round(warmup_fraction * total_steps)
-    if not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"warmup_steps={warmup_steps} must be in [0, total_steps={total_steps}]")
-    if not 0.0 <= min_ratio <= 1.0:
-        raise ValueError(f"min_ratio={min_ratio} must be in [0, 1]")
+    require(0 <= warmup_steps <= total_steps, "warmup_steps", warmup_steps,
+            f"must be in [0, total_steps={total_steps}]")
+    check_range("min_ratio", min_ratio, 0.0, 1.0)
     if step < warmup_steps:
         return step / warmup_steps
     decay_steps = max(total_steps - warmup_steps, 1)  # all warm-up: the peak at its last step, then min_ratio
@@ -74,8 +82,7 @@ def linear_warmup_linear_decay(step: int, total_steps: int, warmup_fraction: flo
     `total_steps`: `(1 - progress) / (1 - warmup_fraction)`, so, unlike `poly_warmup`, it is continuous.
     """
     _check_total_steps(total_steps)
-    if not 0.0 <= warmup_fraction < 1.0:
-        raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1)")
+    require(0.0 <= warmup_fraction < 1.0, "warmup_fraction", warmup_fraction, "must be in [0, 1)")
     progress = step / total_steps
     if progress < warmup_fraction:
         return progress / warmup_fraction
@@ -104,13 +111,24 @@ def build_lr_schedule(name: str, **kwargs: Any) -> Callable[[int], float]:
         raise ValueError(f"unknown schedule '{name}'; known schedules: {known}") from None
     arguments = dict(inspect.signature(schedule).parameters)
     del arguments["step"]
-    unknown = sorted(set(kwargs) - set(arguments))
-    if unknown:
+    try:
+        check_kwargs(schedule, kwargs, owner=f"schedule '{name}'", reserved=("step",))
+    except InvalidOption as err:
         listed = ", ".join(arguments)
-        raise ValueError(f"'{unknown[0]}' is not an argument of schedule '{name}'; arguments: {listed}")
+        raise ValueError(f"'{err.key}' is not an argument of schedule '{name}'; arguments: {listed}") from None
     missing = [a for a, p in arguments.items() if p.default is inspect.Parameter.empty and a not in kwargs]
     if missing:
         raise ValueError(f"schedule '{name}' needs argument '{missing[0]}'")
     bound = functools.partial(schedule, **kwargs)
     bound(1)  # the range checks live in the schedule itself: run them once now, not at the first step
     return bound
+
+
+def check_schedule_config(name: str, kwargs: Mapping[str, Any], total_steps: int) -> None:
+    """Compose-time check of `schedule`; errors name the key (`schedule.kwargs.warmup_fraction=1.5 ...`)."""
+    try:
+        build_lr_schedule(name, total_steps=total_steps, **kwargs)
+    except InvalidOption as err:
+        raise err.within("schedule.kwargs") from None
+    except ValueError as err:
+        raise ConfigError(f"schedule.name={name}: {err}") from None

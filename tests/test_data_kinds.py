@@ -46,7 +46,7 @@ def test_check_data_names_the_key(overrides, message):
 
 
 def test_image_check_wants_an_even_micro_batch_under_mixup():
-    cfg = compose(["+experiment=swin_demo", "data.mixup_alpha=0.8"])
+    cfg = compose(["experiment=swin_demo", "data.mixup_alpha=0.8"])
     check_data(cfg.data, 8)
     with pytest.raises(ConfigError, match=r"trainer\.micro_batch_size=7 must be even with mixup"):
         check_data(cfg.data, 7)
@@ -67,7 +67,7 @@ def test_dry_build_fails_on_a_missing_path_naming_it(tmp_path, overrides, missin
         build_data(cfg.data, REQUEST, dry=True)
 
 
-@pytest.mark.parametrize("overrides", [[], ["data=squad_demo"], ["+experiment=swin_demo"]])
+@pytest.mark.parametrize("overrides", [[], ["data=squad_demo"], ["experiment=swin_demo"]])
 def test_dry_build_of_good_data_returns_none_and_writes_nothing(tmp_path, overrides):
     cfg = compose(overrides)
     if cfg.data.name == "digits":

@@ -130,7 +130,7 @@ def test_empty_and_mismatched_datasets_fail_clearly(tmp_path, digits):
 def test_class_count_mismatch_stops_the_trainer_data_build(digits):
     from data import DataRequest, build_data
 
-    cfg = compose(["+experiment=swin_demo", f"data.path={digits}", "model.num_classes=7"])
+    cfg = compose(["experiment=swin_demo", f"data.path={digits}", "model.num_classes=7"])
     with pytest.raises(ValueError, match=r"10 classes .* model.num_classes=7: set model.num_classes=10"):
         build_data(cfg.data, DataRequest(rank=0, world_size=1, micro_batch_size=cfg.trainer.micro_batch_size, seed=0))
 
@@ -223,7 +223,7 @@ def test_loader_resumes_exactly_with_workers(digits):
     ],
 )
 def test_bad_image_settings_fail_before_workers_start(overrides, message):
-    cfg = compose(["+experiment=swin_demo", *overrides])
+    cfg = compose(["experiment=swin_demo", *overrides])
     if "data=imagenet" in overrides:
         cfg.data.path = None
     with pytest.raises(ConfigError, match=message):

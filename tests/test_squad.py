@@ -168,7 +168,7 @@ def test_metric_definition_on_hand_made_cases():
 # ------------------------------------------------------------------------------------------------ training
 @pytest.mark.slow
 def test_fine_tuning_pretrained_minilm_learns_the_demo_questions(tmp_path):
-    cfg = compose(["+experiment=squad_demo", "logger.progress_bar=false", "logger.tensorboard=false",
+    cfg = compose(["experiment=squad_demo", "logger.progress_bar=false", "logger.tensorboard=false",
                    "logger.wandb=disabled", "trainer.device=cpu"])
     run(cfg, tmp_path)
     final = [r for r in read_metrics(tmp_path) if "eval/f1" in r][-1]
@@ -179,7 +179,7 @@ def test_fine_tuning_pretrained_minilm_learns_the_demo_questions(tmp_path):
 
 
 QA_TINY = [
-    "+experiment=squad_demo", "model.config_from=null", "model.size=tiny", "model.hidden_size=32",
+    "experiment=squad_demo", "model.config_from=null", "model.size=tiny", "model.hidden_size=32",
     "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.intermediate_size=64", "data.vocab_path=null",
     "data.max_seq_len=64", "data.doc_stride=32", "data.max_query_len=16", "trainer.epochs=1",
     "trainer.device=cpu", "logger.progress_bar=false", "logger.tensorboard=false", "logger.wandb=disabled",
@@ -200,7 +200,7 @@ def test_init_from_a_different_architecture_fails_clearly(tmp_path):
 
 def test_pipeline_commands_chain_the_stages(tmp_path):
     phase2 = stage_command("phase2", "p", tmp_path, ["trainer.max_steps=3"])
-    assert "+experiment=bert_large_phase2" in phase2
+    assert "experiment=bert_large_phase2" in phase2
     assert f"trainer.init_from={tmp_path / 'p_phase1' / 'hf_model'}" in phase2
     assert phase2[-1] == "trainer.max_steps=3"
     squad = stage_command("squad", "p", tmp_path, [])

@@ -1,49 +1,32 @@
-"""Typed config schema (registered with Hydra) and the checks that run before any worker starts."""
+"""The root config schema (registered with Hydra) and `validate`: every group's own check, then the checks that
+span groups, all at compose time, before any worker starts.
+
+Each group's schema and check live beside the code that owns it (data kinds in `data/`, optimizers and schedules
+in `optim/`, models in `models/`, tasks, precision and logging in `train/`); this module only lists them.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from conf.checks import ConfigError
+from conf.checks import ConfigError, InvalidOption, check_choice, check_non_negative, check_positive, require
 from data import check_data, data_schemas
+from models import check_model_config
+from optim import check_optimizer_config
+from optim.schedule import ScheduleConfig, check_schedule_config
+from train.metrics import LoggerConfig
+from train.precision import PrecisionConfig, check_precision_config
+from train.tasks import TaskConfig, check_task_config
 
-
-class Precision(str, Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class WandbMode(str, Enum):
-    disabled = "disabled"
-    offline = "offline"
-    online = "online"
-
-
-@dataclass
-class TaskConfig:
-    name: str = MISSING  # a task in train/tasks (bert_pretraining)
-
-
-@dataclass
-class ScheduleConfig:
-    name: str = MISSING  # poly_warmup | linear_warmup_cosine | constant
-    kwargs: dict[str, Any] = field(default_factory=dict)  # the schedule's own arguments
-
-
-@dataclass
-class PrecisionConfig:
-    dtype: Precision = MISSING  # autocast dtype; fp16 adds a GradScaler
-    init_scale: float | None = MISSING  # fp16 loss scale at the start (null without loss scaling)
-    growth_interval: int | None = MISSING  # fp16 steps without overflow before the scale doubles
+__all__ = ["BatchGeometry", "Config", "ConfigError", "TrainerConfig", "batch_geometry", "register_configs", "validate"]
 
 
 @dataclass
@@ -74,19 +57,11 @@ class TrainerConfig:
 
 
 @dataclass
-class LoggerConfig:
-    progress_bar: bool = MISSING
-    tensorboard: bool = MISSING
-    wandb: WandbMode = MISSING
-    wandb_project: str = MISSING
-
-
-@dataclass
 class Config:
     name: str = MISSING  # run name: the run directory is runs/<name> unless hydra.run.dir says otherwise
     task: TaskConfig = field(default_factory=TaskConfig)
     model: dict[str, Any] = field(default_factory=dict)  # `name` + the builder's keyword arguments
-    data: Any = MISSING  # typed by the chosen option's schema (e.g. data/text_schema)
+    data: Any = MISSING  # typed by the chosen data kind's schema (data.data_schemas())
     optim: dict[str, Any] = field(default_factory=dict)  # `name` + the optimizer's keyword arguments
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -142,91 +117,61 @@ def launch_world_size(cfg: DictConfig) -> int:
     return cfg.trainer.nproc_per_node
 
 
-def _positive(cfg: DictConfig, *keys: str) -> None:
-    for key in keys:
-        value = OmegaConf.select(cfg, key)
-        if value is None or value <= 0:
-            raise ConfigError(f"{key}={value} must be positive")
+def check_trainer_config(trainer: DictConfig) -> None:
+    """The trainer group's own values (raises `InvalidOption` with the bare key)."""
+    require((trainer.max_steps is None) != (trainer.epochs is None), "max_steps", trainer.max_steps,
+            f"and trainer.epochs={trainer.epochs}: set exactly one of them")
+    if trainer.max_steps is not None:
+        check_positive("max_steps", trainer.max_steps)
+    else:
+        check_positive("epochs", trainer.epochs)
+    for key in ("global_batch_size", "micro_batch_size", "nproc_per_node", "log_every", "keep_last"):
+        check_positive(key, trainer[key])
+    for key in ("checkpoint_every", "eval_every", "grad_clip", "keep_best"):
+        check_non_negative(key, trainer[key])
+    if trainer.steps_this_run is not None:
+        check_positive("steps_this_run", trainer.steps_this_run)
+    check_choice("device", trainer.device, ("auto", "cpu", "cuda"))
+    check_choice("backend", trainer.backend, ("auto", "gloo", "nccl"))
+    if trainer.ema_decay is not None:
+        require(0.0 < trainer.ema_decay < 1.0, "ema_decay", trainer.ema_decay, "must be in (0, 1) or null")
+    if trainer.keep_best:
+        require((trainer.best_metric or "").startswith("eval/"), "best_metric", trainer.best_metric,
+                "must name an eval metric (eval/top1) when trainer.keep_best > 0")
+    check_choice("best_metric_mode", trainer.best_metric_mode, ("max", "min"))
 
 
-def _kwargs_error(kind: str, cfg_node: DictConfig) -> str | None:
-    """Check a `name` + kwargs node (model, optim) against its registry before anything is built."""
-    if "name" not in cfg_node:
-        return f"{kind}.name is missing"
-    kwargs = {k: v for k, v in cfg_node.items() if k != "name"}
-    if kind == "model":
-        from models import model_kwargs_error
+def _options(node: DictConfig) -> dict[str, Any]:
+    """A `name` + keyword-arguments node (model, optim) as its keyword arguments."""
+    return {key: value for key, value in node.items() if key != "name"}
 
-        return model_kwargs_error(cfg_node.name, kwargs)
-    from optim import check_optimizer_config
 
+def _within(group: str, check: Callable[..., None], *args: Any) -> None:
+    """Run a group's check that names bare keys, naming them as the user writes them (`trainer.max_steps`)."""
     try:
-        check_optimizer_config(cfg_node.name, kwargs)
-    except ValueError as err:  # conf.checks.ConfigError: one line naming optim.<key>
-        return str(err)
-    return None
+        check(*args)
+    except InvalidOption as err:
+        raise err.within(group) from None
 
 
-def _check_length(trainer: DictConfig) -> None:
-    """Exactly one of max_steps and epochs says how long the run is."""
-    if (trainer.max_steps is None) == (trainer.epochs is None):
-        raise ConfigError(
-            f"trainer.max_steps={trainer.max_steps} and trainer.epochs={trainer.epochs}: set exactly one of them"
-        )
-    key = "trainer.max_steps" if trainer.max_steps is not None else "trainer.epochs"
-    if OmegaConf.select(trainer, key.split(".")[1]) <= 0:
-        raise ConfigError(f"{key}={OmegaConf.select(trainer, key.split('.')[1])} must be positive")
-
-
-def _check_data_classes(cfg: DictConfig) -> None:
-    """The data's class count must be the model head's (a cross-group check: data and model)."""
+def _check_across_groups(cfg: DictConfig) -> None:
+    """What no single group can check: the data's class count must be the model head's."""
     data_classes, model_classes = OmegaConf.select(cfg, "data.num_classes"), OmegaConf.select(cfg, "model.num_classes")
     if data_classes is not None and model_classes is not None and data_classes != model_classes:
         raise ConfigError(f"data.num_classes={data_classes} differs from model.num_classes={model_classes}")
 
 
-def _check_ema_and_best(trainer: DictConfig) -> None:
-    if trainer.ema_decay is not None and not 0.0 < trainer.ema_decay < 1.0:
-        raise ConfigError(f"trainer.ema_decay={trainer.ema_decay} must be in (0, 1) or null")
-    if trainer.keep_best < 0:
-        raise ConfigError(f"trainer.keep_best={trainer.keep_best} must be >= 0")
-    if trainer.keep_best and not (trainer.best_metric or "").startswith("eval/"):
-        raise ConfigError(f"trainer.best_metric={trainer.best_metric} must name an eval metric (eval/top1) "
-                          "when trainer.keep_best > 0")
-    if trainer.best_metric_mode not in ("max", "min"):
-        raise ConfigError(f"trainer.best_metric_mode={trainer.best_metric_mode} must be one of max, min")
-
-
 def validate(cfg: DictConfig) -> BatchGeometry:
-    """Fail fast, before workers start, on values that cannot work; return the batch geometry."""
-    _check_length(cfg.trainer)
-    _positive(cfg, "trainer.global_batch_size", "trainer.micro_batch_size", "trainer.nproc_per_node",
-              "trainer.log_every", "trainer.keep_last", "optim.lr")
-    for key in ("trainer.checkpoint_every", "trainer.eval_every", "trainer.grad_clip"):
-        if OmegaConf.select(cfg, key) < 0:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0 (0 disables it)")
-    if cfg.trainer.steps_this_run is not None and cfg.trainer.steps_this_run <= 0:
-        raise ConfigError(f"trainer.steps_this_run={cfg.trainer.steps_this_run} must be positive or null")
-    for key, allowed in (("trainer.device", ("auto", "cpu", "cuda")), ("trainer.backend", ("auto", "gloo", "nccl"))):
-        if OmegaConf.select(cfg, key) not in allowed:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be one of {', '.join(allowed)}")
+    """Fail fast, before workers start, on values that cannot work; return the batch geometry.
+
+    Every error is a `ConfigError` whose one-line message names the key as the user writes it.
+    """
+    _within("trainer", check_trainer_config, cfg.trainer)
+    _within("precision", check_precision_config, cfg.precision)
+    check_task_config(cfg.task.name)
+    check_model_config(cfg.model.get("name"), _options(cfg.model))
+    check_optimizer_config(cfg.optim.get("name"), _options(cfg.optim))
+    check_schedule_config(cfg.schedule.name, cfg.schedule.kwargs, total_steps=cfg.trainer.max_steps or 1)
     check_data(cfg.data, cfg.trainer.micro_batch_size)
-    _check_data_classes(cfg)
-    _check_ema_and_best(cfg.trainer)
-    for kind in ("model", "optim"):
-        error = _kwargs_error(kind, cfg[kind])
-        if error:
-            raise ConfigError(error)
-    from optim import build_lr_schedule
-
-    try:
-        build_lr_schedule(cfg.schedule.name, total_steps=cfg.trainer.max_steps or 1, **cfg.schedule.kwargs)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"schedule: {err}") from None
-    from train.tasks import get_task
-
-    try:
-        get_task(cfg.task.name)
-    except ValueError as err:
-        raise ConfigError(f"task.name: {err}") from None
+    _check_across_groups(cfg)
     return batch_geometry(cfg.trainer, launch_world_size(cfg))

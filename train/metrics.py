@@ -7,14 +7,34 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from omegaconf import MISSING
 from tqdm import tqdm
 
 from data.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
+
+
+class WandbMode(str, Enum):
+    disabled = "disabled"
+    offline = "offline"
+    online = "online"
+
+
+@dataclass
+class LoggerConfig:
+    """Schema of conf/logger/*.yaml (the values and their meaning are there)."""
+
+    progress_bar: bool = MISSING
+    tensorboard: bool = MISSING
+    wandb: WandbMode = MISSING
+    wandb_project: str = MISSING
+
 _BAR_KEYS = {"loss": "loss", "lr": "lr", "seq_per_s": "seq/s", "comm_bytes_per_step": "B/step"}
 
 

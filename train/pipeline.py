@@ -32,7 +32,7 @@ REFERENCES = (
 def stage_command(stage: str, prefix: str, runs_dir: Path, overrides: list[str]) -> list[str]:
     """The `python -m train` command of one stage; each stage starts from the previous one's export."""
     run_dir = runs_dir / f"{prefix}_{stage}"
-    args = [f"+experiment={EXPERIMENTS[stage]}", f"name={prefix}_{stage}", f"hydra.run.dir={run_dir}"]
+    args = [f"experiment={EXPERIMENTS[stage]}", f"name={prefix}_{stage}", f"hydra.run.dir={run_dir}"]
     previous = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
     if previous is not None:
         args.append(f"trainer.init_from={runs_dir / f'{prefix}_{previous}' / 'hf_model'}")

@@ -3,11 +3,37 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from enum import Enum
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
+
+from conf.checks import check_positive
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+@dataclass
+class PrecisionConfig:
+    """Schema of conf/precision/*.yaml (the values and their meaning are there)."""
+
+    dtype: Precision = MISSING  # autocast dtype; fp16 adds a GradScaler
+    init_scale: float | None = MISSING  # fp16 loss scale at the start (null without loss scaling)
+    growth_interval: int | None = MISSING  # fp16 steps without overflow before the scale doubles
+
+
+def check_precision_config(cfg: DictConfig) -> None:
+    """fp16's loss scaler needs a positive start and growth interval (raises `InvalidOption`)."""
+    if cfg.dtype == "fp16":
+        check_positive("init_scale", cfg.init_scale)
+        check_positive("growth_interval", cfg.growth_interval)
 
 
 def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:

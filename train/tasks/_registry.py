@@ -8,11 +8,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import MISSING
 from torch import nn
+
+from conf.checks import ConfigError
 
 StepFn = Callable[[nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 # evaluate(model, eval_data, output_dir) -> metrics; runs on one rank, under no_grad and autocast.
 EvaluateFn = Callable[[nn.Module, Any, Path], dict[str, float]]
+
+
+@dataclass
+class TaskConfig:
+    """Schema of conf/task/*.yaml."""
+
+    name: str = MISSING  # a registered task (bert_pretraining, question_answering, image_classification)
 
 
 @dataclass(frozen=True)
@@ -41,3 +51,9 @@ def get_task(name: str) -> Task:
         return _TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task '{name}'; known tasks: {', '.join(list_tasks())}") from None
+
+
+def check_task_config(name: str) -> None:
+    """Compose-time check of `task.name`."""
+    if name not in _TASKS:
+        raise ConfigError(f"task.name={name} is not a registered task; known tasks: {', '.join(list_tasks())}")
