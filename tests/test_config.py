@@ -108,3 +108,13 @@ def test_multirun_sweep(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p.name for p in tmp_path.iterdir() if (p / "metrics.jsonl").exists())
     assert runs == ["0", "1"], runs
+
+
+@pytest.mark.slow
+def test_cli_rejects_a_bad_optimizer_value_before_any_worker_starts(tmp_path):
+    result = run_train(["trainer.nproc_per_node=2", "optim=slamb", "optim.beta3=2", f"hydra.run.dir={tmp_path}"],
+                       timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("config error: optim.beta3=2")
+    assert "Traceback" not in result.stderr and "rank" not in result.stderr.lower()
+    assert not (tmp_path / "checkpoints").exists()
