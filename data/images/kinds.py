@@ -19,8 +19,8 @@ class ImageDataConfig:
     path: str | None = MISSING  # the dataset root (hf: a save_to_disk directory or a hub name)
     train_split: str = MISSING
     eval_split: str | None = MISSING  # null: no held-out evaluation
-    image_key: str = "image"  # hf columns
-    label_key: str = "label"
+    image_key: str = MISSING  # hf columns
+    label_key: str = MISSING
     num_classes: int | None = MISSING  # the model head's classes, checked against the data (null: unchecked)
     img_size: int = MISSING
     scale: list[float] = MISSING  # RandomResizedCrop area range
@@ -42,7 +42,7 @@ class ImageDataConfig:
     mixup_mode: str = MISSING
     label_smoothing: float = MISSING
     eval_batch_size: int = MISSING
-    num_workers: int = 0  # loader worker processes per rank
+    num_workers: int = MISSING  # loader worker processes per rank
 
 
 def check_image_data(data_cfg: DictConfig, micro_batch_size: int) -> None:

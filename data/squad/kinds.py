@@ -17,15 +17,15 @@ class SquadDataConfig:
     name: str = MISSING  # squad
     train_file: str | None = MISSING  # SQuAD v1.1 JSON; null with hf_dataset set
     dev_file: str | None = MISSING
-    hf_dataset: str | None = None  # e.g. "squad": load train/validation with `datasets` (needs the network)
-    vocab_path: str | None = None  # a vocab.txt or a tokenizer directory; null: the vendored vocab
+    hf_dataset: str | None = MISSING  # e.g. "squad": load train/validation with `datasets` (needs the network)
+    vocab_path: str | None = MISSING  # a vocab.txt or a tokenizer directory; null: the vendored vocab
     max_seq_len: int = MISSING  # 384
     doc_stride: int = MISSING  # 128
     max_query_len: int = MISSING  # 64
     n_best_size: int = MISSING  # 20
     max_answer_len: int = MISSING  # 30
-    eval_batch_size: int = 32
-    num_workers: int = 0
+    eval_batch_size: int = MISSING
+    num_workers: int = MISSING
 
 
 def check_squad_data(data_cfg: DictConfig, micro_batch_size: int) -> None:

@@ -21,10 +21,10 @@ class TextDataConfig:
     short_seq_prob: float = MISSING
     dupe_factor: int = MISSING  # passes over the corpus with different masks and pairings
     masking: str = MISSING  # static (fixed at preparation) or dynamic (redrawn per epoch)
-    vocab_path: str | None = None  # null: the vendored bert-base-uncased vocab (shards: the one stored with them)
-    num_workers: int = 0  # loader worker processes per rank
+    vocab_path: str | None = MISSING  # null: the vendored bert-base-uncased vocab (shards: the one stored with them)
+    num_workers: int = MISSING  # loader worker processes per rank
     # shards only: a prepared output_dir (the phase matching max_seq_len is picked) or one phase directory
-    path: str | None = None
+    path: str | None = MISSING
 
 
 def check_text_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
