@@ -61,8 +61,21 @@ class LAMB(torch.optim.Optimizer):
         foreach: use the foreach kernels; None picks them when a group's tensors share device and dtype.
             On the CPU they run over chunks of about 4M elements (see `_FOREACH_CHUNK_NUMEL`).
 
-    State per parameter: ``exp_avg`` (:math:`m`), ``exp_avg_sq`` (:math:`v`) and ``step`` (a 0-d float32
-    CPU tensor, as in `torch.optim.Adam`), all in `state_dict()`, so a resumed run continues exactly.
+    The step :math:`t` of the bias corrections is counted per param group, as in apex ``FusedLAMB``:
+    ``group["step"]`` (a Python int, so reading it is no device sync) goes up by one at every `step()` call,
+    for every group, whichever of its parameters have gradients. A parameter without a gradient is skipped
+    (its moments are left alone); when it next gets one, its moments are corrected with the group's
+    :math:`t`, not with the number of updates it has received itself.
+
+    State per parameter: ``exp_avg`` (:math:`m`), ``exp_avg_sq`` (:math:`v`) and ``step``, the number of
+    updates this tensor has received (a 0-d float32 CPU tensor, as in `torch.optim.Adam`). That count is
+    bookkeeping only: the update never reads it. `state_dict()` holds all of these and, in its
+    ``param_groups``, each group's ``step``, so a resumed run continues exactly.
+
+    Checkpoints of the earlier LAMB, which counted :math:`t` per parameter, have no group ``step``:
+    `load_state_dict` sets it to the largest per-parameter ``step`` of the group (the number of `step()`
+    calls whenever some tensor of the group had a gradient at each of them, as is usual). A group none of
+    whose tensors has state is left without one and counts from 1, as a fresh group does.
     """
 
     def __init__(
@@ -104,6 +117,10 @@ class LAMB(torch.optim.Optimizer):
             group.setdefault("trust_clip", False)
             group.setdefault("always_adapt", False)
             group.setdefault("foreach", None)
+            if "step" not in group:  # written when the step was counted per parameter: see the class docstring
+                counts = [float(self.state[p]["step"]) for p in group["params"] if "step" in self.state.get(p, {})]
+                if counts:
+                    group["step"] = int(max(counts))
 
     def _init_group(
         self, group: dict[str, Any]
@@ -140,12 +157,14 @@ class LAMB(torch.optim.Optimizer):
                 grad_divisor = grad_prenorm_divisor(global_grad_norm(all_grads), max_grad_norm)
 
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = self._init_group(group)
+            group["step"] = group.get("step", 0) + 1  # apex: once per call, for every group
+            params, grads, exp_avgs, exp_avg_sqs, state_steps = self._init_group(group)
             if not params:
                 continue
             beta1, beta2 = group["betas"]
             lamb(
-                params, grads, exp_avgs, exp_avg_sqs, steps,
+                params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                step=group["step"],
                 grad_divisor=grad_divisor,
                 lr=group["lr"],
                 beta1=beta1,
@@ -165,8 +184,9 @@ def lamb(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    steps: list[Tensor],
+    state_steps: list[Tensor],
     *,
+    step: int,
     grad_divisor: Tensor | None,
     lr: float,
     beta1: float,
@@ -178,7 +198,11 @@ def lamb(
     always_adapt: bool,
     foreach: bool | None = None,
 ) -> None:
-    """Functional LAMB over one param group (see `LAMB`); `grad_divisor` is NVLAMB's pre-normalisation."""
+    """Functional LAMB over one param group (see `LAMB`); `grad_divisor` is NVLAMB's pre-normalisation.
+
+    `step` is the group's 1-based step count, which every bias correction uses (apex `FusedLAMB`);
+    `state_steps` are the per-tensor update counts, incremented here and otherwise unused.
+    """
     if not params:
         return
     uniform = _same_device_and_dtype(params + grads + exp_avgs + exp_avg_sqs)
@@ -191,15 +215,17 @@ def lamb(
         beta2=beta2,
         eps=eps,
         weight_decay=weight_decay,
-        bias_correction=bias_correction,
+        corrections=bias_corrections(step, beta1, beta2, bias_correction),
         max_ratio=1.0 if trust_clip else None,
         adapt=weight_decay != 0 or always_adapt,
     )
     if not (uniform if foreach is None else foreach):
-        _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **options)
+        _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, **options)
         return
     for chunk in _foreach_chunks(params, _FOREACH_CHUNK_NUMEL.get(params[0].device.type)):
-        _multi_tensor_lamb(params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], steps[chunk], **options)
+        _multi_tensor_lamb(
+            params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], state_steps[chunk], **options
+        )
 
 
 def check_lamb_options(options: dict[str, Any]) -> None:
@@ -242,7 +268,7 @@ def _single_tensor_lamb(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    steps: list[Tensor],
+    state_steps: list[Tensor],
     *,
     grad_divisor: Tensor | None,
     lr: float,
@@ -250,17 +276,17 @@ def _single_tensor_lamb(
     beta2: float,
     eps: float,
     weight_decay: float,
-    bias_correction: bool,
+    corrections: tuple[float, float],
     max_ratio: float | None,
     adapt: bool,
 ) -> None:
     """The reference: one tensor at a time, in the order of the update rule."""
-    for p, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-        step += 1
+    bias_correction1, bias_correction2 = corrections  # the group's: one step count for all its tensors
+    for p, grad, exp_avg, exp_avg_sq, count in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True):
+        count += 1
         if grad_divisor is not None:
             grad = grad / grad_divisor  # a new tensor: p.grad stays as the caller left it
         adam_moments_(exp_avg, exp_avg_sq, grad, beta1, beta2)
-        bias_correction1, bias_correction2 = bias_corrections(step.item(), beta1, beta2, bias_correction)
         update = adam_direction(exp_avg, exp_avg_sq, bias_correction1, bias_correction2, eps)
         if weight_decay != 0:
             update.add_(p, alpha=weight_decay)
@@ -274,7 +300,7 @@ def _multi_tensor_lamb(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    steps: list[Tensor],
+    state_steps: list[Tensor],
     *,
     grad_divisor: Tensor | None,
     lr: float,
@@ -282,19 +308,18 @@ def _multi_tensor_lamb(
     beta2: float,
     eps: float,
     weight_decay: float,
-    bias_correction: bool,
+    corrections: tuple[float, float],
     max_ratio: float | None,
     adapt: bool,
 ) -> None:
     """The same update with foreach kernels: a few launches per group instead of a few per tensor."""
-    torch._foreach_add_(steps, 1)
+    torch._foreach_add_(state_steps, 1)
     if grad_divisor is not None:
         grads = torch._foreach_div(grads, grad_divisor)  # new tensors: p.grad stays as the caller left it
     foreach_adam_moments_(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
     del grads
-    # The steps are CPU tensors: reading them costs no device sync.
-    corrections = [bias_corrections(step.item(), beta1, beta2, bias_correction) for step in steps]
-    bias_corrections1, bias_corrections2 = ([c[i] for c in corrections] for i in (0, 1))
+    # One step count per group, so one pair of corrections for all its tensors (no per-tensor host reads).
+    bias_corrections1, bias_corrections2 = ([c] * len(params) for c in corrections)
     denoms, scales = foreach_adam_denom(exp_avg_sqs, bias_corrections1, bias_corrections2, eps)
 
     if not adapt:  # plain Adam step: w -= lr * scale * m / denom, without forming the update

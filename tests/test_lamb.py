@@ -231,3 +231,162 @@ def test_state_is_lazily_created_and_groups_without_grads_are_skipped():
     optimizer = LAMB(copy.deepcopy(param_groups_weight_decay(model, 0.01)))
     optimizer.step()  # no gradients yet: nothing happens
     assert not optimizer.state
+
+
+# Parameters that get no gradient on some steps: the bias corrections use the group's step count (apex
+# FusedLAMB), not the number of updates the tensor has received. Three groups with their own decay: one
+# where some tensors have gradients from the start, one all of whose tensors start late.
+LATE_START = 3  # steps without a gradient for the "late" tensors
+LATE_STEPS = 8
+LATE_SHAPES = {"w_always": (4, 3), "w_late": (3, 5), "b_always": (5,), "b_late": (3,), "x_late": (2, 2)}
+LATE_GROUPS = [(["w_always", "w_late"], {}), (["b_always", "b_late"], {"weight_decay": 0.0}),
+               (["x_late"], {"weight_decay": 0.1, "lr": 5e-3})]
+LATE_CONFIGS = {
+    "nvlamb_clipped": dict(lr=1e-2, max_grad_norm=0.5),  # every step's global norm is above 0.5
+    "no_clip_adapt_all": dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.02, max_grad_norm=None,
+                              trust_clip=True, always_adapt=True),
+}
+
+
+def _late_initial_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    return {name: torch.randn(shape, generator=g) for name, shape in LATE_SHAPES.items()}
+
+
+def _late_grads(step: int) -> dict[str, torch.Tensor | None]:
+    """Step `step`'s (0-based) gradients: None for the late tensors during the first LATE_START steps."""
+    g = torch.Generator().manual_seed(100 + step)
+    grads = {name: torch.randn(shape, generator=g) for name, shape in LATE_SHAPES.items()}
+    return {name: None if name.endswith("_late") and step < LATE_START else grad for name, grad in grads.items()}
+
+
+def _late_lamb(params: dict[str, nn.Parameter], config: str, foreach: bool) -> LAMB:
+    groups = [{"params": [params[name] for name in names], **options} for names, options in LATE_GROUPS]
+    return LAMB(groups, foreach=foreach, **LATE_CONFIGS[config])
+
+
+def _late_steps(params: dict[str, nn.Parameter], optimizer: LAMB, steps: range) -> None:
+    for step in steps:
+        for name, grad in _late_grads(step).items():
+            params[name].grad = grad
+        optimizer.step()
+
+
+def _apex_lamb_reference(config: str, steps: int) -> dict[str, torch.Tensor]:
+    """apex FusedLAMB (use_nvlamb = always_adapt) transcribed from its definition, in float64, one tensor at
+    a time: `group['step'] += 1` once per step for every group; tensors without a gradient are skipped."""
+    options = {**dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True,
+                      max_grad_norm=1.0, trust_clip=False, always_adapt=False), **LATE_CONFIGS[config]}
+    beta1, beta2 = options["betas"]
+    weights = {name: w.double() for name, w in _late_initial_weights().items()}
+    moments = {}
+    group_steps = [0] * len(LATE_GROUPS)
+    for step in range(steps):
+        grads = {name: g.double() for name, g in _late_grads(step).items() if g is not None}
+        clip = 1.0
+        if options["max_grad_norm"] is not None:  # NVLAMB: divide by max(1, global norm / max_grad_norm)
+            total = sum(g.square().sum() for g in grads.values()).sqrt().item()
+            clip = max(1.0, total / options["max_grad_norm"])
+        for i, (names, group_options) in enumerate(LATE_GROUPS):
+            group = {**options, **group_options}
+            group_steps[i] += 1
+            t = group_steps[i]
+            for name in names:
+                if name not in grads:
+                    continue
+                g = grads[name] / clip
+                m, v = moments.get(name, (torch.zeros_like(g), torch.zeros_like(g)))
+                m = beta1 * m + (1 - beta1) * g
+                v = beta2 * v + (1 - beta2) * g * g
+                moments[name] = m, v
+                if group["bias_correction"]:
+                    m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
+                else:
+                    m_hat, v_hat = m, v
+                w = weights[name]
+                u = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * w
+                ratio = 1.0
+                if group["weight_decay"] != 0 or group["always_adapt"]:
+                    w_norm, u_norm = w.norm().item(), u.norm().item()
+                    if w_norm > 0 and u_norm > 0:
+                        ratio = w_norm / u_norm
+                    if group["trust_clip"]:
+                        ratio = min(ratio, 1.0)
+                weights[name] = w - group["lr"] * ratio * u
+    return weights
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
+@pytest.mark.parametrize("config", list(LATE_CONFIGS))
+def test_bias_correction_counts_steps_per_group_as_apex(config, foreach):
+    params = {name: nn.Parameter(w) for name, w in _late_initial_weights().items()}
+    optimizer = _late_lamb(params, config, foreach)
+    _late_steps(params, optimizer, range(LATE_STEPS))
+    expected = _apex_lamb_reference(config, LATE_STEPS)
+    for name, p in params.items():
+        torch.testing.assert_close(p.detach(), expected[name].float(), atol=1e-6, rtol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert not torch.equal(p.detach(), _late_initial_weights()[name])
+    # Every group counted every step, the one without any gradient at first included; the tensors' own
+    # `step` counts the updates each received.
+    assert [group["step"] for group in optimizer.param_groups] == [LATE_STEPS] * len(LATE_GROUPS)
+    for name, p in params.items():
+        updates = LATE_STEPS - LATE_START if name.endswith("_late") else LATE_STEPS
+        assert optimizer.state[p]["step"].item() == updates
+
+
+def _late_checkpoint(foreach: bool) -> dict:
+    params = {name: nn.Parameter(w) for name, w in _late_initial_weights().items()}
+    optimizer = _late_lamb(params, "nvlamb_clipped", foreach)
+    _late_steps(params, optimizer, range(LATE_START + 2))
+    buffer = io.BytesIO()
+    torch.save({"params": {name: p.detach() for name, p in params.items()}, "optimizer": optimizer.state_dict()},
+               buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _resume_late(saved: dict, foreach: bool) -> tuple[dict[str, nn.Parameter], LAMB]:
+    params = {name: nn.Parameter(w.clone()) for name, w in saved["params"].items()}
+    optimizer = _late_lamb(params, "nvlamb_clipped", foreach)
+    optimizer.load_state_dict(saved["optimizer"])
+    return params, optimizer
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
+def test_state_dict_round_trip_with_late_gradients_continues_exactly(foreach):
+    saved = _late_checkpoint(foreach)
+    assert [group["step"] for group in saved["optimizer"]["param_groups"]] == [LATE_START + 2] * len(LATE_GROUPS)
+    params, optimizer = _resume_late(saved, foreach)
+    assert [group["step"] for group in optimizer.param_groups] == [LATE_START + 2] * len(LATE_GROUPS)
+    _late_steps(params, optimizer, range(LATE_START + 2, LATE_STEPS))
+
+    straight = {name: nn.Parameter(w) for name, w in _late_initial_weights().items()}
+    _late_steps(straight, _late_lamb(straight, "nvlamb_clipped", foreach), range(LATE_STEPS))
+    for name, p in params.items():
+        assert torch.equal(p, straight[name]), name
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
+def test_checkpoint_with_per_parameter_steps_resumes_with_the_largest(foreach):
+    """A state_dict of the LAMB that counted steps per parameter has no group `step`; each group takes the
+    largest of its tensors' counts, which is exact while some tensor of the group had a gradient every step."""
+    saved = _late_checkpoint(foreach)
+    for group in saved["optimizer"]["param_groups"]:
+        del group["step"]
+    params, optimizer = _resume_late(saved, foreach)
+    # Groups 0 and 1 had a tensor with a gradient at every step; group 2's only tensor started late.
+    assert [group["step"] for group in optimizer.param_groups] == [LATE_START + 2, LATE_START + 2, 2]
+    _late_steps(params, optimizer, range(LATE_START + 2, LATE_STEPS))
+    straight = {name: nn.Parameter(w) for name, w in _late_initial_weights().items()}
+    _late_steps(straight, _late_lamb(straight, "nvlamb_clipped", foreach), range(LATE_STEPS))
+    for name, p in params.items():
+        if name != "x_late":
+            assert torch.equal(p, straight[name]), name
+
+    # A group none of whose tensors has state gets no step: it counts from 1, as a new group.
+    fresh = _late_lamb({name: nn.Parameter(w) for name, w in _late_initial_weights().items()}, "nvlamb_clipped",
+                       foreach)
+    fresh_state = fresh.state_dict()
+    fresh.load_state_dict(fresh_state)
+    assert all("step" not in group for group in fresh.param_groups)
