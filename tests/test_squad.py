@@ -211,6 +211,28 @@ def test_postprocess_picks_the_best_valid_span():
     assert short["q"] != "quick brown fox"  # three tokens exceed max_answer_len=2
 
 
+def test_nbest_lists_each_answer_text_once():
+    tokenizer = load_tokenizer()
+    context = "The cat sat on the mat. The cat ran."
+    example = SquadExample("q", "Who sat?", context, ("cat",), (4,))
+    features = build_features([example], tokenizer, max_seq_len=48, doc_stride=16, max_query_len=8)
+    length = features.input_ids.shape[1]
+    cats = [i for i, o in enumerate(features.offsets[0]) if o is not None and context[o[0] : o[1]] == "cat"]
+    assert len(cats) == 2  # two spans with the same text
+    context_positions = [i for i, o in enumerate(features.offsets[0]) if o is not None]
+    start, end = np.full((1, length), -10.0), np.full((1, length), -10.0)
+    for rank, i in enumerate(context_positions):  # graded logits: the same top tokens every time
+        start[0, i] = end[0, i] = -0.1 * rank
+    start[0, cats], end[0, cats] = [8.0, 7.0], [8.0, 7.0]
+    predictions, nbest = postprocess_predictions([example], features, start, end, n_best_size=4, max_answer_len=3)
+    texts = [entry["text"] for entry in nbest["q"]]
+    assert predictions == {"q": "cat"}
+    # Both "cat" spans (scores 16 and 14) give one entry; the list goes on with the next distinct texts.
+    assert texts == ["cat", "The cat", "cat sat", "The"]
+    assert [entry["score"] for entry in nbest["q"]] == pytest.approx([16.0, 8.0, 7.8, 0.0])
+    assert sum(entry["probability"] for entry in nbest["q"]) == pytest.approx(1.0)
+
+
 # ------------------------------------------------------------------------------------------------ the metric
 def _random_answer(rng: random.Random) -> str:
     """Answers that differ in case, articles, punctuation and spacing, and never normalise to nothing."""

@@ -218,7 +218,9 @@ def postprocess_predictions(
 
     For each window, the `n_best_size` highest start and end logits are paired; a pair survives if both
     tokens are context tokens, end >= start, the span is at most `max_answer_len` tokens, and the start
-    token has its maximum context in this window. Score = start logit + end logit, over all windows.
+    token has its maximum context in this window. Score = start logit + end logit, over all windows; the
+    n-best list keeps the `n_best_size` best distinct texts (a span whose text is already listed is skipped,
+    as in BERT run_squad), and the probabilities are a softmax over those.
     """
     windows = defaultdict(list)
     for f, example in enumerate(features.example_index):
@@ -238,13 +240,22 @@ def postprocess_predictions(
                         continue
                     score = float(start_logits[f][s] + end_logits[f][t])
                     candidates.append((score, offsets[s][0], offsets[t][1]))
-        candidates = sorted(candidates, reverse=True)[:n_best_size] or [(0.0, 0, 0)]  # empty: an empty answer
-        scores = np.array([c[0] for c in candidates])
+        best, seen = [], set()
+        for score, start, end in sorted(candidates, reverse=True):
+            text = example.context[start:end]
+            if text in seen:  # run_squad's seen_predictions: a text already in the list is not listed again
+                continue
+            seen.add(text)
+            best.append((score, text))
+            if len(best) == n_best_size:
+                break
+        best = best or [(0.0, "")]  # no valid span: an empty answer
+        scores = np.array([score for score, _ in best])
         probabilities = np.exp(scores - scores.max())
         probabilities /= probabilities.sum()
         nbest[example.id] = [
-            {"text": example.context[start:end], "probability": float(p), "score": score}
-            for (score, start, end), p in zip(candidates, probabilities, strict=True)
+            {"text": text, "probability": float(p), "score": score}
+            for (score, text), p in zip(best, probabilities, strict=True)
         ]
         predictions[example.id] = nbest[example.id][0]["text"]
     return predictions, nbest
