@@ -104,6 +104,95 @@ def test_long_questions_are_cut_to_max_query_len():
     assert first_sep == 1 + 10
 
 
+def _reference_doc_spans(num_tokens: int, max_tokens_for_doc: int, doc_stride: int) -> list[tuple[int, int]]:
+    """BERT / NVIDIA run_squad's doc-span loop, transcribed: window starts are `doc_stride` tokens apart."""
+    spans, start_offset = [], 0
+    while start_offset < num_tokens or not spans:
+        length = min(num_tokens - start_offset, max_tokens_for_doc)
+        spans.append((start_offset, length))
+        if start_offset + length == num_tokens:
+            break
+        start_offset += min(length, doc_stride)
+    return spans
+
+
+def _long_examples(n: int, seed: int = 0) -> list[SquadExample]:
+    """Contexts of ~250-1000 words, some of which WordPiece splits, each with an answer somewhere in it."""
+    words = ["the", "river", "photosynthesis", "was", "unbelievably", "transcontinental", "in", "1895", "Zürich",
+             "of", "café", "mitochondria", "and", "a", "hydroelectric", "council", "(", ")", ",", "—", "Brontë",
+             "overarching", "counterrevolutionary", "said", "x-ray", "3.5", "it's", "semiconductors", "on"]
+    rng = random.Random(seed)
+    examples = []
+    for i in range(n):
+        tokens = [rng.choice(words) for _ in range(rng.randint(250, 1000))]
+        first = rng.randrange(len(tokens) - 4)
+        answer_words = tokens[first : first + rng.randint(1, 4)]
+        context = " ".join(tokens)
+        answer_start = len(" ".join(tokens[:first])) + (1 if first else 0)
+        answer = " ".join(answer_words)
+        assert context[answer_start : answer_start + len(answer)] == answer
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(3, 40))) + "?"
+        examples.append(SquadExample(f"q{i}", question, context, (answer,), (answer_start,)))
+    return examples
+
+
+@pytest.mark.parametrize(("max_seq_len", "doc_stride", "max_query_len"), [(384, 128, 64), (128, 64, 32)])
+def test_windows_start_doc_stride_apart_as_in_bert_run_squad(max_seq_len, doc_stride, max_query_len):
+    tokenizer = load_tokenizer()
+    examples = _long_examples(12)
+    features = build_features(examples, tokenizer, max_seq_len, doc_stride, max_query_len)
+    for index, example in enumerate(examples):
+        doc = tokenizer(example.context, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        doc_ids, doc_offsets = doc["input_ids"], [tuple(o) for o in doc["offset_mapping"]]
+        assert len(doc_ids) > 300  # long, and WordPiece split some words
+        assert len(doc_ids) > len(example.context.split())
+        query = tokenizer(example.question, add_special_tokens=False)["input_ids"][:max_query_len]
+        expected = _reference_doc_spans(len(doc_ids), max_seq_len - len(query) - 3, doc_stride)
+        # The answer's sub-tokens: those overlapping its characters.
+        a, b = example.answer_starts[0], example.answer_starts[0] + len(example.answers[0])
+        covering = [i for i, (s, e) in enumerate(doc_offsets) if s < b and e > a]
+        answer_start, answer_end = covering[0], covering[-1]
+        windows = np.flatnonzero(features.example_index == index)
+        assert len(windows) == len(expected)
+        for f, (start, length) in zip(windows, expected, strict=True):
+            context_positions = [i for i, o in enumerate(features.offsets[f]) if o is not None]
+            assert doc_offsets.index(features.offsets[f][context_positions[0]]) == start
+            assert len(context_positions) == length
+            assert features.input_ids[f][context_positions].tolist() == doc_ids[start : start + length]
+            assert context_positions[0] == len(query) + 2  # [CLS] question [SEP]
+            assert features.input_ids[f][: len(query) + 2].tolist() == [
+                tokenizer.cls_token_id, *query, tokenizer.sep_token_id]
+            assert features.input_ids[f][len(query) + 2 + length] == tokenizer.sep_token_id
+            assert features.attention_mask[f].sum() == len(query) + 3 + length
+            # run_squad labels a window with the answer only when the answer is wholly inside it.
+            if start <= answer_start and answer_end < start + length:
+                offset = len(query) + 2 - start
+                assert (features.start_positions[f], features.end_positions[f]) == (
+                    answer_start + offset, answer_end + offset)
+            else:
+                assert (features.start_positions[f], features.end_positions[f]) == (0, 0)
+        assert features.max_context[windows[-1]].any()  # the last window owns the tail of the context
+
+
+def test_max_context_flags_follow_bert_scores():
+    tokenizer = load_tokenizer()
+    [example] = _long_examples(1, seed=3)
+    features = build_features([example], tokenizer, max_seq_len=128, doc_stride=64, max_query_len=32)
+    doc = tokenizer(example.context, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    doc_offsets = [tuple(o) for o in doc["offset_mapping"]]
+    spans = []
+    for f in range(len(features)):
+        positions = [i for i, o in enumerate(features.offsets[f]) if o is not None]
+        spans.append((doc_offsets.index(features.offsets[f][positions[0]]), positions))
+    for token in range(len(doc_offsets)):
+        scores = [(min(token - start, start + len(positions) - 1 - token) + 0.01 * len(positions), -f)
+                  for f, (start, positions) in enumerate(spans) if start <= token < start + len(positions)]
+        best = -max(scores)[1]  # the highest score, the first window on a tie
+        for f, (start, positions) in enumerate(spans):
+            if start <= token < start + len(positions):
+                assert features.max_context[f][positions[token - start]] == (f == best)
+
+
 def test_postprocess_picks_the_best_valid_span():
     tokenizer = load_tokenizer()
     context = "The quick brown fox jumps over the lazy dog."
@@ -120,6 +209,28 @@ def test_postprocess_picks_the_best_valid_span():
     assert nbest["q"][0]["probability"] == max(c["probability"] for c in nbest["q"])
     short, _ = postprocess_predictions([example], features, start, end, n_best_size=5, max_answer_len=2)
     assert short["q"] != "quick brown fox"  # three tokens exceed max_answer_len=2
+
+
+def test_nbest_lists_each_answer_text_once():
+    tokenizer = load_tokenizer()
+    context = "The cat sat on the mat. The cat ran."
+    example = SquadExample("q", "Who sat?", context, ("cat",), (4,))
+    features = build_features([example], tokenizer, max_seq_len=48, doc_stride=16, max_query_len=8)
+    length = features.input_ids.shape[1]
+    cats = [i for i, o in enumerate(features.offsets[0]) if o is not None and context[o[0] : o[1]] == "cat"]
+    assert len(cats) == 2  # two spans with the same text
+    context_positions = [i for i, o in enumerate(features.offsets[0]) if o is not None]
+    start, end = np.full((1, length), -10.0), np.full((1, length), -10.0)
+    for rank, i in enumerate(context_positions):  # graded logits: the same top tokens every time
+        start[0, i] = end[0, i] = -0.1 * rank
+    start[0, cats], end[0, cats] = [8.0, 7.0], [8.0, 7.0]
+    predictions, nbest = postprocess_predictions([example], features, start, end, n_best_size=4, max_answer_len=3)
+    texts = [entry["text"] for entry in nbest["q"]]
+    assert predictions == {"q": "cat"}
+    # Both "cat" spans (scores 16 and 14) give one entry; the list goes on with the next distinct texts.
+    assert texts == ["cat", "The cat", "cat sat", "The"]
+    assert [entry["score"] for entry in nbest["q"]] == pytest.approx([16.0, 8.0, 7.8, 0.0])
+    assert sum(entry["probability"] for entry in nbest["q"]) == pytest.approx(1.0)
 
 
 # ------------------------------------------------------------------------------------------------ the metric

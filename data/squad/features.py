@@ -1,9 +1,10 @@
 """SQuAD v1.1: reading and checking the JSON, windowed features with offsets, and span post-processing.
 
-Features follow BERT's recipe (NVIDIA run_squad, HF run_qa): the question (at most `max_query_len` tokens)
-then a window of the context, windows `doc_stride` tokens apart, `max_seq_len` tokens in all. Answers are
-recovered through each token's character offsets into the original context, so the predicted text is
-exactly a substring of the context.
+Features follow BERT's recipe (BERT's and NVIDIA's run_squad): the question (at most `max_query_len` tokens)
+then a window of the context, `max_seq_len` tokens in all. `doc_stride` is the distance between the starts of
+consecutive windows, as in BERT's run_squad (not the overlap, which is what a fast tokenizer's `stride` means);
+the last window ends at the end of the context. Answers are recovered through each token's character offsets
+into the original context, so the predicted text is exactly a substring of the context.
 """
 
 from __future__ import annotations
@@ -100,76 +101,98 @@ def build_features(
     examples: list[SquadExample], tokenizer: Any, max_seq_len: int = 384, doc_stride: int = 128,
     max_query_len: int = 64,
 ) -> SquadFeatures:
-    """Tokenise question + context into overlapping windows; label each window with the first answer."""
-    questions = [_truncate_question(tokenizer, e.question, max_query_len) for e in examples]
-    encoded = tokenizer(
-        questions, [e.context for e in examples], truncation="only_second", max_length=max_seq_len,
-        stride=doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True, padding="max_length",
+    """Tokenise question + context into windows `doc_stride` tokens apart; label each with the first answer.
+
+    The windows are BERT run_squad's doc spans: [CLS] question [SEP] context window [SEP], the question cut to
+    `max_query_len` tokens, each window at most `max_seq_len - len(question) - 3` context tokens; a window
+    starts `doc_stride` tokens after the previous one (never past its end), and the last window ends at the
+    end of the context. (A fast tokenizer's own `stride` is the overlap between windows, not this distance.)
+    """
+    if not examples:
+        raise ValueError("build_features: no examples")
+    questions = tokenizer([e.question for e in examples], add_special_tokens=False)["input_ids"]
+    contexts = sorted({e.context for e in examples})  # questions share paragraphs: tokenise each one once
+    encoded = tokenizer(contexts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    context_tokens = {
+        c: (ids, [tuple(o) for o in offsets])
+        for c, ids, offsets in zip(contexts, encoded["input_ids"], encoded["offset_mapping"], strict=True)
+    }
+    cls_id, sep_id, pad_id = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id
+    columns: dict[str, list[Any]] = defaultdict(list)
+    for index, (example, question) in enumerate(zip(examples, questions, strict=True)):
+        question = question[:max_query_len]
+        doc_ids, doc_offsets = context_tokens[example.context]
+        max_tokens_for_doc = max_seq_len - len(question) - 3
+        if max_tokens_for_doc < 1:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} leaves no room for context after a {len(question)}-token question "
+                f"(max_query_len={max_query_len}) and the 3 special tokens"
+            )
+        answer = _answer_tokens(example, doc_offsets)
+        spans = doc_spans(len(doc_ids), max_tokens_for_doc, doc_stride)
+        owner = _max_context_owner(spans, len(doc_ids))
+        for span_index, (span_start, span_length) in enumerate(spans):
+            first = len(question) + 2  # [CLS] question [SEP]
+            span_ids = doc_ids[span_start : span_start + span_length]
+            ids = [cls_id, *question, sep_id, *span_ids, sep_id]
+            padding = max_seq_len - len(ids)
+            columns["input_ids"].append(ids + [pad_id] * padding)
+            columns["token_type_ids"].append([0] * first + [1] * (span_length + 1) + [0] * padding)
+            columns["attention_mask"].append([1] * len(ids) + [0] * padding)
+            columns["offsets"].append(
+                [None] * first + doc_offsets[span_start : span_start + span_length] + [None] * (padding + 1)
+            )
+            max_context = np.zeros(max_seq_len, dtype=bool)
+            max_context[first : first + span_length] = owner[span_start : span_start + span_length] == span_index
+            columns["max_context"].append(max_context)
+            if answer is not None and span_start <= answer[0] and answer[1] < span_start + span_length:
+                columns["start_positions"].append(answer[0] - span_start + first)
+                columns["end_positions"].append(answer[1] - span_start + first)
+            else:  # the answer is not wholly inside this window: point at [CLS]
+                columns["start_positions"].append(0)
+                columns["end_positions"].append(0)
+            columns["example_index"].append(index)
+    return SquadFeatures(
+        **{key: np.asarray(columns[key], dtype=np.int64) for key in (
+            "input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions", "example_index")},
+        offsets=columns["offsets"], max_context=columns["max_context"],
     )
-    example_index = np.asarray(encoded["overflow_to_sample_mapping"], dtype=np.int64)
-    starts, ends, offsets = [], [], []
-    for f, index in enumerate(example_index):
-        sequence_ids = encoded.sequence_ids(f)
-        context_offsets = [
-            tuple(o) if s == 1 else None for o, s in zip(encoded["offset_mapping"][f], sequence_ids, strict=True)
-        ]
-        offsets.append(context_offsets)
-        start, end = _answer_tokens(examples[index], context_offsets)
-        starts.append(start)
-        ends.append(end)
-    features = SquadFeatures(
-        input_ids=np.asarray(encoded["input_ids"], dtype=np.int64),
-        token_type_ids=np.asarray(encoded["token_type_ids"], dtype=np.int64),
-        attention_mask=np.asarray(encoded["attention_mask"], dtype=np.int64),
-        start_positions=np.asarray(starts, dtype=np.int64),
-        end_positions=np.asarray(ends, dtype=np.int64),
-        example_index=example_index,
-        offsets=offsets,
-    )
-    features.max_context = _max_context_flags(features)
-    return features
 
 
-def _truncate_question(tokenizer: Any, question: str, max_query_len: int) -> str:
-    """Cut the question text after its first `max_query_len` tokens (NVIDIA's max_query_length)."""
-    encoded = tokenizer(question, add_special_tokens=False, return_offsets_mapping=True)
-    if len(encoded["input_ids"]) <= max_query_len:
-        return question
-    return question[: encoded["offset_mapping"][max_query_len - 1][1]]
+def doc_spans(num_tokens: int, max_tokens_for_doc: int, doc_stride: int) -> list[tuple[int, int]]:
+    """(start, length) of each context window, as BERT run_squad: starts `doc_stride` apart, the last at the end."""
+    spans, start = [], 0
+    while True:
+        length = min(num_tokens - start, max_tokens_for_doc)
+        spans.append((start, length))
+        if start + length == num_tokens:
+            return spans
+        start += min(length, doc_stride)
 
 
-def _answer_tokens(example: SquadExample, offsets: list[tuple[int, int] | None]) -> tuple[int, int]:
-    """Token span of the first gold answer inside this window, or (0, 0) when it is not wholly inside."""
+def _answer_tokens(example: SquadExample, offsets: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """First and last context token of the first gold answer (character overlap), or None if no token covers it."""
     start_char = example.answer_starts[0]
     end_char = start_char + len(example.answers[0])
-    context_tokens = [i for i, o in enumerate(offsets) if o is not None]
-    if not context_tokens or offsets[context_tokens[0]][0] > start_char or offsets[context_tokens[-1]][1] < end_char:
-        return 0, 0
-    start = next(i for i in context_tokens if offsets[i][1] > start_char)
-    end = next(i for i in reversed(context_tokens) if offsets[i][0] < end_char)
-    return start, end
+    covering = [i for i, (a, b) in enumerate(offsets) if a < end_char and b > start_char]
+    return (covering[0], covering[-1]) if covering else None
 
 
-def _max_context_flags(features: SquadFeatures) -> list[np.ndarray]:
-    """For each window, whether each context token has its most centred context in this window.
+def _max_context_owner(spans: list[tuple[int, int]], num_tokens: int) -> np.ndarray:
+    """For each context token, the window where its context is maximal (BERT's _check_is_max_context).
 
-    BERT's rule: a token's context score in a window is min(tokens to its left, tokens to its right) plus
-    a hundredth of the window length; of the windows holding the token, the best score wins. Spans that
-    start on a token whose best context is elsewhere are left to that other window.
+    A token's score in a window is min(tokens to its left, tokens to its right) + 0.01 * the window length; of
+    the windows holding the token, the highest score wins (the first on a tie).
     """
-    best: dict[tuple[int, int], tuple[float, int]] = {}
-    for f, offsets in enumerate(features.offsets):
-        context = [i for i, o in enumerate(offsets) if o is not None]
-        for position, i in enumerate(context):
-            score = min(position, len(context) - 1 - position) + 0.01 * len(context)
-            key = (int(features.example_index[f]), offsets[i][0])
-            if key not in best or score > best[key][0]:
-                best[key] = (score, f)
-    flags = []
-    for f, offsets in enumerate(features.offsets):
-        example = int(features.example_index[f])
-        flags.append(np.array([o is not None and best[(example, o[0])][1] == f for o in offsets]))
-    return flags
+    best = np.full(num_tokens, -np.inf)
+    owner = np.full(num_tokens, -1, dtype=np.int64)
+    for index, (start, length) in enumerate(spans):
+        position = np.arange(length)
+        score = np.minimum(position, length - 1 - position) + 0.01 * length
+        better = score > best[start : start + length]
+        best[start : start + length][better] = score[better]
+        owner[start : start + length][better] = index
+    return owner
 
 
 class SquadDataset(torch.utils.data.Dataset):
@@ -195,7 +218,9 @@ def postprocess_predictions(
 
     For each window, the `n_best_size` highest start and end logits are paired; a pair survives if both
     tokens are context tokens, end >= start, the span is at most `max_answer_len` tokens, and the start
-    token has its maximum context in this window. Score = start logit + end logit, over all windows.
+    token has its maximum context in this window. Score = start logit + end logit, over all windows; the
+    n-best list keeps the `n_best_size` best distinct texts (a span whose text is already listed is skipped,
+    as in BERT run_squad), and the probabilities are a softmax over those.
     """
     windows = defaultdict(list)
     for f, example in enumerate(features.example_index):
@@ -215,13 +240,22 @@ def postprocess_predictions(
                         continue
                     score = float(start_logits[f][s] + end_logits[f][t])
                     candidates.append((score, offsets[s][0], offsets[t][1]))
-        candidates = sorted(candidates, reverse=True)[:n_best_size] or [(0.0, 0, 0)]  # empty: an empty answer
-        scores = np.array([c[0] for c in candidates])
+        best, seen = [], set()
+        for score, start, end in sorted(candidates, reverse=True):
+            text = example.context[start:end]
+            if text in seen:  # run_squad's seen_predictions: a text already in the list is not listed again
+                continue
+            seen.add(text)
+            best.append((score, text))
+            if len(best) == n_best_size:
+                break
+        best = best or [(0.0, "")]  # no valid span: an empty answer
+        scores = np.array([score for score, _ in best])
         probabilities = np.exp(scores - scores.max())
         probabilities /= probabilities.sum()
         nbest[example.id] = [
-            {"text": example.context[start:end], "probability": float(p), "score": score}
-            for (score, start, end), p in zip(candidates, probabilities, strict=True)
+            {"text": text, "probability": float(p), "score": score}
+            for (score, text), p in zip(best, probabilities, strict=True)
         ]
         predictions[example.id] = nbest[example.id][0]["text"]
     return predictions, nbest
