@@ -36,6 +36,7 @@ def test_every_kind_is_listed_with_its_schema():
         (["data=shards", "data.path=null"], r"^data\.path=None must name a prepared directory"),
         (["data=squad_demo", "data.train_file=null"], r"^data\.train_file=None must name a SQuAD"),
         (["data=squad_demo", "data.doc_stride=0"], r"^data\.doc_stride=0 must be positive$"),
+        (["data=squad_demo", "data.max_query_len=125"], r"^data\.max_query_len=125 leaves no context"),
         (["data.name=nope"], r"^data\.name=nope must be one of demo, digits, images, shards, squad$"),
     ],
 )
