@@ -34,12 +34,12 @@ def check_squad_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
         for key in ("max_seq_len", "doc_stride", "max_query_len", "n_best_size", "max_answer_len",
                     "eval_batch_size"):
             check_positive(key, data_cfg[key])
-        require(data_cfg.max_query_len + 3 < data_cfg.max_seq_len, "max_query_len", data_cfg.max_query_len,
-                f"leaves no context in a window of data.max_seq_len={data_cfg.max_seq_len} ([CLS] q [SEP] ... [SEP])")
         if not data_cfg.hf_dataset:
             for key in ("train_file", "dev_file"):
                 require(bool(data_cfg[key]), key, data_cfg[key],
                         "must name a SQuAD v1.1 JSON file (or set data.hf_dataset)")
+        require(data_cfg.max_query_len + 3 < data_cfg.max_seq_len, "max_query_len", data_cfg.max_query_len,
+                f"leaves no context in a window of data.max_seq_len={data_cfg.max_seq_len} ([CLS] q [SEP] ... [SEP])")
 
 
 def build_squad_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
