@@ -53,6 +53,28 @@ def test_accumulation_derives_from_global_batch(global_batch, micro, world, accu
     assert batch_geometry(cfg.trainer, world).accumulation_steps == accumulation
 
 
+@pytest.mark.parametrize(
+    ("global_batch", "world", "cap", "micro"),
+    [(32, 1, 32, 32), (32, 2, 32, 16), (32, 3, 32, None), (96, 2, 32, 24), (65536, 8, 64, 64), (30, 1, 8, 6)],
+)
+def test_unset_micro_batch_is_derived_for_the_world_size(global_batch, world, cap, micro):
+    cfg = compose([f"trainer.global_batch_size={global_batch}", f"trainer.max_micro_batch_size={cap}"])
+    assert cfg.trainer.micro_batch_size is None  # the default: derived
+    if micro is None:
+        with pytest.raises(ConfigError, match=f"global_batch_size={global_batch} is not divisible by the world size"):
+            batch_geometry(cfg.trainer, world)
+        return
+    geometry = batch_geometry(cfg.trainer, world)
+    assert geometry.micro_batch_size == micro
+    assert geometry.micro_batch_size * geometry.accumulation_steps * world == global_batch
+
+
+def test_indivisible_micro_batch_error_suggests_one():
+    cfg = compose(["trainer.global_batch_size=32", "trainer.micro_batch_size=32"])
+    with pytest.raises(ConfigError, match=r"micro_batch_size=32 x world size 2: try trainer\.micro_batch_size=16"):
+        batch_geometry(cfg.trainer, 2)
+
+
 def test_indivisible_batch_is_an_error():
     cfg = compose(["trainer.global_batch_size=100", "trainer.micro_batch_size=32"])
     with pytest.raises(ConfigError, match=r"trainer\.global_batch_size=100 .* trainer\.micro_batch_size=32"):
@@ -84,7 +106,8 @@ def test_cli_rejects_bad_key_and_value_before_training(tmp_path):
     bad_key = run_train(["trainer.no_such_key=1", f"hydra.run.dir={tmp_path}"], timeout=120)
     assert bad_key.returncode != 0
     assert "trainer.no_such_key" in bad_key.stderr
-    bad_value = run_train(["trainer.global_batch_size=33", f"hydra.run.dir={tmp_path}"], timeout=120)
+    bad_value = run_train(["trainer.global_batch_size=33", "trainer.micro_batch_size=32", f"hydra.run.dir={tmp_path}"],
+                          timeout=120)
     assert bad_value.returncode == 2
     assert bad_value.stderr.strip().splitlines()[-1].startswith("config error: trainer.global_batch_size=33")
     assert not (tmp_path / "checkpoints").exists()

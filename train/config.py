@@ -37,7 +37,8 @@ class TrainerConfig:
     max_steps: int | None = MISSING
     epochs: float | None = MISSING
     global_batch_size: int = MISSING
-    micro_batch_size: int = MISSING
+    micro_batch_size: int | None = MISSING
+    max_micro_batch_size: int = MISSING
     grad_clip: float = MISSING
     device: str = MISSING
     nproc_per_node: int = MISSING
@@ -97,16 +98,25 @@ class BatchGeometry:
 
 
 def batch_geometry(trainer: TrainerConfig | DictConfig, world_size: int) -> BatchGeometry:
-    """Derive accumulation from the global batch; an indivisible combination is an error."""
-    per_step = trainer.micro_batch_size * world_size
-    if trainer.global_batch_size % per_step:
+    """Derive accumulation from the global batch, and the micro-batch too when it is not set.
+
+    An unset (null) micro-batch is the largest divisor of the per-rank batch up to `max_micro_batch_size`, so
+    the same command runs on any number of ranks; a set one that does not divide is an error suggesting one.
+    """
+    global_batch, micro = trainer.global_batch_size, trainer.micro_batch_size
+    if global_batch % world_size:
+        raise ConfigError(f"trainer.global_batch_size={global_batch} is not divisible by the world size {world_size}")
+    per_rank = global_batch // world_size
+    largest_fitting = max(d for d in range(1, min(per_rank, trainer.max_micro_batch_size) + 1) if per_rank % d == 0)
+    if micro is None:
+        micro = largest_fitting
+    elif per_rank % micro:
+        suggestion = max(d for d in range(1, min(per_rank, micro) + 1) if per_rank % d == 0)
         raise ConfigError(
-            f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by "
-            f"trainer.micro_batch_size={trainer.micro_batch_size} x world size {world_size}"
+            f"trainer.global_batch_size={global_batch} is not divisible by trainer.micro_batch_size={micro} x "
+            f"world size {world_size}: try trainer.micro_batch_size={suggestion} (or null to derive it)"
         )
-    return BatchGeometry(
-        trainer.global_batch_size, trainer.micro_batch_size, world_size, trainer.global_batch_size // per_step
-    )
+    return BatchGeometry(global_batch, micro, world_size, per_rank // micro)
 
 
 def launch_world_size(cfg: DictConfig) -> int:
@@ -125,8 +135,10 @@ def check_trainer_config(trainer: DictConfig) -> None:
         check_positive("max_steps", trainer.max_steps)
     else:
         check_positive("epochs", trainer.epochs)
-    for key in ("global_batch_size", "micro_batch_size", "nproc_per_node", "log_every", "keep_last"):
+    for key in ("global_batch_size", "max_micro_batch_size", "nproc_per_node", "log_every", "keep_last"):
         check_positive(key, trainer[key])
+    if trainer.micro_batch_size is not None:
+        check_positive("micro_batch_size", trainer.micro_batch_size)
     for key in ("checkpoint_every", "eval_every", "grad_clip", "keep_best"):
         check_non_negative(key, trainer[key])
     if trainer.steps_this_run is not None:
@@ -172,6 +184,7 @@ def validate(cfg: DictConfig) -> BatchGeometry:
     check_model_config(cfg.model.get("name"), _options(cfg.model))
     check_optimizer_config(cfg.optim.get("name"), _options(cfg.optim))
     check_schedule_config(cfg.schedule.name, cfg.schedule.kwargs, total_steps=cfg.trainer.max_steps or 1)
-    check_data(cfg.data, cfg.trainer.micro_batch_size)
+    geometry = batch_geometry(cfg.trainer, launch_world_size(cfg))
+    check_data(cfg.data, geometry.micro_batch_size)
     _check_across_groups(cfg)
-    return batch_geometry(cfg.trainer, launch_world_size(cfg))
+    return geometry
