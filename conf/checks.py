@@ -14,7 +14,12 @@ from typing import Any
 _UNSET = object()
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Something the user must fix (a value, a file, a directory): the message is one line naming it and what to
+    do, and `python -m train` prints it without a traceback and exits with code 2."""
+
+
+class ConfigError(UserError, ValueError):
     """A value the user must change: one line naming the key and what is allowed (exit code 2, no traceback)."""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 from conftest import REPO, TINY, compose, run_train
 from transformers import AutoTokenizer, BertForPreTraining
 
+from conf.checks import ConfigError
 from train.metrics import read_metrics
 from train.run import run
 
@@ -175,3 +177,34 @@ def test_srun_environment_runs_unchanged(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert read_metrics(tmp_path)[-1]["comm_bits_per_param"] == pytest.approx(32.0)
     assert (tmp_path / "checkpoints" / "step_00000002" / "rank_00001.pt").exists()
+
+
+def test_non_finite_weights_are_never_checkpointed_between_log_records(tmp_path):
+    with pytest.raises(FloatingPointError, match="non-finite weights at step") as info:
+        _train(tmp_path, "optim=adamw", "optim.lr=1e30", "trainer.grad_clip=0", "trainer.log_every=10",
+               "trainer.checkpoint_every=1")
+    assert "None" not in str(info.value)
+    for checkpoint in (tmp_path / "checkpoints").glob("step_*"):
+        state = torch.load(checkpoint / "shared.pt", weights_only=False)
+        assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_rerun_after_a_crash_past_the_last_checkpoint_finishes_the_export(tmp_path):
+    _train(tmp_path, "trainer.max_steps=2")
+    shutil.rmtree(tmp_path / "hf_model")  # as if killed between the final checkpoint and the export
+    (tmp_path / "finished.json").unlink()
+    _train(tmp_path, "trainer.max_steps=2")
+    assert BertForPreTraining.from_pretrained(tmp_path / "hf_model") is not None
+    assert (tmp_path / "finished.json").is_file()
+
+
+def test_refused_runs_leave_the_recorded_config_alone(tmp_path):
+    run(compose([*TINY, "trainer.max_steps=2"]), tmp_path, overrides=["trainer.max_steps=2"])
+    recorded = (tmp_path / ".hydra" / "config.yaml").read_bytes()
+    assert b"max_steps: 2" in recorded
+    with pytest.raises(ConfigError, match=r"optim\.name=adamw: .* was trained with optim=lamb"):
+        run(compose([*TINY, "trainer.max_steps=4", "optim=adamw"]), tmp_path, overrides=["optim=adamw"])
+    with pytest.raises(ConfigError, match="already has checkpoint"):
+        run(compose([*TINY, "trainer.max_steps=4", "trainer.resume=false"]), tmp_path, overrides=[])
+    assert (tmp_path / ".hydra" / "config.yaml").read_bytes() == recorded
+    assert (tmp_path / ".hydra" / "overrides.yaml").read_text().strip() == "- trainer.max_steps=2"

@@ -8,7 +8,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from train.config import ConfigError, register_configs
+from conf.checks import ConfigError, UserError
+from train.config import register_configs
 from train.run import run
 
 register_configs()
@@ -17,9 +18,11 @@ register_configs()
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        run(cfg, HydraConfig.get().runtime.output_dir)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        hydra_cfg = HydraConfig.get()
+        run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
+    except (UserError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
+        # A user error (a value, a data file, a run directory) is one line naming what to fix, not a traceback.
+        print(f"{'config error' if isinstance(err, ConfigError) else 'error'}: {err}", file=sys.stderr)
         sys.exit(2)
 
 

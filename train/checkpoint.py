@@ -1,7 +1,8 @@
 """Atomic, multi-rank checkpoints with retention of the last K and discovery of the newest complete one.
 
-Layout: `<run>/checkpoints/step_00000200/` holds `shared.pt` (written by rank 0: state that is identical on
-all ranks) and `rank_00000.pt` ... (each rank's own state: RNG streams, data position, and for optimizers
+Layout: `<run>/checkpoints/step_00000200/` holds `meta.json` (step, world size, optimizer: what a new invocation
+checks before any worker starts), `shared.pt` (written by rank 0: state that is identical on all ranks) and
+`rank_00000.pt` ... (each rank's own state: RNG streams, data position, and for optimizers
 that keep per-rank state, the model and optimizer). A checkpoint is built in `step_N.tmp/` and renamed only
 after every rank has written, so a directory without `.tmp` is always complete; a kill mid-save leaves a
 `.tmp` directory that is ignored and later removed.
@@ -25,12 +26,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from conf.checks import ConfigError
 from data.atomic import atomic_write, atomic_write_json, replace_directory
 from optim.comm import Comm
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 CHECKPOINTS_DIR = "checkpoints"  # inside a run directory
 SHARED_FILE = "shared.pt"
+META_FILE = "meta.json"
+
+
+class RunDirectoryError(ConfigError, RuntimeError):
+    """A run directory whose checkpoints the requested run cannot continue (a user error: one line, exit 2)."""
 
 
 def _rank_file(rank: int) -> str:
@@ -91,8 +98,8 @@ class Checkpointer:
         directory, and replicas must resume from the same step."""
         return self.comm.broadcast_object(self.latest())
 
-    def save(self, step: int, shared: dict[str, Any], own: dict[str, Any]) -> Path:
-        """Write one checkpoint: `shared` from rank 0 only, `own` from every rank; returns its directory."""
+    def save(self, step: int, shared: dict[str, Any], own: dict[str, Any], meta: dict[str, Any] | None = None) -> Path:
+        """Write one checkpoint: `shared` and `meta` from rank 0 only, `own` from every rank; returns its directory."""
         final = self.directory / _step_dir(step)
         staging = final.with_name(final.name + ".tmp")
         if self.comm.rank == 0:
@@ -102,6 +109,7 @@ class Checkpointer:
         atomic_torch_save(own, staging / _rank_file(self.comm.rank))
         if self.comm.rank == 0:
             atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
+            atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step, "world_size": self.comm.world_size})
         self.comm.barrier()
         if self.comm.rank == 0:
             replace_directory(staging, final)  # the same step saved again after a resume: replaced whole
@@ -116,12 +124,7 @@ class Checkpointer:
         if not shared_file.is_file():
             raise FileNotFoundError(f"{shared_file} is missing: {path} is not a complete checkpoint")
         shared = torch.load(shared_file, map_location="cpu", weights_only=False)
-        if shared["world_size"] != self.comm.world_size:
-            raise RuntimeError(
-                f"checkpoint {path} was written by {shared['world_size']} ranks but this run has "
-                f"{self.comm.world_size}; resume with that many ranks, or start a new run "
-                f"(another `name=`) with trainer.init_from={path} to keep only the weights"
-            )
+        check_world_size(path, shared["world_size"], self.comm.world_size)
         own_file = path / _rank_file(self.comm.rank)
         if not own_file.is_file():
             raise FileNotFoundError(f"{own_file} is missing: checkpoint {path} is incomplete")
@@ -177,3 +180,22 @@ def model_state(path: Path) -> dict[str, torch.Tensor] | None:
     if "model" not in state:  # self-synchronising optimizers keep the model with each rank
         state = torch.load(path / _rank_file(0), map_location="cpu", weights_only=False)
     return state["model"]
+
+
+def check_world_size(checkpoint: Path, written_by: int, world_size: int) -> None:
+    """Checkpoints resume on the number of ranks that wrote them (per-rank data positions and state)."""
+    if written_by != world_size:
+        raise RunDirectoryError(
+            f"checkpoint {checkpoint} was written by {written_by} ranks but this run has {world_size}; resume "
+            f"with that many ranks, or start a new run (another `name=`) with trainer.init_from={checkpoint} to "
+            "keep only the weights"
+        )
+
+
+def newest_checkpoint_meta(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete checkpoint of `directory` and its `meta.json` ({} for checkpoints written without one)."""
+    found = complete_checkpoints(directory)
+    if not found:
+        return None
+    meta_file = found[-1] / META_FILE
+    return found[-1], (json.loads(meta_file.read_text()) if meta_file.is_file() else {})

@@ -21,6 +21,11 @@ def launched_externally() -> bool:
     return "RANK" in os.environ or "SLURM_PROCID" in os.environ
 
 
+def launch_rank() -> int:
+    """This process's rank as torchrun or srun describe it (0 for a single process or the local launcher)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
 def adopt_slurm_environment() -> None:
     """Map srun's variables onto torch's; MASTER_ADDR/MASTER_PORT come from the job script."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:

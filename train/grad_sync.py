@@ -83,7 +83,7 @@ class SelfSync(GradSync):
         """
         if not self.comm.distributed or not grads:
             return
-        local = ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
+        local = ~torch.isfinite(torch.stack(torch._foreach_norm(grads, math.inf)).max())  # max-norm: no overflow
         agreed = self.comm.any_on_device(local)
         first = grads[0]
         first[(0,) * first.ndim].add_(torch.where(agreed, math.inf, 0.0).to(first.dtype))

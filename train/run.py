@@ -1,4 +1,4 @@
-"""`run(cfg)`: validate, pick the run directory, start workers if asked, and train."""
+"""`run(cfg)`: check everything a user can get wrong, record the accepted config, start workers, and train."""
 
 from __future__ import annotations
 
@@ -7,26 +7,73 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.config import validate
+from data import DataRequest, atomic_write_text, build_data
+from train.checkpoint import CHECKPOINTS_DIR, RunDirectoryError, check_world_size, newest_checkpoint_meta
+from train.config import BatchGeometry, validate
 from train.distributed import (
     adopt_slurm_environment,
     init_distributed,
     launch_local_workers,
+    launch_rank,
     launched_externally,
     pick_device,
     shutdown_distributed,
 )
 
+RECORDED_CONFIG_DIR = ".hydra"  # where the accepted config and overrides of a run are recorded
 
-def run(cfg: DictConfig, run_dir: str | Path) -> None:
-    """Train as configured. Raises ConfigError (before any worker starts) for values that cannot work."""
-    validate(cfg)
+
+def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None) -> None:
+    """Train as configured in `run_dir`, with `overrides` (the command line) recorded beside the checkpoints.
+
+    Every user error is raised here, before any worker starts: `ConfigError` for values that cannot work, a
+    missing data file, or a run directory whose checkpoints this run cannot continue (`RunDirectoryError`).
+    Only an accepted run rewrites the directory's recorded config, so it always describes its checkpoints.
+    """
+    geometry = validate(cfg)
+    request = DataRequest(rank=0, world_size=geometry.world_size, micro_batch_size=geometry.micro_batch_size,
+                          seed=cfg.trainer.seed)
+    build_data(cfg.data, request, dry=True)  # paths and keys only: nothing is read
+    check_run_directory(cfg, Path(run_dir), geometry)
+    if launch_rank() == 0:
+        record_config(cfg, Path(run_dir), overrides)
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain values: picklable
     nproc = cfg.trainer.nproc_per_node
     if nproc > 1 and not launched_externally():
         launch_local_workers(train_worker, nproc, config, str(run_dir))
     else:
         train_worker(config, str(run_dir))
+
+
+def check_run_directory(cfg: DictConfig, run_dir: Path, geometry: BatchGeometry) -> None:
+    """Refuse, in one line, a run whose directory holds checkpoints it must not or cannot continue."""
+    newest = newest_checkpoint_meta(run_dir / CHECKPOINTS_DIR)
+    if newest is None:
+        return
+    checkpoint, meta = newest
+    if not cfg.trainer.resume:
+        raise RunDirectoryError(
+            f"{run_dir} already has checkpoint {checkpoint} and trainer.resume=false: pick another name=... or "
+            "remove the directory"
+        )
+    trained_with = meta.get("optimizer", cfg.optim.name)
+    if trained_with != cfg.optim.name:
+        raise RunDirectoryError(
+            f"optim.name={cfg.optim.name}: {run_dir} was trained with optim={trained_with} (checkpoint "
+            f"{checkpoint.name}); resume with optim={trained_with}, or start a new run (another name=...) with "
+            f"trainer.init_from={run_dir} to keep only the weights"
+        )
+    if "world_size" in meta:
+        check_world_size(checkpoint, meta["world_size"], geometry.world_size)
+
+
+def record_config(cfg: DictConfig, run_dir: Path, overrides: list[str] | None) -> None:
+    """Write the run's resolved config (and its command-line overrides) beside its checkpoints, atomically."""
+    directory = run_dir / RECORDED_CONFIG_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(directory / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if overrides is not None:
+        atomic_write_text(directory / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 
 
 def train_worker(config: dict[str, Any], run_dir: str) -> None:

@@ -3,6 +3,7 @@ then logging, evaluation and checkpointing, in that order."""
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import time
@@ -13,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from data import DataRequest, build_data
+from data import DataRequest, atomic_write_json, build_data
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
 from train.checkpoint import Checkpointer, rng_state, set_rng_state
@@ -24,6 +25,8 @@ from train.metrics import MetricLogger
 from train.model_io import build_model, export_pretrained
 from train.precision import autocast, make_grad_scaler
 from train.tasks import get_task
+
+FINISHED_FILE = "finished.json"  # in the run directory: the end-of-run evaluation and exports are done
 
 
 class Trainer:
@@ -68,7 +71,7 @@ class Trainer:
         self.step = 0  # optimizer steps taken
         self._saved_step: int | None = None  # the step of this run's newest checkpoint
         self.skipped_steps = 0  # fp16 overflow steps (they do not count towards max_steps)
-        resumed_from = self._resume() if tcfg.resume else self._refuse_to_overwrite()
+        resumed_from = self._resume() if tcfg.resume else None  # run() refused resume=false over checkpoints
         self.logger = MetricLogger(
             self.run_dir, enabled=self.is_main, total_steps=self.max_steps, start_step=self.step,
             progress_bar=cfg.logger.progress_bar, tensorboard=cfg.logger.tensorboard,
@@ -99,7 +102,11 @@ class Trainer:
         """Train to `max_steps` (or `steps_this_run`, or a SIGTERM), checkpointing on the way and at the end."""
         tcfg = self.cfg.trainer
         if self.step >= self.max_steps:
-            self.logger.info(f"run already complete at step {self.step}; nothing to do (set name=... for a new run)")
+            if self._finished():
+                self.logger.info(f"run already complete at step {self.step}; nothing to do (name=... starts a new run)")
+            else:  # killed after its last checkpoint: evaluate and export now
+                self.logger.info(f"run complete at step {self.step} but not evaluated and exported: doing that now")
+                self._finish()
             return
         stop_at = self.max_steps
         if tcfg.steps_this_run is not None:
@@ -131,8 +138,7 @@ class Trainer:
                     break
             self.save_checkpoint()
             if self.step >= self.max_steps:
-                self.evaluate()
-                self._export()
+                self._finish()
         finally:
             signal.signal(signal.SIGTERM, previous_handler)
 
@@ -175,11 +181,7 @@ class Trainer:
         values = self.comm.average_control(torch.stack([window["task"][k] for k in keys]))
         metrics = dict(zip(keys, values.tolist(), strict=True))
         if not math.isfinite(metrics["loss"]):
-            raise FloatingPointError(
-                f"non-finite loss at step {self.step}; no checkpoint was written for it. The newest good "
-                f"checkpoint is {self.checkpointer.latest()}: rerun to resume from it, with a lower optim.lr or "
-                "precision=bf16 if it recurs"
-            )
+            raise FloatingPointError(self._non_finite(f"non-finite loss at step {self.step}"))
         bytes_per_step = window["bytes"] / window["steps"]
         metrics.update(
             lr=window["lr"],
@@ -223,7 +225,8 @@ class Trainer:
         # Decided from memory, not from listing the directory: every rank must take the same branch.
         if self._saved_step == self.step:
             return
-        path = self.checkpointer.save(self.step, *self.state_dicts())
+        self._refuse_non_finite_weights()
+        path = self.checkpointer.save(self.step, *self.state_dicts(), meta={"optimizer": self.spec.name})
         self._saved_step = self.step
         self.logger.info(f"checkpoint {path}")
 
@@ -234,13 +237,19 @@ class Trainer:
             self._saved_step = self.step
         return latest
 
-    def _refuse_to_overwrite(self) -> None:
-        latest = self.checkpointer.agreed_latest()
-        if latest is not None:
-            raise RuntimeError(
-                f"{self.run_dir} already has checkpoint {latest} and trainer.resume=false: "
-                "pick another name=... or remove the directory"
-            )
+    def _refuse_non_finite_weights(self) -> None:
+        """Never write a checkpoint with a NaN or inf weight (one host read per checkpoint, not per step)."""
+        # The max-norm: finite exactly when every element is (an L2 norm of huge finite weights would overflow).
+        norms = torch._foreach_norm([p.detach() for p in self.model.parameters()], math.inf)
+        if self.comm.any(not bool(torch.isfinite(torch.stack(norms)).all())):
+            raise FloatingPointError(self._non_finite(f"non-finite weights at step {self.step}"))
+
+    def _non_finite(self, what: str) -> str:
+        """The error for a run that diverged: nothing was saved for it, and where to resume from."""
+        newest = self.checkpointer.latest()
+        where = (f"The newest good checkpoint is {newest}: rerun to resume from it" if newest is not None
+                 else "No checkpoint was written before it: rerun to start over")
+        return f"{what}; no checkpoint was written for it. {where}, with a lower optim.lr or precision=bf16"
 
     def evaluate(self) -> None:
         """The task's evaluation on held-out data, on rank 0 (other ranks wait), logged as eval/<metric>.
@@ -298,6 +307,20 @@ class Trainer:
         self.save_checkpoint()
         self.checkpointer.record_best(self.step, value)
         self.logger.info(f"{tcfg.best_metric} {value:.4g} at step {self.step}: kept among the best {tcfg.keep_best}")
+
+    def _finish(self) -> None:
+        """End-of-run work: the final evaluation and the exports, then the mark that they are done."""
+        self.evaluate()
+        self._export()
+        if self.is_main:
+            atomic_write_json(self.run_dir / FINISHED_FILE, {"step": self.step})
+        self.comm.barrier()
+
+    def _finished(self) -> bool:
+        """Whether this run's end-of-run work is done (rank 0 looks; every rank takes its answer)."""
+        marker = self.run_dir / FINISHED_FILE
+        done = marker.is_file() and json.loads(marker.read_text()).get("step") == self.step if self.is_main else None
+        return bool(self.comm.broadcast_object(done))
 
     def _export(self) -> None:
         if self.is_main:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from conf.checks import UserError
 from data.text.demo_corpus import split_sentences
 
 DocFormat = Literal["prose", "lines", "rst"]
@@ -55,7 +56,7 @@ PYTHON_DOCS_PACKAGE = "python3.11-doc"
 PYTHON_DOCS_SOURCES = "usr/share/doc/python3.11/html/_sources"
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """Input that cannot become a corpus (missing, unreadable, empty); the message names the file."""
 
 

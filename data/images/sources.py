@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from conf.checks import UserError
+
 # torchvision's ImageFolder extensions (lower case).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 # WebDataset member suffixes: the image and the integer class label of one sample.
@@ -25,7 +27,7 @@ TAR_IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp")
 TAR_LABEL_SUFFIX = "cls"
 
 
-class ImageReadError(ValueError):
+class ImageReadError(UserError, ValueError):
     """An image that cannot be decoded; the message names the file (or shard and member)."""
 
 

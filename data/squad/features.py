@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from conf.checks import UserError
 
-class SquadFormatError(ValueError):
+
+class SquadFormatError(UserError, ValueError):
     """A SQuAD file that does not follow the v1.1 format; the message names the file and the item."""
 
 

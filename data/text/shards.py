@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from conf.checks import UserError
 from data.atomic import atomic_write, atomic_write_json
 from data.text.masking import IGNORE_INDEX
 from data.text.nsp import RANDOM_SENTENCE, PretrainingInstance
@@ -54,7 +55,7 @@ FORMAT_VERSION = 1
 _JSON_FORMAT = {"indent": 1, "sort_keys": True}  # how manifests and records are written (stable bytes)
 
 
-class ShardError(ValueError):
+class ShardError(UserError, ValueError):
     """A prepared dataset that cannot be used as is; the message names the file."""
 
 
