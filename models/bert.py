@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import BertConfig, BertForPreTraining, BertForQuestionAnswering
@@ -98,6 +99,20 @@ class BertForPreTrainingMaskedLM(BertForPreTraining):
         index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, sequence_output.size(-1))
         masked_output = torch.gather(sequence_output, 1, index)
         return self.cls.predictions(masked_output), self.cls.seq_relationship(pooled_output)
+
+    def save_pretrained(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """`BertForPreTraining.save_pretrained`, with `config.architectures` naming the stock class.
+
+        transformers writes `[type(self).__name__]`, which would leak this project-private subclass into
+        config.json; the weights are plain `BertForPreTraining` weights, so that is the class users get from
+        `AutoModelForPreTraining`. The config is rewritten once the weights are saved (no hub upload here).
+        """
+        if kwargs.get("push_to_hub"):
+            raise ValueError("push_to_hub is not supported here: save, then upload the directory")
+        super().save_pretrained(save_directory, *args, **kwargs)
+        self.config.architectures = [BertForPreTraining.__name__]
+        if kwargs.get("is_main_process", True):
+            self.config.save_pretrained(save_directory)
 
 
 def check_bert_options(**config_kwargs) -> None:

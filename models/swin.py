@@ -8,7 +8,7 @@ sub-million-parameter models the tests and the digits demo train on CPU. Weights
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,13 +79,59 @@ def swin(
     return model
 
 
-def export_timm_model(model: nn.Module, directory: Path) -> Path:
+# What `export_timm_model(data_config=...)` takes: the run's preprocessing (cfg.data), in timm's terms.
+DATA_CONFIG_KEYS = ("mean", "std", "crop_pct", "interpolation", "input_size", "crop_mode")
+# pretrained_cfg fields that describe timm's published weights (their tag and licence), not ours.
+_SOURCE_FIELDS = ("tag", "license", "url", "hf_hub_id", "hf_hub_filename", "file", "source", "paper_ids",
+                  "paper_name", "notes", "origin_url")
+
+
+def timm_data_config(data_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's preprocessing as timm's `save_for_hf(data_config=...)` takes it.
+
+    `input_size` is the image side (`data.img_size`), an (H, W) pair or timm's (C, H, W); the eval transform
+    crops the centre (data/images/transforms.py), so `crop_mode` defaults to "center".
+    """
+    unknown = sorted(set(data_config) - set(DATA_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"data_config has unknown keys {unknown}; known: {', '.join(DATA_CONFIG_KEYS)}")
+    config: dict[str, Any] = {"crop_mode": "center"}
+    for key, value in data_config.items():
+        if value is None:
+            continue
+        if key in ("mean", "std"):
+            value = tuple(float(v) for v in value) if isinstance(value, Sequence) else (float(value),)
+        elif key == "crop_pct":
+            value = float(value)
+        elif key == "input_size":
+            size = tuple(int(v) for v in value) if isinstance(value, Sequence) else (int(value),) * 2
+            if len(size) not in (2, 3):
+                raise ValueError(f"data_config input_size must be a side, (H, W) or (C, H, W); got {value!r}")
+            key, value = ("img_size", size) if len(size) == 2 else ("input_size", size)
+        config[key] = value
+    return config
+
+
+def export_timm_model(model: nn.Module, directory: Path, data_config: Mapping[str, Any] | None = None) -> Path:
     """Write `model.safetensors` + timm's `config.json` into `directory`.
 
     The result loads with `timm.create_model(f"local-dir:{directory}", pretrained=True)` (the architecture
     and the shape overrides travel in the config) and with `trainer.init_from=<directory>`.
+
+    `data_config` (keys `DATA_CONFIG_KEYS`: mean, std, crop_pct, interpolation, input_size) is the
+    preprocessing the run trained and evaluated with; it goes into the config's `pretrained_cfg`, so
+    `timm.data.resolve_data_config({}, model=<loaded model>)` gives the run's values. Without it the
+    architecture's ImageNet defaults stay there. Either way the source weights' tag and licence are dropped:
+    these weights were trained here (the builder never downloads any).
     """
     from timm.models import save_for_hf
 
-    save_for_hf(model, str(directory), model_args=getattr(model, "model_args", None), safe_serialization=True)
+    timm_data = timm_data_config(data_config) if data_config is not None else None
+    original = model.pretrained_cfg
+    model.pretrained_cfg = {k: v for k, v in original.items() if k not in _SOURCE_FIELDS}
+    try:
+        save_for_hf(model, str(directory), model_args=getattr(model, "model_args", None), safe_serialization=True,
+                    data_config=timm_data)
+    finally:
+        model.pretrained_cfg = original
     return Path(directory)

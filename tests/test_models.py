@@ -70,3 +70,15 @@ def test_save_pretrained_loads_in_stock_transformers(tmp_path):
     ours = model(input_ids, token_types, attention, positions)[1]
     theirs = stock(input_ids=input_ids, token_type_ids=token_types, attention_mask=attention)
     torch.testing.assert_close(ours, theirs.seq_relationship_logits)
+
+
+def test_save_pretrained_names_the_stock_class(tmp_path):
+    import json
+
+    from transformers import AutoModelForPreTraining
+
+    model = _tiny()
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["BertForPreTraining"]
+    assert model.config.architectures == ["BertForPreTraining"]
+    assert type(AutoModelForPreTraining.from_pretrained(tmp_path)) is BertForPreTraining
