@@ -127,6 +127,13 @@ def test_digits_run_logs_eval_with_its_transform_and_keeps_the_best(digits, tmp_
     assert kept == sorted({f"step_{best['step']:08d}", "step_00000004"})
     assert (tmp_path / "hf_model" / "model.safetensors").is_file()
     assert (tmp_path / "hf_model_ema" / "model.safetensors").is_file()
+    import timm
+    from timm.data import resolve_data_config
+
+    exported = timm.create_model(f"local-dir:{tmp_path / 'hf_model'}", pretrained=True)
+    preprocessing = resolve_data_config({}, model=exported)  # the run's, not timm's ImageNet defaults
+    assert tuple(preprocessing["mean"]) == (0.5, 0.5, 0.5) and preprocessing["crop_pct"] == 1.0
+    assert tuple(preprocessing["input_size"]) == (3, 32, 32)
     train_records = [r for r in records if "loss" in r]
     assert all(math.isfinite(r["loss"]) and 0.0 <= r["accuracy"] <= 1.0 for r in train_records)
 

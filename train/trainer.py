@@ -22,7 +22,7 @@ from train.config import batch_geometry
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger
-from train.model_io import build_model, export_pretrained
+from train.model_io import build_model, export_pretrained, image_data_config
 from train.precision import autocast, make_grad_scaler
 from train.tasks import get_task
 
@@ -324,10 +324,12 @@ class Trainer:
 
     def _export(self) -> None:
         if self.is_main:
-            path = export_pretrained(self.model, self.tokenizer, self.run_dir / "hf_model")
+            data_config = image_data_config(self.cfg.data)  # the preprocessing an image model was trained with
+            path = export_pretrained(self.model, self.tokenizer, self.run_dir / "hf_model", data_config=data_config)
             self.logger.info(f"final weights exported with save_pretrained to {path}")
             if self.ema is not None:
-                path = export_pretrained(self.ema.module, self.tokenizer, self.run_dir / "hf_model_ema")
+                path = export_pretrained(self.ema.module, self.tokenizer, self.run_dir / "hf_model_ema",
+                                         data_config=data_config)
                 self.logger.info(f"EMA weights exported to {path}")
         self.comm.barrier()
 
