@@ -33,6 +33,7 @@ class TaskData:
     train: Any  # an endless, resumable micro-batch iterator: state_dict(), load_state_dict(), samples_per_epoch
     eval: Any | None = None  # held-out data for the task's evaluate(), built on rank 0 only
     tokenizer: Any | None = None  # exported beside text models
+    source: str = ""  # what the run trains on, in words, for its start-up lines
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ def test_demo_is_the_default():
 
 
 def test_bert_large_phase1_carries_nvidia_recipe():
-    cfg = compose(["experiment=bert_large_phase1"])
+    cfg = compose(["experiment=bert_large_phase1", "data.path=/data/wiki_books"])
     assert cfg.model.size == "large"
     assert (cfg.data.max_seq_len, cfg.data.max_predictions) == (128, 20)
     assert cfg.trainer.global_batch_size == 65536
@@ -141,3 +141,11 @@ def test_cli_rejects_a_bad_optimizer_value_before_any_worker_starts(tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith("config error: optim.beta3=2")
     assert "Traceback" not in result.stderr and "rank" not in result.stderr.lower()
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("experiment", ["bert_large_phase1", "bert_large_phase2_slamb", "swin_base_imagenet"])
+def test_cluster_recipes_refuse_to_run_without_their_dataset(experiment):
+    with pytest.raises(ConfigError, match=r"^data\.path is not set: give data\.path=\.\.\.") as info:
+        validate(compose([f"experiment={experiment}"]))
+    assert "\n" not in str(info.value)
+    assert compose([f"experiment={experiment}"]).data.name != "demo"  # never the demo corpus in silence

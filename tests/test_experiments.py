@@ -6,6 +6,8 @@ over the model's real parameter groups, and the data in its dry mode (paths and 
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ import torch
 from conftest import REPO, compose
 
 from data import DataRequest, build_data
+from data.text.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, PREPARED_KEYS, VOCAB_NAME, sha256_file
+from data.text.tokenizer import DEFAULT_VOCAB_PATH
 from models import create_model
 from optim import build_optimizer
 from optim.comm import Comm
@@ -33,9 +37,21 @@ def _stand_in_data(kind: str, tmp_path: Path) -> list[str]:
     return []
 
 
+def _stand_in_shards(data_cfg, directory: Path) -> None:
+    """A prepared-shards directory as far as a dry build looks: its manifest (prepared keys, vocab) and vocab."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(DEFAULT_VOCAB_PATH, directory / VOCAB_NAME)
+    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "vocab": {"sha256": sha256_file(DEFAULT_VOCAB_PATH)},
+                **{key: data_cfg[key] for key in PREPARED_KEYS}}
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
 def _compose_experiment(name: str, tmp_path: Path, *overrides: str):
-    kind = compose([f"experiment={name}", *overrides]).data.name
-    return compose([f"experiment={name}", *_stand_in_data(kind, tmp_path), *overrides])
+    first = compose([f"experiment={name}", *overrides])
+    if first.data.name == "shards":
+        _stand_in_shards(first.data, tmp_path / "shards")
+        return compose([f"experiment={name}", f"data.path={tmp_path / 'shards'}", *overrides])
+    return compose([f"experiment={name}", *_stand_in_data(first.data.name, tmp_path), *overrides])
 
 
 def test_every_experiment_is_listed():

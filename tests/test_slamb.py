@@ -444,7 +444,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_all(tmp_path):
 def test_bert_slamb_experiments_train_at_test_scale(tmp_path, experiment):
     from train.run import run
 
-    cfg = compose([f"experiment={experiment}", *TINY, "trainer.max_steps=2", "trainer.init_from=null"])
+    cfg = compose([f"experiment={experiment}", "data=demo", *TINY, "trainer.max_steps=2", "trainer.init_from=null"])
     assert (cfg.optim.name, cfg.optim.compress_ratio, cfg.optim.sync_interval) == ("slamb", 0.1, 100)
     run(cfg, tmp_path)
     # fp16 with the recipe's initial loss scale 2^20: the first steps overflow, are skipped and logged at step 0.

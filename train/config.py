@@ -16,6 +16,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from conf.checks import ConfigError, InvalidOption, check_choice, check_non_negative, check_positive, require
 from data import check_data, data_schemas
@@ -178,6 +179,14 @@ def validate(cfg: DictConfig) -> BatchGeometry:
 
     Every error is a `ConfigError` whose one-line message names the key as the user writes it.
     """
+    try:
+        return _validate(cfg)
+    except MissingMandatoryValue as err:  # `???` in a recipe: a value only the user can give (a dataset path)
+        raise ConfigError(f"{err.full_key} is not set: give {err.full_key}=... on the command line (or in "
+                          "conf/local/default.yaml)") from None
+
+
+def _validate(cfg: DictConfig) -> BatchGeometry:
     _within("trainer", check_trainer_config, cfg.trainer)
     _within("precision", check_precision_config, cfg.precision)
     check_task_config(cfg.task.name)

@@ -4,8 +4,9 @@ Each stage is an ordinary `python -m train` run in its own run directory, starte
 stage's exported weights. Rerunning the command resumes the stage that was interrupted; finished stages
 report that they are complete and are skipped.
 
-    python -m train.pipeline                                   # the BERT-Large recipes end to end
-    python -m train.pipeline --all trainer.nproc_per_node=8 --squad data.train_file=... data.dev_file=...
+    python -m train.pipeline --phase1 data.path=/data/wiki_books --phase2 data.path=/data/wiki_books
+    python -m train.pipeline --all trainer.nproc_per_node=8 --phase1 data.path=... --phase2 data.path=... \
+        --squad data.train_file=... data.dev_file=...
 """
 
 from __future__ import annotations

@@ -94,6 +94,7 @@ class Trainer:
             f"x {g.accumulation_steps} accumulation step(s) | precision "
             f"{self.cfg.precision.dtype} | {self.max_steps} steps"
         )
+        self.logger.info(f"data {self.data.source}")
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
 

@@ -89,7 +89,8 @@ def build_image_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fal
 
     loader = ResumableLoader(dataset, request.micro_batch_size, request.rank, request.world_size, request.seed,
                              num_workers=data_cfg.num_workers, pin_memory=request.pin_memory, collate_fn=collate)
-    return TaskData(train=loader, eval=evaluation if request.rank == 0 else None)
+    return TaskData(train=loader, eval=evaluation if request.rank == 0 else None,
+                    source=f"{data_cfg.name}: {data_cfg.format} images at {path}")
 
 
 register_data_kind(DataKind("images", ImageDataConfig, check_image_data, build_image_data))

@@ -71,7 +71,8 @@ def build_squad_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fal
     if request.rank == 0:
         evaluation = SquadEvalData(dev_examples, build_features(dev_examples, tokenizer, **windows),
                                    data_cfg.eval_batch_size, data_cfg.n_best_size, data_cfg.max_answer_len)
-    return TaskData(train=loader, eval=evaluation, tokenizer=tokenizer)
+    source = f"squad: {data_cfg.hf_dataset or data_cfg.train_file} (eval: {data_cfg.hf_dataset or data_cfg.dev_file})"
+    return TaskData(train=loader, eval=evaluation, tokenizer=tokenizer, source=source)
 
 
 register_data_kind(DataKind("squad", SquadDataConfig, check_squad_data, build_squad_data))

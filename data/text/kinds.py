@@ -69,7 +69,8 @@ def build_demo_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fals
         masked_lm_prob=data_cfg.masked_lm_prob,
         short_seq_prob=data_cfg.short_seq_prob,
     )
-    return TaskData(train=_loader(dataset, data_cfg, request), tokenizer=tokenizer)
+    return TaskData(train=_loader(dataset, data_cfg, request), tokenizer=tokenizer,
+                    source="demo: the embedded pydoc corpus (a smoke test, not a pretraining corpus)")
 
 
 def build_shards_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
@@ -102,7 +103,7 @@ def build_shards_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fa
     dataset = load_prepared_dataset(directory, tokenizer, vocab_path, seed=request.seed, **expected)
     # shard_sizes: shard-blocked shuffle, O(#shards) order memory
     loader = _loader(dataset, data_cfg, request, shard_sizes=dataset.instances.shard_sizes)
-    return TaskData(train=loader, tokenizer=tokenizer)
+    return TaskData(train=loader, tokenizer=tokenizer, source=f"shards: {directory}")
 
 
 register_data_kind(DataKind("demo", TextDataConfig, check_text_data, build_demo_data))
