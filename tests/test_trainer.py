@@ -208,3 +208,11 @@ def test_refused_runs_leave_the_recorded_config_alone(tmp_path):
         run(compose([*TINY, "trainer.max_steps=4", "trainer.resume=false"]), tmp_path, overrides=[])
     assert (tmp_path / ".hydra" / "config.yaml").read_bytes() == recorded
     assert (tmp_path / ".hydra" / "overrides.yaml").read_text().strip() == "- trainer.max_steps=2"
+
+
+def test_surprising_settings_are_said_once_at_start_up(tmp_path, capsys):
+    _train(tmp_path, "precision=fp16", "optim=onebit_lamb", "trainer.max_steps=2")
+    out = capsys.readouterr()
+    lines = (out.out + out.err).splitlines()
+    assert sum("warning: precision=fp16 on CPU" in line for line in lines) == 1
+    assert sum("warning: optim.freeze_step=100000 is not below the run's 2 steps" in line for line in lines) == 1

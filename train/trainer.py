@@ -95,8 +95,22 @@ class Trainer:
             f"{self.cfg.precision.dtype} | {self.max_steps} steps"
         )
         self.logger.info(f"data {self.data.source}")
+        for warning in self._surprising_settings():
+            self.logger.info(f"warning: {warning}")
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
+
+    def _surprising_settings(self) -> list[str]:
+        """Settings that work but rarely do what the user wants, each said once at start-up."""
+        warnings = []
+        if self.cfg.precision.dtype == "fp16" and self.device.type == "cpu":
+            warnings.append("precision=fp16 on CPU is several times slower than fp32 there (autocast has few fp16 "
+                            "CPU kernels); use precision=fp32 or bf16")
+        freeze_step = getattr(self.optimizer, "freeze_step", None)  # the 1-bit optimizers' last uncompressed step
+        if freeze_step is not None and freeze_step >= self.max_steps:
+            warnings.append(f"optim.freeze_step={freeze_step} is not below the run's {self.max_steps} steps: "
+                            f"{self.spec.name} never compresses and sends 32 bits per parameter per step, like LAMB")
+        return warnings
 
     # ----------------------------------------------------------------------------------------- loop
     def fit(self) -> None:
