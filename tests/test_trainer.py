@@ -128,10 +128,11 @@ def test_sigkill_then_resume_repeats_the_loss_series_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, stop_signal):
     proc = _popen([*TINY, "trainer.max_steps=100000", "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"])
     _wait_for_step(tmp_path, 3, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop_signal)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
     last_logged = read_metrics(tmp_path)[-1]["step"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -18,6 +20,7 @@ from tqdm import tqdm
 from data.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "train.log"  # the run's info lines (start-up, checkpoints, evaluations, warnings), with times
 
 
 class WandbMode(str, Enum):
@@ -69,20 +72,20 @@ class MetricLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         self._file = open(self.path, "a")  # noqa: SIM115 - lives as long as the run
-        if progress_bar:
+        self._log_file = open(Path(run_dir) / LOG_FILE, "a")  # noqa: SIM115 - lives as long as the run
+        # A bar redrawn in a batch log (SLURM, a pipe) is noise: only on a terminal.
+        if progress_bar and sys.stderr.isatty():
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
         mode = os.environ.get("WANDB_MODE", wandb_mode)
-        if mode != "disabled":
-            import wandb
-
-            self._wandb = wandb.init(
-                project=wandb_project, dir=str(run_dir), mode=mode, config=config,
-                name=Path(run_dir).name, resume="allow", id=_wandb_run_id(run_dir),
-            )
+        # Started at the first record: a rerun that has nothing to do starts no wandb run.
+        self._wandb_start = None if mode == "disabled" else dict(
+            project=wandb_project, dir=str(run_dir), mode=mode, config=config,
+            name=Path(run_dir).name, resume="allow", id=_wandb_run_id(run_dir),
+        )
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop records of steps the run is about to redo, so the file is one clean series."""
@@ -98,8 +101,13 @@ class MetricLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, value in metrics.items():
-                self._tb.add_scalar(f"train/{key}", value, step)
+            for key, value in metrics.items():  # eval/top1 stays eval/top1; loss becomes train/loss
+                self._tb.add_scalar(key if "/" in key else f"train/{key}", value, step)
+        if self._wandb_start is not None and self._wandb is None:
+            import wandb
+
+            # Quiet: wandb's banner and summary would bury the run's own closing lines (its files are in the run dir).
+            self._wandb = wandb.init(**self._wandb_start, settings=wandb.Settings(silent=True))
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if self._bar is not None:
@@ -112,9 +120,11 @@ class MetricLogger:
             self._bar.update(steps)
 
     def info(self, message: str) -> None:
-        """A line for the user, printed above the progress bar."""
+        """A line for the user, printed above the progress bar and kept in the run's log file."""
         if self.enabled:
             tqdm.write(message)
+            self._log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+            self._log_file.flush()
 
     def close(self) -> None:
         if not self.enabled:
@@ -126,6 +136,7 @@ class MetricLogger:
         if self._wandb is not None:
             self._wandb.finish()
         self._file.close()
+        self._log_file.close()
         self.enabled = False
 
 

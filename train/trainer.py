@@ -26,6 +26,7 @@ from train.model_io import build_model, export_pretrained, image_data_config
 from train.precision import autocast, make_grad_scaler
 from train.tasks import get_task
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FINISHED_FILE = "finished.json"  # in the run directory: the end-of-run evaluation and exports are done
 
 
@@ -78,7 +79,7 @@ class Trainer:
             wandb_mode=cfg.logger.wandb,
             wandb_project=cfg.logger.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
         )
-        self._stop_requested = False
+        self._stop_signal: str | None = None  # set by SIGTERM / SIGINT
         self._first_logged = self._last_logged = None  # (step, metrics) of this invocation, for the summary
         self._announce(resumed_from)
 
@@ -114,7 +115,11 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- loop
     def fit(self) -> None:
-        """Train to `max_steps` (or `steps_this_run`, or a SIGTERM), checkpointing on the way and at the end."""
+        """Train to `max_steps` (or `steps_this_run`, or a stop signal), checkpointing on the way and at the end.
+
+        SIGTERM (a scheduler's notice) and SIGINT (Ctrl-C) both stop the run after the current step with a
+        checkpoint and a clean exit.
+        """
         tcfg = self.cfg.trainer
         if self.step >= self.max_steps:
             if self._finished():
@@ -126,7 +131,7 @@ class Trainer:
         stop_at = self.max_steps
         if tcfg.steps_this_run is not None:
             stop_at = min(stop_at, self.step + tcfg.steps_this_run)
-        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        previous_handlers = {signum: signal.signal(signum, self._on_stop_signal) for signum in _STOP_SIGNALS}
         window = _Window()
         try:
             while self.step < stop_at:
@@ -141,7 +146,8 @@ class Trainer:
                 log_due = (stepped and self.step % tcfg.log_every == 0) or self.step == stop_at
                 # Ranks agree on a stop request at log intervals (agreeing reads a collective's result on the
                 # host); a single process acts on it at once.
-                stopping = self.comm.any(self._stop_requested) if log_due or not self.comm.distributed else False
+                agree_now = log_due or not self.comm.distributed
+                stopping = self.comm.any(self._stop_signal is not None) if agree_now else False
                 if log_due or stopping:
                     self._log(window.flush())
                 if tcfg.eval_every and self.step % tcfg.eval_every == 0 and stepped and self.step < self.max_steps:
@@ -149,13 +155,15 @@ class Trainer:
                 if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and stepped:
                     self.save_checkpoint()
                 if stopping:
-                    self.logger.info(f"SIGTERM: stopping at step {self.step}")
+                    why = self._stop_signal or "a stop signal on another rank"
+                    self.logger.info(f"{why}: stopping at step {self.step} with a checkpoint")
                     break
             self.save_checkpoint()
             if self.step >= self.max_steps:
                 self._finish()
         finally:
-            signal.signal(signal.SIGTERM, previous_handler)
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `accumulation_steps` micro-batches on every rank."""
@@ -348,8 +356,8 @@ class Trainer:
                 self.logger.info(f"EMA weights exported to {path}")
         self.comm.barrier()
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._stop_requested = True
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        self._stop_signal = signal.Signals(signum).name  # the loop stops after this step
 
     def close(self) -> None:
         if self._first_logged and self._last_logged:
