@@ -7,8 +7,12 @@ Components (data kinds, optimizers, models, schedules) check their own options w
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 _UNSET = object()
@@ -51,12 +55,16 @@ def require(ok: bool, key: str, value: Any, why: str) -> None:
         raise InvalidOption(key, why, value)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_positive(key: str, value: Any) -> None:
-    require(value is not None and value > 0, key, value, "must be positive")
+    require(_is_number(value) and value > 0, key, value, "must be positive")
 
 
 def check_non_negative(key: str, value: Any) -> None:
-    require(value is not None and value >= 0, key, value, "must be >= 0")
+    require(_is_number(value) and value >= 0, key, value, "must be >= 0")
 
 
 def check_choice(key: str, value: Any, allowed: Iterable[Any]) -> None:
@@ -66,11 +74,12 @@ def check_choice(key: str, value: Any, allowed: Iterable[Any]) -> None:
 
 def check_range(key: str, value: Any, low: float, high: float) -> None:
     """`low <= value <= high`."""
-    require(value is not None and low <= value <= high, key, value, f"must be in [{low}, {high}]")
+    require(_is_number(value) and low <= value <= high, key, value, f"must be in [{low}, {high}]")
 
 
 def check_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], owner: str, reserved: Iterable[str] = ()) -> None:
-    """The one check of config keys against a builder's signature: an unknown key names itself and the options.
+    """The one check of config keys against a builder's signature: an unknown key names itself and the options,
+    and a value of the wrong kind (`lr=fast` for a float) names itself and the kind the annotation asks for.
 
     `reserved` are parameters the caller fills itself (`params`, `comm`), never the config.
     """
@@ -82,3 +91,58 @@ def check_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], owner: str, 
     for key in sorted(kwargs):
         if key not in options:
             raise InvalidOption(key, f"is not an option of {owner}; options: {', '.join(options)}")
+    hints = _type_hints(fn)
+    for key in sorted(kwargs):
+        wanted = _wrong_kind(kwargs[key], hints.get(key, Any))
+        if wanted is not None:
+            raise InvalidOption(key, f"must be {wanted}", kwargs[key])
+
+
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The annotations of `fn`'s signature (its `__signature__` if it advertises one), resolved in its module.
+
+    An annotation that cannot be resolved is left out: that parameter's values are not checked for kind.
+    """
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    module = sys.modules.get(getattr(target, "__module__", ""), None)
+    namespace = {**vars(typing), **(vars(module) if module is not None else {})}
+    hints = {}
+    for name, parameter in inspect.signature(fn).parameters.items():
+        annotation = parameter.annotation
+        if isinstance(annotation, str):  # postponed (`from __future__ import annotations`)
+            try:
+                annotation = eval(annotation, namespace)  # an annotation of our own code, not user input
+            except Exception:
+                continue
+        if annotation is not inspect.Parameter.empty:
+            hints[name] = annotation
+    return hints
+
+
+_KINDS: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _wrong_kind(value: Any, annotation: Any) -> str | None:
+    """What `value` should be, if it does not fit `annotation` (numbers, flags, strings, lists; else unchecked)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        # A tensor-valued hyper-parameter (torch's `lr: float | Tensor`) comes from a config as a number.
+        members = [arg for arg in args if arg is not type(None) and getattr(arg, "__name__", "") != "Tensor"]
+        wrong = [_wrong_kind(value, arg) for arg in members]
+        if (value is None and type(None) in args) or any(w is None for w in wrong):
+            return None
+        return " or ".join(wrong) + (" or null" if type(None) in args else "")
+    if annotation in _KINDS:
+        name, fits = _KINDS[annotation]
+        return None if fits(value) else name
+    if origin in (list, tuple, Sequence, collections.abc.Sequence):
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            return "a list"
+        item = args[0] if args else Any
+        return next((f"a list, each item {w}" for v in value if (w := _wrong_kind(v, item)) is not None), None)
+    return None

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from conf.checks import ConfigError, InvalidOption
+from conf.checks import ConfigError, InvalidOption, check_non_negative
 
 # The packages whose kinds exist without being asked for; imported on first use so `import data` stays light.
 _BUILTIN_KIND_MODULES = ("data.text.kinds", "data.images.kinds", "data.squad.kinds")
@@ -92,7 +92,11 @@ def get_data_kind(name: Any) -> DataKind:
 
 def check_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
     """Reject data values that cannot work before any worker starts (ConfigError naming `data.<key>`)."""
-    get_data_kind(data_cfg.get("name")).check(data_cfg, micro_batch_size)
+    kind = get_data_kind(data_cfg.get("name"))
+    if "num_workers" in data_cfg:  # every kind's loader takes it
+        with data_keys():
+            check_non_negative("num_workers", data_cfg.num_workers)
+    kind.check(data_cfg, micro_batch_size)
 
 
 def build_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:

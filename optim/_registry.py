@@ -112,7 +112,9 @@ def build_optimizer(
     try:
         check_kwargs(spec.cls, kwargs, owner=f"optimizer '{name}'", reserved=_RESERVED)
     except InvalidOption as err:
-        raise ConfigError(f"'{err.key}' {err.why}") from None
+        if err.key not in inspect.signature(spec.cls).parameters or err.key in _RESERVED:
+            raise ConfigError(f"'{err.key}' {err.why}") from None
+        # A value of the wrong kind: the class's own check, run by its constructor, names it.
     kwargs = {**spec.defaults, **_plain(kwargs)}
     weight_decay = kwargs.pop("weight_decay", _options(spec.cls).get("weight_decay", 0.0))
     groups = param_groups_weight_decay(model, weight_decay)

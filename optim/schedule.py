@@ -114,6 +114,8 @@ def build_lr_schedule(name: str, **kwargs: Any) -> Callable[[int], float]:
     try:
         check_kwargs(schedule, kwargs, owner=f"schedule '{name}'", reserved=("step",))
     except InvalidOption as err:
+        if err.key in arguments:  # a value of the wrong kind: the option names itself
+            raise
         listed = ", ".join(arguments)
         raise ValueError(f"'{err.key}' is not an argument of schedule '{name}'; arguments: {listed}") from None
     missing = [a for a, p in arguments.items() if p.default is inspect.Parameter.empty and a not in kwargs]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import TINY, compose, run_train
 
 from train.config import ConfigError, batch_geometry, validate
@@ -93,6 +94,14 @@ def test_indivisible_batch_is_an_error():
         ("optim.name=sgdd", "optim.name"),
         ("data.max_predictions=200", "data.max_predictions"),
         ("schedule.kwargs.warmup_fraction=1.5", "schedule"),
+        ("optim.lr=fast", "optim.lr=fast must be a number"),
+        ("optim.betas=[0.9,1.5]", "optim.betas"),
+        ("schedule.kwargs.warmup_fraction=a", "schedule.kwargs.warmup_fraction=a must be a number"),
+        ("model.num_attention_heads=3", "model.num_attention_heads=3 does not divide"),
+        ("model.hidden_size=big", "model.hidden_size=big must be an integer"),
+        ("data.max_seq_len=1024", "data.max_seq_len=1024 exceeds model.max_position_embeddings=512"),
+        ("data.num_workers=-1", "data.num_workers=-1 must be >= 0"),
+        ("trainer.max_micro_batch_size=0", "trainer.max_micro_batch_size"),
     ],
 )
 def test_bad_values_name_the_key(override, key):
@@ -149,3 +158,9 @@ def test_cluster_recipes_refuse_to_run_without_their_dataset(experiment):
         validate(compose([f"experiment={experiment}"]))
     assert "\n" not in str(info.value)
     assert compose([f"experiment={experiment}"]).data.name != "demo"  # never the demo corpus in silence
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without CUDA gives")
+def test_cuda_without_a_device_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"^trainer\.device=cuda but no CUDA device is visible"):
+        validate(compose(["trainer.device=cuda"]))

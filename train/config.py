@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
@@ -145,6 +146,8 @@ def check_trainer_config(trainer: DictConfig) -> None:
     if trainer.steps_this_run is not None:
         check_positive("steps_this_run", trainer.steps_this_run)
     check_choice("device", trainer.device, ("auto", "cpu", "cuda"))
+    require(trainer.device != "cuda" or torch.cuda.is_available(), "device", trainer.device,
+            "but no CUDA device is visible (or the driver is too old for this torch): use trainer.device=auto or cpu")
     check_choice("backend", trainer.backend, ("auto", "gloo", "nccl"))
     if trainer.ema_decay is not None:
         require(0.0 < trainer.ema_decay < 1.0, "ema_decay", trainer.ema_decay, "must be in (0, 1) or null")
@@ -168,10 +171,16 @@ def _within(group: str, check: Callable[..., None], *args: Any) -> None:
 
 
 def _check_across_groups(cfg: DictConfig) -> None:
-    """What no single group can check: the data's class count must be the model head's."""
+    """What no single group can check: the data's class count must be the model head's, and its sequences must
+    fit the model's position embeddings."""
     data_classes, model_classes = OmegaConf.select(cfg, "data.num_classes"), OmegaConf.select(cfg, "model.num_classes")
     if data_classes is not None and model_classes is not None and data_classes != model_classes:
         raise ConfigError(f"data.num_classes={data_classes} differs from model.num_classes={model_classes}")
+    seq_len = OmegaConf.select(cfg, "data.max_seq_len")
+    positions = OmegaConf.select(cfg, "model.max_position_embeddings")
+    if seq_len is not None and positions is not None and seq_len > positions:
+        raise ConfigError(f"data.max_seq_len={seq_len} exceeds model.max_position_embeddings={positions}: shorten "
+                          "the sequences or give the model more positions")
 
 
 def validate(cfg: DictConfig) -> BatchGeometry:
