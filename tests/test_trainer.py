@@ -217,3 +217,18 @@ def test_surprising_settings_are_said_once_at_start_up(tmp_path, capsys):
     lines = (out.out + out.err).splitlines()
     assert sum("warning: precision=fp16 on CPU" in line for line in lines) == 1
     assert sum("warning: optim.freeze_step=100000 is not below the run's 2 steps" in line for line in lines) == 1
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_local_launcher_stops_every_worker_with_a_checkpoint(tmp_path):
+    proc = _popen([*TINY, "trainer.nproc_per_node=2", "trainer.micro_batch_size=2", "trainer.max_steps=100000",
+                   "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"])
+    _wait_for_step(tmp_path, 3, proc)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert time.monotonic() - signalled < 20  # promptly: not after the launcher's 30 s kill timeout
+    last_logged = read_metrics(tmp_path)[-1]["step"]
+    assert (tmp_path / "checkpoints" / f"step_{last_logged:08d}" / "rank_00001.pt").exists()

@@ -73,6 +73,7 @@ def _free_port() -> int:
 
 def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None:
     """Run `entrypoint(*args)` in `nproc` local worker processes with torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -85,4 +86,9 @@ def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any)
         max_restarts=0,
         monitor_interval=0.5,
     )
-    elastic_launch(config, entrypoint)(*args)
+    try:
+        elastic_launch(config, entrypoint)(*args)
+    except SignalException:
+        # SIGTERM / SIGINT reached the launcher, which passed it on to the workers and waited for them: they
+        # stopped after their step with a checkpoint. A scheduler's notice is not a failure of the run.
+        return

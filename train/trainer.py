@@ -79,7 +79,7 @@ class Trainer:
             wandb_mode=cfg.logger.wandb,
             wandb_project=cfg.logger.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
         )
-        self._stop_signal: str | None = None  # set by SIGTERM / SIGINT
+        self.stop_signal: str | None = None  # the name of the SIGTERM / SIGINT that stopped the run
         self._first_logged = self._last_logged = None  # (step, metrics) of this invocation, for the summary
         self._announce(resumed_from)
 
@@ -147,7 +147,7 @@ class Trainer:
                 # Ranks agree on a stop request at log intervals (agreeing reads a collective's result on the
                 # host); a single process acts on it at once.
                 agree_now = log_due or not self.comm.distributed
-                stopping = self.comm.any(self._stop_signal is not None) if agree_now else False
+                stopping = self.comm.any(self.stop_signal is not None) if agree_now else False
                 if log_due or stopping:
                     self._log(window.flush())
                 if tcfg.eval_every and self.step % tcfg.eval_every == 0 and stepped and self.step < self.max_steps:
@@ -155,7 +155,7 @@ class Trainer:
                 if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and stepped:
                     self.save_checkpoint()
                 if stopping:
-                    why = self._stop_signal or "a stop signal on another rank"
+                    why = self.stop_signal or "a stop signal on another rank"
                     self.logger.info(f"{why}: stopping at step {self.step} with a checkpoint")
                     break
             self.save_checkpoint()
@@ -357,7 +357,7 @@ class Trainer:
         self.comm.barrier()
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        self._stop_signal = signal.Signals(signum).name  # the loop stops after this step
+        self.stop_signal = signal.Signals(signum).name  # the loop stops after this step
 
     def close(self) -> None:
         if self._first_logged and self._last_logged:
