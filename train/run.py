@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from train.distributed import (
 )
 
 RECORDED_CONFIG_DIR = ".hydra"  # where the accepted config and overrides of a run are recorded
+_SIGNALLED_WORKER_GRACE_S = 5.0  # how long a stopped worker waits for its elastic agent before leaving
 
 
 def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None) -> None:
@@ -96,8 +98,11 @@ def train_worker(config: dict[str, Any], run_dir: str) -> None:
     finally:
         shutdown_distributed()
     if trainer.stop_signal is not None and "TORCHELASTIC_RUN_ID" in os.environ:
-        # A signalled elastic agent (ours or torchrun's) shuts down without releasing its workers, which would
-        # wait for it until killed 30 s later: this worker's work is saved, so it leaves now, successfully.
+        # After returning, an elastic worker waits for its agent to collect the result. An agent that was signalled
+        # too is shutting down and never does: it kills the worker 30 s later. The work is saved, so a worker still
+        # waiting after a few seconds leaves by itself, successfully; a running agent releases it well before.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        leave = threading.Timer(_SIGNALLED_WORKER_GRACE_S, os._exit, args=(0,))
+        leave.daemon = True
+        leave.start()
