@@ -8,11 +8,12 @@ Components (data kinds, optimizers, models, schedules) check their own options w
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import inspect
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 _UNSET = object()
@@ -40,6 +41,15 @@ class InvalidOption(ConfigError):
     def within(self, group: str) -> ConfigError:
         """The same complaint with the key's full name (`optim.lr`), as the user writes it on the command line."""
         return ConfigError(self._text(f"{group}.{self.key}"))
+
+
+@contextlib.contextmanager
+def options_of(group: str) -> Iterator[None]:
+    """Inside a component's check, an `InvalidOption("lr", ...)` becomes the `ConfigError` naming `optim.lr`."""
+    try:
+        yield
+    except InvalidOption as err:
+        raise err.within(group) from None
 
 
 def _show(value: Any) -> str:

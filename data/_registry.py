@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
 
-from conf.checks import ConfigError, InvalidOption, check_non_negative
+from conf.checks import ConfigError, check_non_negative, options_of
 
 # The packages whose kinds exist without being asked for; imported on first use so `import data` stays light.
 _BUILTIN_KIND_MODULES = ("data.text.kinds", "data.images.kinds", "data.squad.kinds")
@@ -34,6 +33,7 @@ class TaskData:
     eval: Any | None = None  # held-out data for the task's evaluate(), built on rank 0 only
     tokenizer: Any | None = None  # exported beside text models
     source: str = ""  # what the run trains on, in words, for its start-up lines
+    preprocessing: dict[str, Any] | None = None  # image mean/std, crop and size, carried by the model's export
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def check_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
     """Reject data values that cannot work before any worker starts (ConfigError naming `data.<key>`)."""
     kind = get_data_kind(data_cfg.get("name"))
     if "num_workers" in data_cfg:  # every kind's loader takes it
-        with data_keys():
+        with options_of("data"):
             check_non_negative("num_workers", data_cfg.num_workers)
     kind.check(data_cfg, micro_batch_size)
 
@@ -106,15 +106,6 @@ def build_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) ->
     writes nothing, and returns None.
     """
     return get_data_kind(data_cfg.get("name")).build(data_cfg, request, dry)
-
-
-@contextlib.contextmanager
-def data_keys() -> Iterator[None]:
-    """Inside a kind's check: an `InvalidOption("masking", ...)` becomes a ConfigError naming `data.masking`."""
-    try:
-        yield
-    except InvalidOption as err:
-        raise err.within("data") from None
 
 
 def require_file(path: Any, what: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from conf.checks import ConfigError, InvalidOption, check_kwargs
+from conf.checks import ConfigError, check_kwargs, options_of
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,10 @@ def check_model_config(name: str, kwargs: Mapping[str, Any]) -> None:
     if name not in _MODELS:
         raise ConfigError(f"model.name={name} is not a registered model; known models: {', '.join(list_models())}")
     spec = _MODELS[name]
-    try:
+    with options_of("model"):
         check_kwargs(spec.build, kwargs, owner=f"model '{name}'")
         if spec.check is not None:
             spec.check(**{k: v for k, v in kwargs.items() if v is not None})
-    except InvalidOption as err:
-        raise err.within("model") from None
 
 
 def create_model(name: str, **kwargs: Any) -> nn.Module:

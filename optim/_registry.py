@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from conf.checks import ConfigError, InvalidOption, check_kwargs
+from conf.checks import ConfigError, InvalidOption, check_kwargs, options_of
 from optim.param_groups import param_groups_weight_decay
 
 _RESERVED = ("params", "comm")  # filled by `build_optimizer`, never by the config
@@ -92,11 +92,9 @@ def check_optimizer_config(name: str, kwargs: Mapping[str, Any]) -> None:
         raise ConfigError(f"optim.name={name} is not a registered optimizer; known optimizers: "
                           f"{', '.join(list_optimizers())}")
     spec = _OPTIMIZERS[name]
-    try:
+    with options_of("optim"):
         check_kwargs(spec.cls, kwargs, owner=f"optimizer '{name}'", reserved=_RESERVED)
         spec.check({**_options(spec.cls), **spec.defaults, **_plain(kwargs)})
-    except InvalidOption as err:
-        raise err.within("optim") from None
 
 
 def build_optimizer(

@@ -13,9 +13,10 @@ import torch
 from conftest import compose
 from transformers import AutoModelForPreTraining, AutoTokenizer, BertForPreTraining
 
+from data.images.kinds import image_preprocessing as image_data_config
 from data.text.tokenizer import DEFAULT_VOCAB_PATH, load_tokenizer
 from models import create_model
-from train.model_io import export_pretrained, image_data_config, load_weights
+from train.model_io import export_pretrained, load_weights
 
 BERT_SHAPE = dict(size="tiny", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
 TINY_SWIN = dict(arch="swin_tiny_patch4_window7_224", num_classes=10, img_size=32, patch_size=2, embed_dim=32,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from conf.checks import ConfigError, InvalidOption, check_choice, check_non_negative, check_positive, require
+from conf.checks import ConfigError, check_choice, check_non_negative, check_positive, options_of, require
 from data import check_data, data_schemas
 from models import check_model_config
 from optim import check_optimizer_config
@@ -162,14 +161,6 @@ def _options(node: DictConfig) -> dict[str, Any]:
     return {key: value for key, value in node.items() if key != "name"}
 
 
-def _within(group: str, check: Callable[..., None], *args: Any) -> None:
-    """Run a group's check that names bare keys, naming them as the user writes them (`trainer.max_steps`)."""
-    try:
-        check(*args)
-    except InvalidOption as err:
-        raise err.within(group) from None
-
-
 def _check_across_groups(cfg: DictConfig) -> None:
     """What no single group can check: the data's class count must be the model head's, and its sequences must
     fit the model's position embeddings."""
@@ -196,8 +187,10 @@ def validate(cfg: DictConfig) -> BatchGeometry:
 
 
 def _validate(cfg: DictConfig) -> BatchGeometry:
-    _within("trainer", check_trainer_config, cfg.trainer)
-    _within("precision", check_precision_config, cfg.precision)
+    with options_of("trainer"):
+        check_trainer_config(cfg.trainer)
+    with options_of("precision"):
+        check_precision_config(cfg.precision)
     check_task_config(cfg.task.name)
     check_model_config(cfg.model.get("name"), _options(cfg.model))
     check_optimizer_config(cfg.optim.get("name"), _options(cfg.optim))

@@ -63,19 +63,6 @@ def load_weights(model: nn.Module, path: Path) -> None:
         )
 
 
-def image_data_config(data_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The preprocessing an image run trained and evaluated with (cfg.data), for `export_pretrained`.
-
-    None for data without images (text: no `img_size`), so the trainer can pass it for every run.
-    """
-    if "img_size" not in data_cfg:
-        return None
-    return {
-        "mean": list(data_cfg["mean"]), "std": list(data_cfg["std"]), "crop_pct": float(data_cfg["crop_pct"]),
-        "interpolation": str(data_cfg["interpolation"]), "input_size": int(data_cfg["img_size"]),
-    }
-
-
 def export_pretrained(
     model: nn.Module, tokenizer: Any, directory: Path, *, data_config: Mapping[str, Any] | None = None
 ) -> Path:
@@ -85,7 +72,8 @@ def export_pretrained(
     `BertForQuestionAnswering`), never a project subclass. The tokenizer is saved with the weights, with its
     `vocab.txt` (WordPiece) and `model_max_length` = the model's `max_position_embeddings`.
     timm models: `model.safetensors` + timm's `config.json`, whose `pretrained_cfg` carries `data_config`
-    (mean, std, crop_pct, interpolation, input_size: see `image_data_config`, `models.swin.timm_data_config`).
+    (mean, std, crop_pct, interpolation, input_size: see `data.images.kinds.image_preprocessing` and
+    `models.swin.timm_data_config`).
     Every file gets mode 0o666 & ~umask (directories 0o777 & ~umask), as a plain `open()` would create it:
     0644 under the usual umask 022, so the weights are as readable as the config beside them.
     """

@@ -22,7 +22,7 @@ from train.config import batch_geometry
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger
-from train.model_io import build_model, export_pretrained, image_data_config
+from train.model_io import build_model, export_pretrained
 from train.precision import autocast, make_grad_scaler
 from train.tasks import get_task
 
@@ -347,7 +347,7 @@ class Trainer:
 
     def _export(self) -> None:
         if self.is_main:
-            data_config = image_data_config(self.cfg.data)  # the preprocessing an image model was trained with
+            data_config = self.data.preprocessing  # what an image model was trained with, for timm's loaders
             path = export_pretrained(self.model, self.tokenizer, self.run_dir / "hf_model", data_config=data_config)
             self.logger.info(f"final weights exported with save_pretrained to {path}")
             if self.ema is not None:

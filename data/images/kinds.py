@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
-from conf.checks import ConfigError, check_choice, check_positive, check_range, require
-from data._registry import DataKind, DataRequest, TaskData, data_keys, register_data_kind, require_file
+from conf.checks import ConfigError, check_choice, check_positive, check_range, options_of, require
+from data._registry import DataKind, DataRequest, TaskData, register_data_kind, require_file
 
 
 @dataclass
@@ -47,7 +49,7 @@ class ImageDataConfig:
 
 def check_image_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
     """Values that cannot work, including an odd micro-batch under mixup (timm mixes a batch with its reverse)."""
-    with data_keys():
+    with options_of("data"):
         for key, allowed in (("format", ("folder", "tar", "hf")), ("mixup_mode", ("batch", "pair", "elem")),
                              ("re_mode", ("const", "rand", "pixel"))):
             check_choice(key, data_cfg[key], allowed)
@@ -90,7 +92,19 @@ def build_image_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fal
     loader = ResumableLoader(dataset, request.micro_batch_size, request.rank, request.world_size, request.seed,
                              num_workers=data_cfg.num_workers, pin_memory=request.pin_memory, collate_fn=collate)
     return TaskData(train=loader, eval=evaluation if request.rank == 0 else None,
-                    source=f"{data_cfg.name}: {data_cfg.format} images at {path}")
+                    source=f"{data_cfg.name}: {data_cfg.format} images at {path}",
+                    preprocessing=image_preprocessing(data_cfg))
+
+
+def image_preprocessing(data_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The preprocessing an image run trained and evaluated with, which its export carries (timm's
+    `pretrained_cfg`); None for data without images (no `img_size`)."""
+    if "img_size" not in data_cfg:
+        return None
+    return {
+        "mean": list(data_cfg["mean"]), "std": list(data_cfg["std"]), "crop_pct": float(data_cfg["crop_pct"]),
+        "interpolation": str(data_cfg["interpolation"]), "input_size": int(data_cfg["img_size"]),
+    }
 
 
 register_data_kind(DataKind("images", ImageDataConfig, check_image_data, build_image_data))

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING, DictConfig
 
-from conf.checks import check_positive, require
-from data._registry import DataKind, DataRequest, TaskData, data_keys, register_data_kind, require_file
+from conf.checks import check_positive, options_of, require
+from data._registry import DataKind, DataRequest, TaskData, register_data_kind, require_file
 
 
 @dataclass
@@ -30,7 +30,7 @@ class SquadDataConfig:
 
 def check_squad_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
     """Window sizes that cannot work, and no data source (neither files nor a hub dataset)."""
-    with data_keys():
+    with options_of("data"):
         for key in ("max_seq_len", "doc_stride", "max_query_len", "n_best_size", "max_answer_len",
                     "eval_batch_size"):
             check_positive(key, data_cfg[key])

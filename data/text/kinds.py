@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING, DictConfig
 
-from conf.checks import check_choice, check_positive, check_range, require
-from data._registry import DataKind, DataRequest, TaskData, data_keys, register_data_kind, require_file
+from conf.checks import check_choice, check_positive, check_range, options_of, require
+from data._registry import DataKind, DataRequest, TaskData, register_data_kind, require_file
 
 
 @dataclass
@@ -29,7 +29,7 @@ class TextDataConfig:
 
 def check_text_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
     """Values that cannot work: sizes, probabilities, the masking mode, and shards without a path."""
-    with data_keys():
+    with options_of("data"):
         for key in ("max_seq_len", "max_predictions", "dupe_factor"):
             check_positive(key, data_cfg[key])
         check_choice("masking", data_cfg.masking, ("static", "dynamic"))
