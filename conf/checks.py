@@ -28,6 +28,21 @@ class ConfigError(UserError, ValueError):
     """A value the user must change: one line naming the key and what is allowed (exit code 2, no traceback)."""
 
 
+class ReportedError(UserError):
+    """User errors already put into words elsewhere (by worker processes): the message is printed as it is."""
+
+
+# What `python -m train` reports in one line with exit code 2: the project's user errors and the OS's file errors.
+USER_ERRORS = (UserError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+def user_error_line(error: BaseException) -> str:
+    """The line a user error is reported with (`config error: optim.lr=-1 must be >= 0`)."""
+    if isinstance(error, ReportedError):
+        return str(error)
+    return f"{'config error' if isinstance(error, ConfigError) else 'error'}: {error}"
+
+
 class InvalidOption(ConfigError):
     """An option a component rejected, named relative to the component (`lr`); `within` adds the group."""
 

@@ -26,6 +26,7 @@ class Comm:
         self.bytes_sent = 0
         self.control_bytes_sent = 0
         self.collectives = 0
+        self._gloo_group: dist.ProcessGroup | None = None  # host-side votes (`any_later`), made when first needed
 
     @property
     def distributed(self) -> bool:
@@ -85,6 +86,21 @@ class Comm:
             return flag
         return bool(self.any_on_device(torch.tensor(flag, device=self._control_device())).item())
 
+    def any_later(self, flag: bool) -> "PendingVote":
+        """Start agreeing on whether `flag` is true on any rank; the returned vote's `result()` says.
+
+        The vote travels over a host-side (gloo) group of the same ranks, so neither posting nor reading it
+        waits for the device, and posting does not wait for the other ranks either: read it a micro-batch
+        later and it has long arrived. Every rank must post the same votes in the same order (control
+        traffic, 4 bytes each).
+        """
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        if not self.distributed:
+            return PendingVote(None, value)
+        self.control_bytes_sent += value.element_size()
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._host_group(), async_op=True)
+        return PendingVote(work, value)
+
     def any_on_device(self, flag: torch.Tensor) -> torch.Tensor:
         """A 0-d bool tensor, true on every rank if `flag` (a 0-d bool tensor) is true on any rank.
 
@@ -124,9 +140,30 @@ class Comm:
         self.bytes_sent = self.control_bytes_sent = self.collectives = 0
         return counts
 
+    def _host_group(self) -> dist.ProcessGroup:
+        """A gloo group over this layer's ranks, made on first use (every rank makes it at the same call)."""
+        if self._gloo_group is None:
+            ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+            self._gloo_group = dist.new_group(ranks=ranks, backend="gloo")
+        return self._gloo_group
+
     def _control_device(self) -> torch.device:
         backend = dist.get_backend(self.group)
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+class PendingVote:
+    """The answer of `Comm.any_later`: true if any rank voted true."""
+
+    def __init__(self, work: dist.Work | None, value: torch.Tensor) -> None:
+        self._work, self._value = work, value
+
+    def result(self) -> bool:
+        """Waits for the other ranks' votes (not for any device), then reads the agreed answer."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return bool(self._value[0])
 
 
 def _completed(tensor: torch.Tensor):

@@ -19,6 +19,7 @@ def test_single_process_is_identity_and_counts_nothing():
     assert comm.all_reduce(tensor, async_op=True).wait()
     assert torch.equal(tensor, torch.arange(4.0))
     assert comm.any(True) and not comm.any(False)
+    assert comm.any_later(True).result() and not comm.any_later(False).result()
     assert comm.take_counts() == {"bytes": 0, "control_bytes": 0, "collectives": 0}
 
 
@@ -35,7 +36,9 @@ def _collectives(rank, world_size):
     out = torch.empty(world_size * 2)
     comm.all_gather_into_tensor(out, torch.full((2,), float(rank)))
     stop = comm.any(rank == world_size - 1)
-    return x.tolist(), y.tolist(), z.tolist(), out.tolist(), stop, comm.take_counts()
+    votes = [comm.any_later(rank == world_size - 1), comm.any_later(False)]  # posted together, read later
+    stop_later, no_stop = (vote.result() for vote in votes)
+    return x.tolist(), y.tolist(), z.tolist(), out.tolist(), (stop, stop_later, no_stop), comm.take_counts()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -47,10 +50,10 @@ def test_collectives_and_byte_counts(world_size):
         assert y == [1.0] * 6
         assert z == [7.0] * 3
         assert gathered == [float(r) for r in range(world_size) for _ in range(2)]
-        assert stop is True
+        assert stop == (True, True, False)
         broadcast_bytes = 3 * 4 if rank == 0 else 0
         assert counts["bytes"] == 10 * 4 + 6 * 2 + broadcast_bytes + 2 * 4
-        assert counts["control_bytes"] == 4
+        assert counts["control_bytes"] == 3 * 4
         assert counts["collectives"] == (4 if rank == 0 else 3)
 
 

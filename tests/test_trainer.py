@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TINY, compose, run_train
+from distributed_harness import run_on_ranks
 from transformers import AutoTokenizer, BertForPreTraining
 
 from conf.checks import ConfigError
+from data.loader import ResumableLoader
 from train.metrics import read_metrics
 from train.run import run
 
@@ -138,6 +140,68 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, stop_signal):
     last_logged = read_metrics(tmp_path)[-1]["step"]
     assert (tmp_path / "checkpoints" / f"step_{last_logged:08d}" / "shared.pt").exists()
     assert not (tmp_path / "hf_model").exists()  # not finished, so not exported
+
+
+# 4 micro-batches per step; the stop request comes inside step 4 (before its third micro-batch), with dropout and
+# dynamic masking on, so a resume that replayed any data or random draw of the abandoned step would diverge.
+_ACCUMULATING = [*TINY, "trainer.micro_batch_size=2", "trainer.checkpoint_every=0", "data.masking=dynamic"]
+_SIGNAL_AT_BATCH = 3 * 4 + 3
+
+
+def _signal_at_batch(monkeypatch, batch: int) -> None:
+    """SIGTERM this process when the loader hands out its `batch`-th micro-batch (1-based)."""
+    handed_out = []
+    original = ResumableLoader.__next__
+
+    def next_batch(self):
+        handed_out.append(1)
+        if len(handed_out) == batch:
+            signal.raise_signal(signal.SIGTERM)
+        return original(self)
+
+    monkeypatch.setattr(ResumableLoader, "__next__", next_batch)
+
+
+def _series(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r["loss"], r["mlm_loss"], r["nsp_loss"], r["grad_norm"]) for r in read_metrics(run_dir)]
+
+
+def test_a_stop_inside_an_accumulation_saves_the_last_step_and_resumes_exactly(tmp_path, monkeypatch):
+    _train(tmp_path / "ref", *_ACCUMULATING)
+    with monkeypatch.context() as patch:
+        _signal_at_batch(patch, _SIGNAL_AT_BATCH)
+        _train(tmp_path / "stopped", *_ACCUMULATING)
+    checkpoints = sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000003"]  # the last completed step, not the abandoned one
+    shared = torch.load(tmp_path / "stopped" / "checkpoints" / "step_00000003" / "rank_00000.pt", weights_only=False)
+    assert shared["data"]["index"] == 3 * 8  # the abandoned step's micro-batches are not counted as consumed
+    _train(tmp_path / "stopped", *_ACCUMULATING)
+    assert _series(tmp_path / "stopped") == _series(tmp_path / "ref")  # bit-identical floats, every step once
+
+
+def _stop_on_one_rank_then_resume(rank: int, world_size: int, tmp_path: Path) -> list[int]:
+    """Uninterrupted, stopped (rank 0 alone signalled, inside step 4 again) and resumed runs, in one process."""
+    from optim.comm import Comm
+    from train.trainer import Trainer
+
+    def train(run_dir: Path, signal_at_batch: int | None = None) -> int:
+        with pytest.MonkeyPatch.context() as patch:
+            if signal_at_batch is not None and rank == 0:
+                _signal_at_batch(patch, signal_at_batch)
+            trainer = Trainer(compose([*_ACCUMULATING, "trainer.micro_batch_size=1"]), run_dir, Comm())
+            trainer.fit()
+            trainer.close()
+        return trainer.step
+
+    return [train(tmp_path / "ref"), train(tmp_path / "stopped", _SIGNAL_AT_BATCH - 1), train(tmp_path / "stopped")]
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_a_stop_inside_an_accumulation_and_resume_exactly(tmp_path):
+    # Both ranks leave the same micro-batch (a rank left in the step's gradient all-reduce would hang), one
+    # boundary later than a single process would, so still inside step 4.
+    assert run_on_ranks(_stop_on_one_rank_then_resume, 2, tmp_path) == [[6, 3, 6]] * 2
+    assert _series(tmp_path / "stopped") == _series(tmp_path / "ref")
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from conf.checks import ConfigError, UserError
+from conf.checks import USER_ERRORS, user_error_line
 from train.config import register_configs
 from train.run import run
 
@@ -20,9 +20,9 @@ def main(cfg: DictConfig) -> None:
     try:
         hydra_cfg = HydraConfig.get()
         run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
-    except (UserError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
+    except USER_ERRORS as err:
         # A user error (a value, a data file, a run directory) is one line naming what to fix, not a traceback.
-        print(f"{'config error' if isinstance(err, ConfigError) else 'error'}: {err}", file=sys.stderr)
+        print(user_error_line(err), file=sys.stderr)
         sys.exit(2)
 
 

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import tempfile
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from conf.checks import USER_ERRORS, ReportedError, user_error_line
 from optim.comm import Comm
 
+_USER_ERROR_EXIT_CODE = 2  # as `python -m train` exits on a user error
 _SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
 
 
@@ -72,8 +77,13 @@ def _free_port() -> int:
 
 
 def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None:
-    """Run `entrypoint(*args)` in `nproc` local worker processes with torch's elastic launcher."""
+    """Run `entrypoint(*args)` in `nproc` local worker processes with torch's elastic launcher.
+
+    A user error in a worker (a data file only a worker reads, say) ends the run as it would in one process:
+    its one line (once, however many workers met it) as a `ReportedError`, not the launcher's traceback.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -86,9 +96,25 @@ def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any)
         max_restarts=0,
         monitor_interval=0.5,
     )
+    with tempfile.TemporaryDirectory(prefix="train-user-errors-") as report_dir:
+        try:
+            elastic_launch(config, _reporting_user_errors)(report_dir, entrypoint, *args)
+        except SignalException:
+            # SIGTERM / SIGINT reached the launcher, which passed it on to the workers and waited for them: they
+            # stopped with a checkpoint. A scheduler's notice is not a failure of the run.
+            return
+        except ChildFailedError:
+            reports = sorted(Path(report_dir).iterdir())  # rank order
+            if not reports:
+                raise  # a crash, not a user error: the launcher's report and the workers' tracebacks
+            raise ReportedError("\n".join(dict.fromkeys(p.read_text() for p in reports))) from None
+
+
+def _reporting_user_errors(report_dir: str, entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """A local worker: `entrypoint(*args)`, leaving a user error's line in `report_dir` for the launcher."""
     try:
-        elastic_launch(config, entrypoint)(*args)
-    except SignalException:
-        # SIGTERM / SIGINT reached the launcher, which passed it on to the workers and waited for them: they
-        # stopped after their step with a checkpoint. A scheduler's notice is not a failure of the run.
-        return
+        return entrypoint(*args)
+    except USER_ERRORS as error:
+        rank = int(os.environ.get("RANK", 0))
+        (Path(report_dir) / f"rank_{rank:05d}.txt").write_text(user_error_line(error))
+        sys.exit(_USER_ERROR_EXIT_CODE)

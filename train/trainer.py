@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,9 @@ from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger
 from train.model_io import build_model, export_pretrained
 from train.precision import autocast, make_grad_scaler
+from train.stop import StopRequest
 from train.tasks import get_task
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FINISHED_FILE = "finished.json"  # in the run directory: the end-of-run evaluation and exports are done
 
 
@@ -79,7 +78,7 @@ class Trainer:
             wandb_mode=cfg.logger.wandb,
             wandb_project=cfg.logger.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
         )
-        self.stop_signal: str | None = None  # the name of the SIGTERM / SIGINT that stopped the run
+        self.stop = StopRequest(comm)  # SIGTERM / SIGINT, agreed by the ranks between micro-batches
         self._first_logged = self._last_logged = None  # (step, metrics) of this invocation, for the summary
         self._announce(resumed_from)
 
@@ -117,8 +116,9 @@ class Trainer:
     def fit(self) -> None:
         """Train to `max_steps` (or `steps_this_run`, or a stop signal), checkpointing on the way and at the end.
 
-        SIGTERM (a scheduler's notice) and SIGINT (Ctrl-C) both stop the run after the current step with a
-        checkpoint and a clean exit.
+        SIGTERM (a scheduler's notice) and SIGINT (Ctrl-C) both stop the run at the next micro-batch boundary
+        (see `train.stop`): a partial step is abandoned and the last completed one saved, with its data position
+        and random streams, so the resumed run repeats the series of the uninterrupted one.
         """
         tcfg = self.cfg.trainer
         if self.step >= self.max_steps:
@@ -131,48 +131,55 @@ class Trainer:
         stop_at = self.max_steps
         if tcfg.steps_this_run is not None:
             stop_at = min(stop_at, self.step + tcfg.steps_this_run)
-        previous_handlers = {signum: signal.signal(signum, self._on_stop_signal) for signum in _STOP_SIGNALS}
         window = _Window()
-        try:
+        with self.stop:
             while self.step < stop_at:
                 metrics = self.train_step()
-                window.add(metrics, self.geometry.global_batch_size)
-                stepped = not metrics["skipped"]
+                stopping = metrics is None
+                stepped = not stopping and not metrics["skipped"]
+                if not stopping:
+                    window.add(metrics, self.geometry.global_batch_size)
                 if stepped:
                     self.step += 1
                     self._update_ema()
                     self.logger.advance()
                 # A skipped (fp16 overflow) step keeps the step number: it is folded into the next record.
                 log_due = (stepped and self.step % tcfg.log_every == 0) or self.step == stop_at
-                # Ranks agree on a stop request at log intervals (agreeing reads a collective's result on the
-                # host); a single process acts on it at once.
-                agree_now = log_due or not self.comm.distributed
-                stopping = self.comm.any(self.stop_signal is not None) if agree_now else False
-                if log_due or stopping:
+                if (log_due or stopping) and window.steps:
                     self._log(window.flush())
                 if tcfg.eval_every and self.step % tcfg.eval_every == 0 and stepped and self.step < self.max_steps:
                     self.evaluate()
                 if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and stepped:
                     self.save_checkpoint()
                 if stopping:
-                    why = self.stop_signal or "a stop signal on another rank"
+                    why = self.stop.signal_name or "a stop signal on another rank"
                     self.logger.info(f"{why}: stopping at step {self.step} with a checkpoint")
                     break
             self.save_checkpoint()
             if self.step >= self.max_steps:
                 self._finish()
-        finally:
-            for signum, handler in previous_handlers.items():
-                signal.signal(signum, handler)
 
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step over `accumulation_steps` micro-batches on every rank."""
+    @property
+    def stop_signal(self) -> str | None:
+        """The name of the SIGTERM / SIGINT this process received, if any."""
+        return self.stop.signal_name
+
+    def train_step(self) -> dict[str, Any] | None:
+        """One optimizer step over `accumulation_steps` micro-batches on every rank; None if a stop was agreed.
+
+        A stop agreed between micro-batches abandons the step: its gradients are dropped, and the data position
+        and random streams go back to where the step began, which is the state the checkpoint must hold.
+        """
         lr = self.peak_lr * self.lr_multiplier(self.step + 1)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         accumulation = self.geometry.accumulation_steps
+        step_start = (self.loader.state_dict(), rng_state()) if accumulation > 1 else None
         totals: dict[str, torch.Tensor] = {}
         for micro_step in range(accumulation):
+            if self.stop.agreed():
+                self._abandon_step(step_start if micro_step > 0 else None)
+                return None
             batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self.loader).items()}
             with self.grad_sync.micro_batch(last=micro_step == accumulation - 1):
                 with autocast(self.cfg.precision.dtype, self.device):
@@ -194,6 +201,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {"task": totals, "grad_norm": grad_norm.detach(), "lr": lr, "skipped": not self._stepped,
                 **self.comm.take_counts()}
+
+    def _abandon_step(self, step_start: tuple[dict[str, Any], dict[str, Any]] | None) -> None:
+        """Forget a partial step: no gradients, and the data position and random streams of its start."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.comm.take_counts()
+        if step_start is not None:
+            loader_state, rng = step_start
+            self.loader.load_state_dict(loader_state)
+            set_rng_state(rng)
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._stepped = True
@@ -355,9 +371,6 @@ class Trainer:
                                          data_config=data_config)
                 self.logger.info(f"EMA weights exported to {path}")
         self.comm.barrier()
-
-    def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        self.stop_signal = signal.Signals(signum).name  # the loop stops after this step
 
     def close(self) -> None:
         if self._first_logged and self._last_logged:

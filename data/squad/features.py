@@ -47,22 +47,22 @@ def load_squad(path: str | os.PathLike[str]) -> list[SquadExample]:
         raise SquadFormatError(f"{path}: not a SQuAD JSON file with a top-level 'data' list ({err})") from None
     examples, seen = [], set()
     for a, article in enumerate(articles):
-        for p, paragraph in enumerate(_field(article, "paragraphs", path, f"data[{a}]")):
+        for p, paragraph in enumerate(_field(article, "paragraphs", list, path, f"data[{a}]")):
             where = f"data[{a}].paragraphs[{p}]"
-            context = _field(paragraph, "context", path, where)
-            for q, qa in enumerate(_field(paragraph, "qas", path, where)):
+            context = _field(paragraph, "context", str, path, where)
+            for q, qa in enumerate(_field(paragraph, "qas", list, path, where)):
                 item = f"{where}.qas[{q}]"
-                qid, question = _field(qa, "id", path, item), _field(qa, "question", path, item)
+                qid, question = _field(qa, "id", str, path, item), _field(qa, "question", str, path, item)
                 if qid in seen:
                     raise SquadFormatError(f"{path}: {item}: question id '{qid}' appears twice")
                 seen.add(qid)
-                answers = _field(qa, "answers", path, item)
+                answers = _field(qa, "answers", list, path, item)
                 if not answers:
                     raise SquadFormatError(f"{path}: {item} (id {qid}): no answers (SQuAD v1.1 needs at least one)")
                 texts, starts = [], []
                 for n, answer in enumerate(answers):
-                    text = _field(answer, "text", path, f"{item}.answers[{n}]")
-                    start = _field(answer, "answer_start", path, f"{item}.answers[{n}]")
+                    text = _field(answer, "text", str, path, f"{item}.answers[{n}]")
+                    start = _field(answer, "answer_start", int, path, f"{item}.answers[{n}]")
                     if context[start : start + len(text)] != text:
                         raise SquadFormatError(
                             f"{path}: {item} (id {qid}): answer {text!r} is not in the context at "
@@ -76,10 +76,17 @@ def load_squad(path: str | os.PathLike[str]) -> list[SquadExample]:
     return examples
 
 
-def _field(node: Any, key: str, path: Path, where: str) -> Any:
+def _field(node: Any, key: str, kind: type, path: Path, where: str) -> Any:
+    """`node[key]`, which must be a `kind` (an int is not a bool); else one line naming the file and item."""
     if not isinstance(node, dict) or key not in node:
         raise SquadFormatError(f"{path}: {where} has no '{key}' field")
-    return node[key]
+    value = node[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise SquadFormatError(f"{path}: {where}.{key} must be {_KIND_NAMES[kind]}, not {value!r}")
+    return value
+
+
+_KIND_NAMES = {str: "a string", int: "an integer", list: "a list"}
 
 
 @dataclass
