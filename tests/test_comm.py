@@ -8,7 +8,7 @@ from distributed_harness import run_on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from optim.comm import Comm, counting_allreduce_hook
+from optim.comm import AllReduceHookState, Comm, counting_allreduce_hook
 
 
 def test_single_process_is_identity_and_counts_nothing():
@@ -57,28 +57,30 @@ def test_collectives_and_byte_counts(world_size):
         assert counts["collectives"] == (4 if rank == 0 else 3)
 
 
-def _ddp_grads(rank, world_size, use_hook):
+def _ddp_grads(rank, world_size, wire_dtype):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     comm = Comm()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.0005)  # several buckets
-    if use_hook:
-        ddp.register_comm_hook(comm, counting_allreduce_hook)
+    if wire_dtype is not None:
+        ddp.register_comm_hook(AllReduceHookState(comm, wire_dtype), counting_allreduce_hook)
     g = torch.Generator().manual_seed(100 + rank)
     ddp(torch.randn(5, 8, generator=g)).pow(2).sum().backward()
     return [p.grad.clone() for p in model.parameters()], comm.take_counts()["bytes"]
 
 
-def test_counting_hook_matches_plain_ddp():
-    plain = run_on_ranks(_ddp_grads, 2, False)
-    hooked = run_on_ranks(_ddp_grads, 2, True)
+def test_counting_hook_matches_plain_ddp_and_halves_the_bytes_in_fp16_and_bf16():
+    plain = run_on_ranks(_ddp_grads, 2, None)
     numel = 8 * 16 + 16 + 16 * 3 + 3
-    for (plain_grads, plain_bytes), (hooked_grads, hooked_bytes) in zip(plain, hooked, strict=True):
-        for a, b in zip(plain_grads, hooked_grads, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-        assert plain_bytes == 0
-        assert hooked_bytes == numel * 4  # every gradient element once, fp32
-    torch.testing.assert_close(hooked[0][0][0], hooked[1][0][0], rtol=0, atol=0)
+    for wire_dtype, element_size, tolerance in [("fp32", 4, 0.0), ("fp16", 2, 1e-3), ("bf16", 2, 1e-2)]:
+        hooked = run_on_ranks(_ddp_grads, 2, wire_dtype)
+        for (plain_grads, plain_bytes), (hooked_grads, hooked_bytes) in zip(plain, hooked, strict=True):
+            for a, b in zip(plain_grads, hooked_grads, strict=True):
+                torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance)  # fp32: bit for bit
+                assert b.dtype == torch.float32
+            assert plain_bytes == 0
+            assert hooked_bytes == numel * element_size  # every gradient element once, in the wire dtype
+        torch.testing.assert_close(hooked[0][0][0], hooked[1][0][0], rtol=0, atol=0)  # replicas agree exactly
 
 
 def _all_to_all(rank, world_size):

@@ -29,7 +29,8 @@ def test_bert_large_phase1_carries_nvidia_recipe():
     assert cfg.schedule.name == "poly_warmup"
     assert cfg.schedule.kwargs.warmup_fraction == pytest.approx(0.2843)
     assert cfg.schedule.kwargs.degree == 0.5
-    validate(cfg)
+    assert cfg.trainer.device == "cuda"  # a cluster recipe never falls back to CPU in silence
+    validate(compose(["experiment=bert_large_phase1", "data.path=/data/wiki_books", "trainer.device=cpu"]))
 
 
 def test_bert_large_phase2_derives_from_phase1():
@@ -102,11 +103,14 @@ def test_indivisible_batch_is_an_error():
         ("data.max_seq_len=1024", "data.max_seq_len=1024 exceeds model.max_position_embeddings=512"),
         ("data.num_workers=-1", "data.num_workers=-1 must be >= 0"),
         ("trainer.max_micro_batch_size=0", "trainer.max_micro_batch_size"),
+        ("trainer.grad_allreduce_dtype=fp8", "trainer.grad_allreduce_dtype=fp8"),
+        ("optim=slamb trainer.grad_allreduce_dtype=fp16", "trainer.grad_allreduce_dtype=fp16 sets DDP's gradient"),
+        ("precision.dtype=fp8", "precision.dtype=fp8"),
     ],
 )
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
-        validate(compose([override]))
+        validate(compose(override.split()))
     assert "\n" not in str(info.value)
 
 
@@ -155,7 +159,7 @@ def test_cli_rejects_a_bad_optimizer_value_before_any_worker_starts(tmp_path):
 @pytest.mark.parametrize("experiment", ["bert_large_phase1", "bert_large_phase2_slamb", "swin_base_imagenet"])
 def test_cluster_recipes_refuse_to_run_without_their_dataset(experiment):
     with pytest.raises(ConfigError, match=r"^data\.path is not set: give data\.path=\.\.\.") as info:
-        validate(compose([f"experiment={experiment}"]))
+        validate(compose([f"experiment={experiment}", "trainer.device=cpu"]))
     assert "\n" not in str(info.value)
     assert compose([f"experiment={experiment}"]).data.name != "demo"  # never the demo corpus in silence
 

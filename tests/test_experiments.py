@@ -14,13 +14,14 @@ import pytest
 import torch
 from conftest import REPO, compose
 
+from conf.checks import options_of
 from data import DataRequest, build_data
 from data.text.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, PREPARED_KEYS, VOCAB_NAME, sha256_file
 from data.text.tokenizer import DEFAULT_VOCAB_PATH
 from models import create_model
 from optim import build_optimizer
 from optim.comm import Comm
-from train.config import ConfigError, validate
+from train.config import ConfigError, check_trainer_config, validate
 
 EXPERIMENTS = sorted(path.stem for path in (REPO / "conf" / "experiment").glob("*.yaml"))
 SQUAD_DEMO = REPO / "data" / "squad" / "squad_demo.json"
@@ -47,11 +48,22 @@ def _stand_in_shards(data_cfg, directory: Path) -> None:
 
 
 def _compose_experiment(name: str, tmp_path: Path, *overrides: str):
+    """The experiment with stand-in data; on CPU, a GPU recipe (after checking that it refuses to run there)."""
     first = compose([f"experiment={name}", *overrides])
+    if first.trainer.device == "cuda" and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^trainer\.device=cuda but no CUDA device is visible"):
+            _check_trainer(first)
+        overrides = ("trainer.device=cpu", *overrides)
+        first = compose([f"experiment={name}", *overrides])
     if first.data.name == "shards":
         _stand_in_shards(first.data, tmp_path / "shards")
         return compose([f"experiment={name}", f"data.path={tmp_path / 'shards'}", *overrides])
     return compose([f"experiment={name}", *_stand_in_data(first.data.name, tmp_path), *overrides])
+
+
+def _check_trainer(cfg) -> None:
+    with options_of("trainer"):
+        check_trainer_config(cfg.trainer)
 
 
 def test_every_experiment_is_listed():

@@ -82,7 +82,7 @@ def test_export_loads_back_in_timm(tmp_path):
 
 
 def test_official_recipe_resolves():
-    cfg = compose(["experiment=swin_base_imagenet", "data.path=/datasets/imagenet"])
+    cfg = compose(["experiment=swin_base_imagenet", "data.path=/datasets/imagenet", "trainer.device=cpu"])
     validate(cfg)
     assert cfg.optim.name == "adamw" and cfg.optim.lr == 1.0e-3  # 5e-4 x 1024 / 512
     assert (cfg.optim.eps, list(cfg.optim.betas), cfg.optim.weight_decay) == (1.0e-8, [0.9, 0.999], 0.05)
@@ -105,7 +105,7 @@ def test_official_recipe_resolves():
     ("name", "optim"), [("swin_base_imagenet_lamb", "lamb"), ("swin_base_imagenet_slamb", "slamb")]
 )
 def test_large_batch_experiments_resolve(name, optim):
-    cfg = compose([f"experiment={name}", "data.path=/datasets/imagenet"])
+    cfg = compose([f"experiment={name}", "data.path=/datasets/imagenet", "trainer.device=cpu"])
     validate(cfg)
     assert cfg.optim.name == optim and cfg.trainer.global_batch_size == 16384
     assert cfg.optim.lr == pytest.approx(5e-4 * 2.828 / 8 * 16384 / 512, rel=1e-3)

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer, BertForPreTraining
 from conf.checks import ConfigError
 from data.loader import ResumableLoader
 from train.metrics import read_metrics
+from train.precision import set_matmul_precision
 from train.run import run
 
 NO_DROPOUT = ["model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0"]
@@ -77,6 +78,16 @@ def test_mixed_precision_runs(tmp_path, precision):
     records = _train(tmp_path, f"precision={precision}", "trainer.max_steps=3")
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
     assert ("loss_scale" in records[-1]) == (precision == "fp16")
+
+
+def test_tf32_is_fp32_with_tf32_matmuls(tmp_path):
+    fp32 = _train(tmp_path / "fp32", "trainer.max_steps=2")
+    try:
+        tf32 = _train(tmp_path / "tf32", "precision=tf32", "trainer.max_steps=2")
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        set_matmul_precision("fp32")
+    assert [r["loss"] for r in tf32] == [r["loss"] for r in fp32]  # on CPU, TF32 changes nothing
 
 
 def test_non_finite_loss_stops_without_saving(tmp_path):

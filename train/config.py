@@ -21,7 +21,8 @@ from omegaconf.errors import MissingMandatoryValue
 from conf.checks import ConfigError, check_choice, check_non_negative, check_positive, options_of, require
 from data import check_data, data_schemas
 from models import check_model_config
-from optim import check_optimizer_config
+from optim import check_optimizer_config, get_optimizer_spec
+from optim.comm import WIRE_DTYPES
 from optim.schedule import ScheduleConfig, check_schedule_config
 from train.metrics import LoggerConfig
 from train.precision import PrecisionConfig, check_precision_config
@@ -41,6 +42,7 @@ class TrainerConfig:
     micro_batch_size: int | None = MISSING
     max_micro_batch_size: int = MISSING
     grad_clip: float = MISSING
+    grad_allreduce_dtype: str = MISSING
     device: str = MISSING
     nproc_per_node: int = MISSING
     backend: str = MISSING
@@ -144,6 +146,7 @@ def check_trainer_config(trainer: DictConfig) -> None:
         check_non_negative(key, trainer[key])
     if trainer.steps_this_run is not None:
         check_positive("steps_this_run", trainer.steps_this_run)
+    check_choice("grad_allreduce_dtype", trainer.grad_allreduce_dtype, tuple(WIRE_DTYPES))
     check_choice("device", trainer.device, ("auto", "cpu", "cuda"))
     require(trainer.device != "cuda" or torch.cuda.is_available(), "device", trainer.device,
             "but no CUDA device is visible (or the driver is too old for this torch): use trainer.device=auto or cpu")
@@ -162,11 +165,15 @@ def _options(node: DictConfig) -> dict[str, Any]:
 
 
 def _check_across_groups(cfg: DictConfig) -> None:
-    """What no single group can check: the data's class count must be the model head's, and its sequences must
-    fit the model's position embeddings."""
+    """What no single group can check: the data's class count must be the model head's, its sequences must fit
+    the model's position embeddings, and a gradient all-reduce dtype needs an optimizer that uses DDP."""
     data_classes, model_classes = OmegaConf.select(cfg, "data.num_classes"), OmegaConf.select(cfg, "model.num_classes")
     if data_classes is not None and model_classes is not None and data_classes != model_classes:
         raise ConfigError(f"data.num_classes={data_classes} differs from model.num_classes={model_classes}")
+    wire = cfg.trainer.grad_allreduce_dtype
+    if wire != "fp32" and get_optimizer_spec(cfg.optim.name).grad_sync != "ddp":
+        raise ConfigError(f"trainer.grad_allreduce_dtype={wire} sets DDP's gradient all-reduce, which "
+                          f"optim={cfg.optim.name} does not use (it communicates by itself; see its own options)")
     seq_len = OmegaConf.select(cfg, "data.max_seq_len")
     positions = OmegaConf.select(cfg, "model.max_position_embeddings")
     if seq_len is not None and positions is not None and seq_len > positions:

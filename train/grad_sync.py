@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from optim.comm import Comm, counting_allreduce_hook
+from optim.comm import AllReduceHookState, Comm, counting_allreduce_hook
 
 # State of the learner (model, optimizer, EMA): identical on every rank under DDP, per rank otherwise.
 LEARNER_KEYS = ("model", "optimizer", "ema")
@@ -28,17 +28,17 @@ class GradSync:
 
     kind = "ddp"
 
-    def __init__(self, comm: Comm, device: torch.device) -> None:
-        self.comm, self.device = comm, device
+    def __init__(self, comm: Comm, device: torch.device, wire_dtype: str = "fp32") -> None:
+        self.comm, self.device, self.wire_dtype = comm, device, wire_dtype
         self._ddp: DistributedDataParallel | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """DDP with the byte-counting all-reduce hook (DDP broadcasts rank 0's weights when it is built)."""
+        """DDP with the byte-counting all-reduce hook in the wire dtype (DDP broadcasts rank 0's weights)."""
         if not self.comm.distributed:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self._ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=self.comm.group)
-        self._ddp.register_comm_hook(self.comm, counting_allreduce_hook)
+        self._ddp.register_comm_hook(AllReduceHookState(self.comm, self.wire_dtype), counting_allreduce_hook)
         return self._ddp
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
@@ -99,6 +99,7 @@ class SelfSync(GradSync):
 _POLICIES: dict[str, type[GradSync]] = {"ddp": GradSync, "self": SelfSync}
 
 
-def build_grad_sync(kind: str, comm: Comm, device: torch.device) -> GradSync:
-    """The policy for an optimizer's registered `grad_sync` kind ("ddp" or "self")."""
-    return _POLICIES[kind](comm, device)
+def build_grad_sync(kind: str, comm: Comm, device: torch.device, wire_dtype: str = "fp32") -> GradSync:
+    """The policy for an optimizer's registered `grad_sync` kind ("ddp" or "self"); `wire_dtype` is the DDP
+    gradient all-reduce's (`trainer.grad_allreduce_dtype`; self-synchronising optimizers have their own)."""
+    return _POLICIES[kind](comm, device, wire_dtype)

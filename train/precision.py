@@ -1,50 +1,56 @@
-"""Mixed precision with native torch.amp: autocast to bf16 or fp16, and a GradScaler for fp16."""
+"""Mixed precision with native torch.amp: autocast to bf16 or fp16 (a GradScaler for fp16), or fp32 matmuls in TF32.
+
+NVIDIA apex's `amp` was removed upstream; mixed precision here is torch.amp's on every path.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from omegaconf import MISSING, DictConfig
 
-from conf.checks import check_positive
+from conf.checks import check_choice, check_positive
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class Precision(str, Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
 @dataclass
 class PrecisionConfig:
     """Schema of conf/precision/*.yaml (the values and their meaning are there)."""
 
-    dtype: Precision = MISSING  # autocast dtype; fp16 adds a GradScaler
+    dtype: str = MISSING  # fp32 | tf32 (fp32 weights, TF32 matmuls) | bf16 | fp16 (adds a GradScaler)
     init_scale: float | None = MISSING  # fp16 loss scale at the start (null without loss scaling)
     growth_interval: int | None = MISSING  # fp16 steps without overflow before the scale doubles
 
 
 def check_precision_config(cfg: DictConfig) -> None:
-    """fp16's loss scaler needs a positive start and growth interval (raises `InvalidOption`)."""
+    """A known dtype; fp16's loss scaler needs a positive start and growth interval (raises `InvalidOption`)."""
+    check_choice("dtype", cfg.dtype, PRECISIONS)
     if cfg.dtype == "fp16":
         check_positive("init_scale", cfg.init_scale)
         check_positive("growth_interval", cfg.growth_interval)
 
 
+def set_matmul_precision(dtype: str) -> None:
+    """TF32 for fp32 matmuls and convolutions under `tf32` (Ampere and newer GPUs; no effect on CPU), IEEE fp32
+    otherwise: autocast regions run in bf16/fp16 anyway, and fp32 means fp32."""
+    tf32 = dtype == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
 def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast region for the forward pass; fp32 runs without one."""
-    if dtype == "fp32":
+    """Autocast region for the forward pass; fp32 and tf32 run without one."""
+    if dtype not in _AUTOCAST_DTYPES:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[dtype])
 
 
 def make_grad_scaler(cfg: DictConfig, device: torch.device) -> torch.amp.GradScaler:
-    """A dynamic loss scaler for fp16; for bf16 and fp32 a disabled one that passes everything through."""
+    """A dynamic loss scaler for fp16; for the others a disabled one that passes everything through."""
     if cfg.dtype != "fp16":
         return torch.amp.GradScaler(device.type, enabled=False)
     return torch.amp.GradScaler(device.type, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)

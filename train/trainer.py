@@ -22,7 +22,7 @@ from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger
 from train.model_io import build_model, export_pretrained
-from train.precision import autocast, make_grad_scaler
+from train.precision import autocast, make_grad_scaler, set_matmul_precision
 from train.stop import StopRequest
 from train.tasks import get_task
 
@@ -59,8 +59,10 @@ class Trainer:
         self.peak_lr = float(cfg.optim.lr)
         self.lr_multiplier = build_lr_schedule(cfg.schedule.name, total_steps=self.max_steps, **cfg.schedule.kwargs)
         self.scaler = make_grad_scaler(cfg.precision, self.device)
+        set_matmul_precision(cfg.precision.dtype)
         self.task = get_task(cfg.task.name)
-        self.grad_sync = build_grad_sync(self.spec.grad_sync, comm, self.device)  # the one place that asks
+        # The one place that asks the optimizer how gradients become global.
+        self.grad_sync = build_grad_sync(self.spec.grad_sync, comm, self.device, tcfg.grad_allreduce_dtype)
         self.train_model = self.grad_sync.wrap(self.model)
         if tcfg.compile:
             self.train_model = torch.compile(self.train_model)
@@ -106,6 +108,8 @@ class Trainer:
         if self.cfg.precision.dtype == "fp16" and self.device.type == "cpu":
             warnings.append("precision=fp16 on CPU is several times slower than fp32 there (autocast has few fp16 "
                             "CPU kernels); use precision=fp32 or bf16")
+        if self.cfg.precision.dtype == "tf32" and self.device.type == "cpu":
+            warnings.append("precision=tf32 changes only GPU matmuls (Ampere and newer): on CPU it is fp32")
         freeze_step = getattr(self.optimizer, "freeze_step", None)  # the 1-bit optimizers' last uncompressed step
         if freeze_step is not None and freeze_step >= self.max_steps:
             warnings.append(f"optim.freeze_step={freeze_step} is not below the run's {self.max_steps} steps: "
