@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import BertConfig, BertForPreTraining, BertForQuestionAnswering
 
-from conf.checks import InvalidOption
+from conf.checks import NVIDIA_APEX_HINT, InvalidOption, missing_nvidia_apex
 from models._registry import register_model
 
 # hidden size, layers, attention heads, feed-forward size. "xl" is the SLAMB paper's 2.8B-parameter scale:
@@ -115,29 +116,67 @@ class BertForPreTrainingMaskedLM(BertForPreTraining):
             self.config.save_pretrained(save_directory)
 
 
-def check_bert_options(**config_kwargs) -> None:
-    """Compose-time check: building the BertConfig (no weights) validates size, shape and `config_from`."""
+def check_bert_options(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
+                       **config_kwargs) -> None:
+    """Compose-time check: building the BertConfig (no weights) validates size, shape and `config_from`;
+    `fused_layer_norm` needs NVIDIA apex and a GPU."""
     config_from = config_kwargs.get("config_from")
     if config_from is not None and not (Path(config_from) / "config.json").is_file():
         raise InvalidOption("config_from", "has no config.json (a transformers model directory)", config_from)
     build_bert_config(**config_kwargs)
+    if fused_layer_norm:
+        missing = missing_nvidia_apex("apex.normalization", "fused_layer_norm_cuda")
+        if missing is not None:
+            raise InvalidOption("fused_layer_norm", f"{NVIDIA_APEX_HINT}; here {missing}", fused_layer_norm)
 
 
-@register_model(check=check_bert_options)
-def bert_pretraining(**config_kwargs) -> BertForPreTrainingMaskedLM:
-    """BERT with MLM + NSP heads; keyword arguments are those of `build_bert_config`."""
-    model = BertForPreTrainingMaskedLM(build_bert_config(**config_kwargs))
-    # Exports name the stock class so any transformers install can load them.
-    model.config.architectures = ["BertForPreTraining"]
+def _with_options(model: nn.Module, fused_layer_norm: bool, activation_checkpointing: bool) -> nn.Module:
+    """Apply the speed/memory options that leave the weights as they are (exports stay stock transformers)."""
+    if activation_checkpointing:  # recompute each layer's activations in backward: phase 2 / BERT-XL memory
+        model.config.use_cache = False  # BERT has no cache to keep; said here, transformers does not warn
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if fused_layer_norm:
+        _use_fused_layer_norm(model)
     return model
 
 
+def _use_fused_layer_norm(model: nn.Module) -> None:
+    """Swap every LayerNorm for apex's FusedLayerNorm with the same parameters (and so the same state dict)."""
+    from apex.normalization import FusedLayerNorm
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.LayerNorm:
+                fused = FusedLayerNorm(child.normalized_shape, eps=child.eps, elementwise_affine=True)
+                fused.weight, fused.bias = child.weight, child.bias
+                setattr(parent, name, fused)
+
+
 @register_model(check=check_bert_options)
-def bert_question_answering(**config_kwargs) -> BertForQuestionAnswering:
-    """BERT with a span start/end head (SQuAD); keyword arguments are those of `build_bert_config`."""
-    return BertForQuestionAnswering(build_bert_config(**config_kwargs))
+def bert_pretraining(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
+                     **config_kwargs) -> BertForPreTrainingMaskedLM:
+    """BERT with MLM + NSP heads; the other keyword arguments are those of `build_bert_config`."""
+    model = BertForPreTrainingMaskedLM(build_bert_config(**config_kwargs))
+    # Exports name the stock class so any transformers install can load them.
+    model.config.architectures = ["BertForPreTraining"]
+    return _with_options(model, fused_layer_norm, activation_checkpointing)
 
 
-# Advertise build_bert_config's arguments so config keys are checked against them before launch.
+@register_model(check=check_bert_options)
+def bert_question_answering(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
+                            **config_kwargs) -> BertForQuestionAnswering:
+    """BERT with a span start/end head (SQuAD); the other keyword arguments are those of `build_bert_config`."""
+    model = BertForQuestionAnswering(build_bert_config(**config_kwargs))
+    return _with_options(model, fused_layer_norm, activation_checkpointing)
+
+
+def _builder_signature() -> inspect.Signature:
+    """build_bert_config's arguments plus the two model options, so config keys are checked before launch."""
+    options = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool)
+               for name in ("fused_layer_norm", "activation_checkpointing")]
+    config = inspect.signature(build_bert_config)
+    return config.replace(parameters=[*config.parameters.values(), *options], return_annotation=nn.Module)
+
+
 for _builder in (bert_pretraining, bert_question_answering):
-    _builder.__signature__ = inspect.signature(build_bert_config)  # type: ignore[attr-defined]
+    _builder.__signature__ = _builder_signature()  # type: ignore[attr-defined]

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import BertForPreTraining
 
-from models import BERT_SIZES, build_bert_config, create_model, list_models, pad_vocab_size
+from conf.checks import ConfigError
+from models import BERT_SIZES, build_bert_config, check_model_config, create_model, list_models, pad_vocab_size
 
 SHAPE = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
 
@@ -82,3 +83,23 @@ def test_save_pretrained_names_the_stock_class(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["BertForPreTraining"]
     assert model.config.architectures == ["BertForPreTraining"]
     assert type(AutoModelForPreTraining.from_pretrained(tmp_path)) is BertForPreTraining
+
+
+def test_activation_checkpointing_gives_the_same_gradients_and_weights():
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    plain, checkpointed = _tiny(**no_dropout), _tiny(activation_checkpointing=True, **no_dropout)
+    assert checkpointed.is_gradient_checkpointing and not plain.is_gradient_checkpointing
+    assert plain.state_dict().keys() == checkpointed.state_dict().keys()
+    for model in (plain, checkpointed):
+        model.train()
+        mlm, nsp = model(*_batch())
+        (mlm.square().mean() + nsp.square().mean()).backward()
+    for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)  # the same ops, recomputed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without a GPU (or apex) gives")
+def test_fused_layer_norm_without_apex_is_one_config_error():
+    with pytest.raises(ConfigError, match=r"^model\.fused_layer_norm=True needs NVIDIA apex .*; here no CUDA") as info:
+        check_model_config("bert_pretraining", {"size": "tiny", "fused_layer_norm": True})
+    assert "PyPI package 'apex' is unrelated" in str(info.value)
