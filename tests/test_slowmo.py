@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, run_train
+from conftest import TINY, compose, run_train
 from distributed_harness import run_on_ranks
 from torch import nn
 
@@ -287,6 +287,17 @@ def test_base_options_are_checked_at_config_time_naming_the_key(overrides, start
     with pytest.raises(ConfigError) as info:
         check_optimizer_config("slowmo", options)
     assert str(info.value).startswith(start)
+
+
+def test_composed_configs_check_the_base_options():
+    from train.config import ConfigError as TrainConfigError
+    from train.config import validate
+
+    cfg = compose(["optim=slowmo", "optim.base=sgd", "optim.lr=0.1", "+optim.base_options.momentum=0.9"])
+    validate(cfg)  # the README's command
+    assert cfg.optim.base_options == {"momentum": 0.9}
+    with pytest.raises(TrainConfigError, match=r"^optim\.base_options\.betas=\[0\.9, 1\.5\] must be"):
+        validate(compose(["experiment=slowmo_swin_demo", "+optim.base_options.betas=[0.9,1.5]"]))
 
 
 def test_built_from_config_with_the_registry():
