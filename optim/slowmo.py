@@ -101,7 +101,8 @@ class SlowMo(torch.optim.Optimizer):
     State (all in `state_dict()`): per parameter ``anchor`` (:math:`x_{t,0}`) and ``slow_momentum``
     (:math:`u`), both fp32 and created at the first step (after the trainer's set-up broadcast); under the key
     ``"slowmo"`` the base steps taken; and, under ``"base"``, the base optimizer's state. Between syncs the
-    weights and the base's state differ across ranks, so checkpoints are per rank.
+    weights and the base's state differ across ranks, so checkpoints are per rank, and rank 0's weights are the
+    averaged ones only right after a sync: evaluate and export at multiples of ``sync_interval``.
     """
 
     def __init__(
@@ -125,7 +126,8 @@ class SlowMo(torch.optim.Optimizer):
         spec = _base_spec(base)
         options = {**spec.defaults, **_plain(base_options or {})}
         self.base = spec.cls(params, lr=lr, weight_decay=weight_decay, **options)
-        super().__init__(self.base.param_groups, self.base.defaults)  # adds nothing to the groups: hooks, state
+        # Optimizer's own set-up (step hooks, `state`) over the base's groups, which hold every default already.
+        super().__init__(self.base.param_groups, self.base.defaults)
         self.param_groups = self.base.param_groups  # one list of the same dicts: the schedule reaches the base
         self.sync_interval = int(sync_interval)
         self.slow_momentum, self.slow_lr = float(slow_momentum), float(slow_lr)
