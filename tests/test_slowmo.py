@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import TINY, compose, run_train
 from distributed_harness import run_on_ranks
+from test_lars import host_reads
 from torch import nn
 
 from conf.checks import ConfigError
@@ -240,6 +241,17 @@ def test_one_rank_tau_1_beta_0_alpha_1_is_the_base(base):
             optimizer.step()
     for a, b in zip(ours, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_step_and_sync_read_nothing_on_the_host(monkeypatch):
+    reads = host_reads(monkeypatch, "optim/slowmo.py")
+    params = [nn.Parameter(t.clone()) for t in _initial()]
+    slowmo = SlowMo(_groups(params), lr=0.1, base="sgd", sync_interval=2, average_buffers=True)
+    for step in range(1, 5):
+        for i, p in enumerate(params):
+            p.grad = _grad(0, step, i)
+        slowmo.step()
+    assert reads == []
 
 
 def test_param_groups_are_the_bases_so_the_schedule_reaches_it_also_after_loading():
