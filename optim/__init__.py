@@ -13,19 +13,23 @@ from optim._registry import (
     register_optimizer,
 )
 from optim.lamb import LAMB  # registers `lamb`
+from optim.lars import LARS  # registers `lars`
 from optim.onebit_adam import OneBitAdam  # registers `onebit_adam`
 from optim.onebit_lamb import OneBitLAMB  # registers `onebit_lamb`
 from optim.param_groups import param_groups_weight_decay
 from optim.schedule import build_lr_schedule
 from optim.slamb import SLAMB  # registers `slamb`
+from optim.slowmo import SlowMo  # registers `slowmo` (after the bases it may name)
 from optim.zero_one_adam import ZeroOneAdam  # registers `zero_one_adam`
 
 __all__ = [
     "LAMB",
+    "LARS",
     "SLAMB",
     "OneBitAdam",
     "OneBitLAMB",
     "OptimSpec",
+    "SlowMo",
     "ZeroOneAdam",
     "build_lr_schedule",
     "build_optimizer",

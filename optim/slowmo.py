@@ -1,0 +1,269 @@
+"""SlowMo (Wang, Tantia, Ballas, Rabbat; ICLR 2020): local base-optimizer steps, periodic exact parameter
+averaging, and a slow momentum step on the averaged displacement."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from conf.checks import InvalidOption, check_choice, check_kwargs, check_non_negative, check_positive, require
+from optim._math import check_flags, closure_loss
+from optim._registry import (
+    OptimSpec,
+    _options,
+    _plain,
+    get_optimizer_spec,
+    list_optimizers,
+    register_optimizer,
+    run_check,
+)
+from optim.comm import Comm
+
+_GLOBAL = "slowmo"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
+_FROM_SLOWMO = ("lr", "weight_decay")  # what the base takes from SlowMo's param groups, never from base_options
+
+
+def _check_sgd_options(options: dict[str, Any]) -> None:
+    """The checks of `torch.optim.SGD`'s options that a config can get wrong (torch checks the rest itself)."""
+    check_non_negative("lr", options["lr"])
+    momentum = options["momentum"]
+    require(isinstance(momentum, int | float) and 0.0 <= momentum < 1.0, "momentum", momentum, "must be in [0, 1)")
+    check_non_negative("weight_decay", options["weight_decay"])
+    check_flags(options, "nesterov")
+    require(not options["nesterov"] or (momentum > 0 and options["dampening"] == 0), "nesterov",
+            options["nesterov"], "needs momentum > 0 and dampening 0")
+
+
+# Plain SGD is a base only: as an optimizer of its own the project has LARS (and SGD is LARS's inner loop).
+_SGD = OptimSpec("sgd", torch.optim.SGD, "ddp", check=_check_sgd_options,
+                 description="torch.optim.SGD (momentum, Nesterov): Local SGD as SlowMo's base")
+
+
+def base_names() -> list[str]:
+    """What `base` may name: `sgd` and every registered optimizer that leaves gradient sync to DDP."""
+    return ["sgd", *(name for name in list_optimizers() if get_optimizer_spec(name).grad_sync == "ddp")]
+
+
+def _base_spec(name: str) -> OptimSpec:
+    return _SGD if name == "sgd" else get_optimizer_spec(name)
+
+
+class SlowMo(torch.optim.Optimizer):
+    r"""Slow Momentum (Wang, Tantia, Ballas, Rabbat; ICLR 2020, arXiv 1910.00643, Algorithm 1) over a base optimizer.
+
+    Register with ``grad_sync="self"``: there is no gradient all-reduce. Each rank steps the base optimizer
+    (``base``: SGD, AdamW, LAMB, LARS) on its local gradients; after every ``sync_interval`` (:math:`\tau`)
+    steps the parameters are averaged exactly over the ranks and the slow momentum step follows. With the
+    base LR :math:`\gamma_t` at that step, anchor :math:`x_{t,0}` (the weights after the previous outer step)
+    and slow momentum :math:`u` (0 at the start):
+
+    .. math::
+        \bar x &= \tfrac1N \textstyle\sum_i x^{(i)}_{t,\tau} \quad \text{(one bucketed all-reduce)} \\
+        u_{t+1} &= \beta u_t + (x_{t,0} - \bar x) / \gamma_t \\
+        x_{t+1,0} &= x_{t,0} - \alpha \gamma_t u_{t+1}, \qquad x^{(i)} \leftarrow x_{t+1,0} \text{ on every rank}
+
+    with :math:`\beta` = ``slow_momentum`` and :math:`\alpha` = ``slow_lr``; the same recursion as fairscale's
+    ``SlowMoDistributedDataParallel`` and torchdistx's ``SlowMomentumOptimizer``. Dividing by :math:`\gamma_t`
+    keeps :math:`u` in gradient units across LR changes. :math:`\gamma_t` is each param group's current
+    ``lr``; where it is 0 (the last step of a decay to 0) the outer step takes its limit: :math:`u` only decays
+    (:math:`u \leftarrow \beta u`) and :math:`x_{t+1,0} = x_{t,0} - \alpha (x_{t,0} - \bar x)`.
+    :math:`\alpha = 1, \beta = 0` is the base with periodic averaging (Local SGD for SGD); with
+    :math:`\tau = 1` and an SGD base (any momentum, Nesterov, decay: all linear in the gradient) that is
+    data-parallel SGD. Adaptive bases (AdamW, LAMB, LARS) are not linear, so there it is not.
+
+    Param groups are the base's own (the same dicts), so the trainer's schedule, which writes ``lr`` into
+    ``param_groups``, reaches the base; weight decay is the group's, as for the base alone.
+
+    Args:
+        params: parameters or param groups (see `optim.param_groups_weight_decay`).
+        lr: the base LR :math:`\gamma`, set each step by the trainer's schedule.
+        weight_decay: the base's weight decay, for groups that do not set their own.
+        base: ``"sgd"`` (``torch.optim.SGD``) or a registered optimizer whose gradient sync is DDP's.
+        base_options: the base's other keyword arguments (``momentum``, ``betas``, ...); unset ones are the
+            base class's defaults.
+        sync_interval: :math:`\tau`, base steps between averages (fairscale's ``slowmo_frequency``, 48).
+        slow_momentum: :math:`\beta` (fairscale 0.5).
+        slow_lr: :math:`\alpha` (fairscale 1.0).
+        average_buffers: also average the base's per-parameter state tensors at each sync (its momentum
+            buffers, Adam moments: every floating state tensor shaped like its parameter), which the paper
+            offers so that adaptive states do not drift apart. Costs their size in traffic.
+        bucket_mb: the average goes out in all-reduces of at most this many MB (fp32), one per bucket.
+        comm: the communication layer (`optim.comm.Comm`); None builds one over the default process group,
+            or a world of one when there is none.
+
+    Traffic: ``32 d / sync_interval`` bits per step for ``d`` parameters, plus the base's state tensors with
+    ``average_buffers``; nothing is sent between syncs. Model buffers (batch-norm statistics) are not the
+    optimizer's and are not averaged (BERT and Swin have none that train).
+
+    State (all in `state_dict()`): per parameter ``anchor`` (:math:`x_{t,0}`) and ``slow_momentum``
+    (:math:`u`), both fp32 and created at the first step (after the trainer's set-up broadcast); under the key
+    ``"slowmo"`` the base steps taken; and, under ``"base"``, the base optimizer's state. Between syncs the
+    weights and the base's state differ across ranks, so checkpoints are per rank, and rank 0's weights are the
+    averaged ones only right after a sync: evaluate and export at multiples of ``sync_interval``.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 0.1,
+        weight_decay: float = 0.0,
+        base: str = "sgd",
+        base_options: dict[str, Any] | None = None,
+        sync_interval: int = 48,
+        slow_momentum: float = 0.5,
+        slow_lr: float = 1.0,
+        average_buffers: bool = False,
+        bucket_mb: float = 64.0,
+        comm: Comm | None = None,
+    ) -> None:
+        run_check("SlowMo", check_slowmo_options, dict(
+            lr=lr, weight_decay=weight_decay, base=base, base_options=base_options, sync_interval=sync_interval,
+            slow_momentum=slow_momentum, slow_lr=slow_lr, average_buffers=average_buffers, bucket_mb=bucket_mb,
+        ))
+        spec = _base_spec(base)
+        options = {**spec.defaults, **_plain(base_options or {})}
+        self.base = spec.cls(params, lr=lr, weight_decay=weight_decay, **options)
+        # Optimizer's own set-up (step hooks, `state`) over the base's groups, which hold every default already.
+        super().__init__(self.base.param_groups, self.base.defaults)
+        self.param_groups = self.base.param_groups  # one list of the same dicts: the schedule reaches the base
+        self.sync_interval = int(sync_interval)
+        self.slow_momentum, self.slow_lr = float(slow_momentum), float(slow_lr)
+        self.average_buffers = bool(average_buffers)
+        self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
+        self.comm = comm if comm is not None else Comm()
+        self.state[_GLOBAL] = {"step": 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        """SlowMo's state (anchors, slow momenta, steps taken) with the base's under ``"base"``."""
+        return {**super().state_dict(), "base": self.base.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        base = state_dict.pop("base")
+        super().load_state_dict(state_dict)
+        if _GLOBAL not in self.state:
+            raise ValueError("SlowMo.load_state_dict: no 'slowmo' entry (steps taken); not a SlowMo state_dict")
+        self.base.load_state_dict(base)
+        self.param_groups = self.base.param_groups  # loading made new group dicts: share the base's again
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One base step on the local gradients; after every `sync_interval`-th, the average and the outer step."""
+        loss = closure_loss(closure)
+        self._init_state()
+        self.base.step()
+        glob = self.state[_GLOBAL]
+        glob["step"] += 1
+        if glob["step"] % self.sync_interval == 0:
+            self._outer_step()
+        return loss
+
+    def _init_state(self) -> None:
+        """Anchors are the weights before the first base step: by then every rank holds rank 0's."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "anchor" not in state:
+                    state["anchor"] = p.detach().clone(memory_format=torch.preserve_format).float()
+                    state["slow_momentum"] = torch.zeros_like(state["anchor"])
+
+    def _outer_step(self) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        if self.comm.distributed:
+            self._average(params + (self._base_buffers(params) if self.average_buffers else []))
+        for group in self.param_groups:
+            slow_momentum_step_(
+                group["params"],
+                [self.state[p]["anchor"] for p in group["params"]],
+                [self.state[p]["slow_momentum"] for p in group["params"]],
+                lr=group["lr"], slow_momentum=self.slow_momentum, slow_lr=self.slow_lr,
+            )
+
+    def _base_buffers(self, params: list[Tensor]) -> list[Tensor]:
+        """The base's per-parameter state tensors shaped like their parameter, in a rank-independent order."""
+        buffers = []
+        for p in params:
+            state = self.base.state.get(p, {})
+            buffers += [value for key, value in sorted(state.items())
+                        if key != "step" and torch.is_tensor(value) and value.is_floating_point()
+                        and value.shape == p.shape]
+        return buffers
+
+    def _average(self, tensors: list[Tensor]) -> None:
+        """Exact fp32 mean over the ranks, in tensor-aligned buckets of at most `bucket_mb`, all in flight at once."""
+        buckets: list[list[Tensor]] = [[]]
+        numel = 0
+        for t in tensors:
+            if buckets[-1] and numel + t.numel() > self.bucket_numel:
+                buckets.append([])
+                numel = 0
+            buckets[-1].append(t)
+            numel += t.numel()
+        flats = [torch.cat([t.detach().reshape(-1).float() for t in bucket]) for bucket in buckets]
+        works = [self.comm.all_reduce(flat, async_op=True) for flat in flats]
+        for bucket, flat, work in zip(buckets, flats, works, strict=True):
+            work.wait()
+            flat.div_(self.comm.world_size)
+            torch._foreach_copy_(bucket, [v.view_as(t) for t, v in zip(bucket, flat.split([t.numel() for t in bucket]),
+                                                                         strict=True)])
+
+
+def slow_momentum_step_(
+    params: list[Tensor], anchors: list[Tensor], momenta: list[Tensor], *, lr: float, slow_momentum: float,
+    slow_lr: float,
+) -> None:
+    """The outer step of one param group, in place: `params` hold the average on entry and the new anchor on
+    exit; `anchors` and `momenta` (u) are updated (see `SlowMo`)."""
+    if not params:
+        return
+    drift = torch._foreach_sub(anchors, [p.float() for p in params])  # x_{t,0} - x_bar
+    torch._foreach_mul_(momenta, slow_momentum)
+    if lr > 0:
+        torch._foreach_div_(drift, lr)
+        torch._foreach_add_(momenta, drift)
+        torch._foreach_add_(anchors, momenta, alpha=-slow_lr * lr)
+    else:  # the limit lr -> 0 of the update: the displacement, not u, moves the anchor
+        torch._foreach_add_(anchors, drift, alpha=-slow_lr)
+    torch._foreach_copy_(params, anchors)
+
+
+def check_slowmo_options(options: dict[str, Any]) -> None:
+    """SlowMo's value checks, the base's included, run by its constructor and, through the registry, on the
+    config before any worker. A bad base option is named `base_options.<key>`."""
+    o = options
+    check_non_negative("lr", o["lr"])
+    check_non_negative("weight_decay", o["weight_decay"])
+    check_choice("base", o["base"], base_names())
+    base_options = o["base_options"] if o["base_options"] is not None else {}
+    require(isinstance(base_options, Mapping), "base_options", base_options, "must be a mapping of the base's options")
+    for key in _FROM_SLOWMO:
+        require(key not in base_options, f"base_options.{key}", base_options.get(key),
+                f"is SlowMo's own option: set {key} beside base, not in base_options")
+    spec = _base_spec(o["base"])
+    try:
+        check_kwargs(spec.cls, base_options, owner=f"base optimizer '{spec.name}'",
+                     reserved=("params", "comm", *_FROM_SLOWMO))
+        spec.check({**_options(spec.cls), **spec.defaults, **_plain(base_options),
+                    "lr": o["lr"], "weight_decay": o["weight_decay"]})
+    except InvalidOption as err:
+        key = err.key if err.key in _FROM_SLOWMO else f"base_options.{err.key}"
+        raise InvalidOption(key, err.why, err.value) from None
+    interval = o["sync_interval"]
+    require(isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1, "sync_interval",
+            interval, "must be an integer >= 1")
+    slow_momentum = o["slow_momentum"]
+    require(isinstance(slow_momentum, int | float) and 0.0 <= slow_momentum < 1.0, "slow_momentum", slow_momentum,
+            "must be in [0, 1)")
+    check_positive("slow_lr", o["slow_lr"])
+    check_flags(o, "average_buffers")
+    check_positive("bucket_mb", o["bucket_mb"])
+
+
+register_optimizer(OptimSpec(
+    "slowmo", SlowMo, "self", check=check_slowmo_options,
+    description="SlowMo (Wang et al., ICLR 2020): local steps of a base optimizer, exact parameter averaging "
+                "every sync_interval steps and a slow momentum step",
+))
