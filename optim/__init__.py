@@ -3,7 +3,7 @@
 Importing the package registers every optimizer (each module registers its own spec).
 """
 
-from optim import adamw  # noqa: F401  (registers `adamw`)
+from optim import adamw, apex  # noqa: F401  (register `adamw`; `apex_lamb`, `apex_adam`: NVIDIA apex's, if installed)
 from optim._registry import (
     OptimSpec,
     build_optimizer,

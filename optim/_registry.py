@@ -36,7 +36,7 @@ class OptimSpec:
     """
 
     name: str  # same string as conf/optim/<name>.yaml and its `name:` field
-    cls: type[torch.optim.Optimizer]
+    cls: Callable[..., torch.optim.Optimizer]  # a class, or a builder function (apex's classes are imported late)
     grad_sync: Literal["ddp", "self"]  # who makes gradients global: DDP all-reduce, or the optimizer itself
     description: str
     check: Callable[[dict[str, Any]], None]

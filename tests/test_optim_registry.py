@@ -12,7 +12,7 @@ import yaml
 from torch import nn
 from transformers import BertConfig, BertModel
 
-from conf.checks import ConfigError
+from conf.checks import ConfigError, missing_nvidia_apex
 from optim import (
     LAMB,
     OptimSpec,
@@ -24,8 +24,12 @@ from optim import (
     param_groups_weight_decay,
     register_optimizer,
 )
+from optim.apex import APEX_OPTIMIZERS
 
 CONF_OPTIM = Path(__file__).resolve().parents[1] / "conf" / "optim"
+# NVIDIA apex's entries build only with apex and a GPU; elsewhere their one-line refusal is what is tested.
+RUNNABLE_HERE = [name for name in list_optimizers()
+                 if name not in APEX_OPTIMIZERS or missing_nvidia_apex("apex.optimizers", "amp_C") is None]
 
 
 def _tiny_bert() -> BertModel:
@@ -48,7 +52,7 @@ def test_conf_optim_and_registry_match_one_to_one():
     assert {"adamw", "lamb"} <= set(list_optimizers())
 
 
-@pytest.mark.parametrize("name", list_optimizers())
+@pytest.mark.parametrize("name", RUNNABLE_HERE)
 def test_each_config_builds_its_optimizer_and_steps(name):
     cfg = _config(name)
     assert cfg.pop("name") == name
@@ -75,7 +79,7 @@ def test_lamb_config_leaves_clipping_to_the_trainer():
 
 
 def test_unknown_name_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown optimizer 'sgdx'; known optimizers: adamw, lamb") as info:
+    with pytest.raises(ValueError, match="unknown optimizer 'sgdx'; known optimizers: adamw, apex_adam, apex_lamb, lamb") as info:
         get_optimizer_spec("sgdx")
     assert all(name in str(info.value) for name in list_optimizers())
     with pytest.raises(ValueError, match="known optimizers"):
@@ -148,7 +152,7 @@ def _no_check(options):
     return None
 
 
-@pytest.mark.parametrize("name", list_optimizers())
+@pytest.mark.parametrize("name", RUNNABLE_HERE)
 def test_each_config_passes_its_check(name):
     cfg = _config(name)
     check_optimizer_config(cfg.pop("name"), cfg)
@@ -163,7 +167,7 @@ def _check_fails(name: str, overrides: dict) -> str:
     return message
 
 
-@pytest.mark.parametrize("name", list_optimizers())
+@pytest.mark.parametrize("name", RUNNABLE_HERE)
 @pytest.mark.parametrize(
     ("overrides", "start"),
     [
@@ -255,7 +259,7 @@ def test_every_option_of_every_optimizer_is_exercised_by_a_bad_value():
     adam = {"lr", "betas", "eps", "weight_decay"}
     covered = {(name, key) for name, key, _ in OWN_OPTIONS}
     for name in list_optimizers():
-        if name == "adamw":  # torch's own options (amsgrad, fused, ...) are torch's to check
+        if name in ("adamw", *APEX_OPTIMIZERS):  # torch's and apex's own options are theirs to check
             continue
         keys = set(_config(name)) - {"name"} - adam
         assert keys == {key for n, key in covered if n == name}, name
@@ -277,7 +281,7 @@ def test_options_of_a_sibling_optimizer_fail_at_check_time(name, overrides, star
 
 
 def test_unknown_name_fails_at_check_time():
-    with pytest.raises(ConfigError, match=r"^optim\.name=sgdx .*; known optimizers: adamw, lamb"):
+    with pytest.raises(ConfigError, match=r"^optim\.name=sgdx .*; known optimizers: adamw, apex_adam, apex_lamb, lamb"):
         check_optimizer_config("sgdx", {})
 
 
@@ -356,7 +360,7 @@ def _tensors(value, seen: set[int]):
         yield from _tensors(vars(value), seen)
 
 
-@pytest.mark.parametrize("name", list_optimizers())
+@pytest.mark.parametrize("name", RUNNABLE_HERE)
 def test_each_optimizer_constructs_over_meta_parameters(name):
     with torch.device("meta"):
         model = _Small()
@@ -366,3 +370,11 @@ def test_each_optimizer_constructs_over_meta_parameters(name):
     tensors = list(_tensors(vars(optimizer), set()))
     off_meta = [(t.device, tuple(t.shape)) for t in tensors if t.device.type != "meta"]
     assert tensors and not off_meta  # no real storage: no value was read, nothing was allocated
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without a GPU (or apex) gives")
+@pytest.mark.parametrize("name", APEX_OPTIMIZERS)
+def test_apex_entries_without_apex_are_one_config_error(name):
+    message = _check_fails(name, {})
+    assert message.startswith(f"optim.name={name} needs NVIDIA apex with its CUDA extensions and a GPU")
+    assert "PyPI package 'apex' is unrelated" in message and message.endswith("here no CUDA device is visible")
