@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -197,7 +198,10 @@ def timed_on_ranks(world_size: int, *args: Any) -> dict[str, list[float]]:
         return torch.load(os.path.join(tmp, "0.pt"))
 
 
-def step_time_table(size: str, world_size: int, repeats: int) -> list[str]:
+ONEBIT = ("1-bit Adam", "1-bit LAMB", "0/1 Adam")
+
+
+def step_time_table(size: str, world_size: int, repeats: int, names: Sequence[str] = ONEBIT) -> list[str]:
     """Min and median step time per stage of each 1-bit optimizer and its ratio to LAMB + fp32 all-reduce.
 
     Each optimizer runs in its own processes (one at a time in memory), interleaved with the reference.
@@ -207,7 +211,7 @@ def step_time_table(size: str, world_size: int, repeats: int) -> list[str]:
              f"1 thread per rank, torch {torch.__version__}; {repeats} timed steps per stage (rank 0); ratios to "
              "the reference's min and median measured in the same processes", "",
              "| optimizer | stage | min ms | median ms | min vs ref | median vs ref |", "|---|---|---|---|---|---|"]
-    for name in ("1-bit Adam", "1-bit LAMB", "0/1 Adam"):
+    for name in names:
         times = timed_on_ranks(world_size, size, name, repeats)
         ref = times.pop("LAMB + fp32 all-reduce (reference)")
         ref_min, ref_median = min(ref), statistics.median(ref)
@@ -226,11 +230,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="base")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per stage of each optimizer")
+    parser.add_argument("--optimizers", nargs="+", choices=ONEBIT, default=ONEBIT, help="which to time")
     parser.add_argument("--volume-only", action="store_true")
     args = parser.parse_args(argv)
     lines = volume_table()
     if not args.volume_only:
-        lines += ["", *step_time_table(args.size, args.world_size, args.repeats)]
+        lines += ["", *step_time_table(args.size, args.world_size, args.repeats, args.optimizers)]
     sys.stdout.write("\n".join(lines) + "\n")
 
 

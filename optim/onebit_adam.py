@@ -100,7 +100,7 @@ class OneBitFamily(torch.optim.Optimizer):
         self.step_count = 0
         self._flats = {"exp_avg": self.buckets.flats, **{key: self.buckets.new_flats() for key in flat_keys}}
         self._denoms: list[Tensor] | None = None  # sqrt(v) + eps, flat; None: to be rebuilt from v
-        self._variance_masks: list[Tensor] | None = None  # v != 0 per bucket; None: to be rebuilt
+        self._variance_masks: list[Tensor] | None = None  # v == 0 per bucket; None: to be rebuilt
         for key, flats in self._flats.items():
             for p, view in zip(params, self.buckets.views(flats), strict=True):
                 self.state[p][key] = view
@@ -185,10 +185,10 @@ class OneBitFamily(torch.optim.Optimizer):
         """
         if self.mask_zero_variance:
             if self._variance_masks is None:
-                self._variance_masks = [variance[:size].ne(0) for variance, size
+                self._variance_masks = [variance[:size].eq(0) for variance, size
                                         in zip(self._flats["exp_avg_sq"], self.buckets.sizes, strict=True)]
-            for flat, size, mask in zip(flats, self.buckets.sizes, self._variance_masks, strict=True):
-                flat[:size].mul_(mask)
+            for flat, size, zero_variance in zip(flats, self.buckets.sizes, self._variance_masks, strict=True):
+                flat[:size].masked_fill_(zero_variance, 0.0)  # a bool mask: no float copy of it per step
         if not any("exp_avg_mask" in group for group in self.param_groups):
             return
         views = self.buckets.views(flats)
