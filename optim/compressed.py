@@ -51,11 +51,14 @@ def pack_signs(x: Tensor) -> Tensor:
 
 
 def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
-    """(256, 8): row b holds the 8 signs packed in byte b, +1 for a set bit, MSB first."""
+    """(256, 8): row b holds the 8 signs packed in byte b, +1 for a set bit, MSB first.
+
+    Built from `arange` on the device: no host-to-device copy (which would wait for the device).
+    """
     key = (dtype, device)
     if key not in _SIGN_TABLES:
-        weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device)
-        bits = torch.arange(256, device=device).to(torch.uint8).unsqueeze(1).bitwise_and(weights).ne(0)
+        shifts = 7 - torch.arange(8, device=device)
+        bits = torch.arange(256, device=device).unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1)
         _SIGN_TABLES[key] = bits.to(dtype).mul_(2).sub_(1)
     return _SIGN_TABLES[key]
 
