@@ -1,15 +1,17 @@
 """Step time of 1-bit Adam, 1-bit LAMB and 0/1 Adam against LAMB, and their bits per parameter per step.
 
-    python -m benchmarks.onebit_step                     # step times on 2 gloo ranks (BERT-tiny shapes), volume
-    python -m benchmarks.onebit_step --size base --world-size 2
+    python -m benchmarks.onebit_step                     # BERT-base shapes, 2 gloo ranks, 5 timed steps per stage
+    python -m benchmarks.onebit_step --size tiny --repeats 3 --optimizers "1-bit LAMB"
     python -m benchmarks.onebit_step --volume-only
 
-Step time: every optimizer steps the same BERT-shaped parameters with random gradients on `--world-size`
-gloo ranks; each stage of each algorithm is timed separately (the step kind follows the optimizer's own
-schedule) and reported as the median over its steps, as a ratio to LAMB's step plus the fp32 gradient
-all-reduce DDP would run for it (the reference, measured in the same run). On a CPU the collectives run
-over shared memory, so the ratios say what the extra computation (packing, error feedback, copies) costs,
-not what a network would save.
+Step time: each 1-bit optimizer steps BERT-shaped parameters with random gradients on `--world-size` gloo
+ranks (one thread each), in its own processes so that only one optimizer's state is in memory. Its schedule
+is set so that every stage (warm-up, compressed; 0/1 Adam's variance, 1-bit gradient, sync and local steps)
+comes `--repeats` + 1 times; the first step of each stage is not timed. Before each of its steps the
+reference runs on the same gradients: the fp32 gradient all-reduce DDP would run, then LAMB's step. The
+table gives min and median over the timed steps and their ratios to the reference's min and median from the
+same processes. On a CPU the collectives run over shared memory, so the ratios say what the extra
+computation (packing, error feedback, copies) costs, not what a network would save.
 
 Volume: bits per parameter per step over a full BERT-Large phase-1 schedule (7038 steps) from each
 optimizer's communication schedule and the byte counts of `optim.comm.Comm` (the tests check that the

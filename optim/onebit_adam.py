@@ -43,6 +43,8 @@ DIFFERENCES_FROM_DEEPSPEED = """
       param-group key `exp_avg_mask` works as in DeepSpeed (in place, never taken from a checkpoint).
     - With one rank the compressed all-reduce is the identity (DeepSpeed skips it and, in 0/1 Adam's
       compressed gradient steps, also skips the momentum update).
+    - After `step()` the gradients hold scratch values: their storage carries the update, so a step
+      allocates nothing model-sized (zero or drop them before the next backward, as the trainer does).
     - Step boundaries for `freeze_step` < 2 follow our rule (`t > max(freeze_step, first real step)`);
       DeepSpeed needs at least one warm-up step for its freeze check.
 """
@@ -123,7 +125,7 @@ class OneBitFamily(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        """One step of the algorithm; `p.grad` may be replaced by the (compressed) mean over ranks."""
+        """One step of the algorithm; afterwards the `.grad` tensors hold scratch (their storage is reused)."""
         loss = closure_loss(closure)
         self.step_count += 1
         if self.init_noop_step and self.step_count == 1:
