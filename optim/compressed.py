@@ -32,27 +32,50 @@ def padded_numel(numel: int, world_size: int) -> int:
     return -(-numel // multiple) * multiple
 
 
+_PACK_MULTIPLIER = 0x8040201008040201 - (1 << 64)  # as int64: sum over k of 2**(63 - 9k)
+
+
 def pack_signs(x: Tensor) -> Tensor:
     """Bit k of the result is 1 where `x[k] >= 0`, most significant bit first (numpy `packbits` order).
 
     `x.numel()` must be a multiple of 8; returns `numel / 8` uint8 bytes. The sign bit decides, so -0.0
     would pack as -1; the compression never produces -0.0 (see `compress_`), where both zeros count as +1.
+
+    How: the 8 sign flags (one byte each, 0 or 1) of a group are one little-endian int64 word; multiplying
+    by sum_k 2**(63 - 9k) moves flag k to bit 63 - k of the product without carries (all partial products
+    have distinct exponents), so the top byte is the packed byte. One pass over the flags, no loop.
     """
-    negative = torch.signbit(x.reshape(-1, 8)).view(torch.uint8)
-    packed = negative[:, 0] << 7
-    for k in range(1, 8):  # eight strided passes over N/8 bytes: cheaper than a reduction over rows of 8
-        packed.bitwise_or_(negative[:, k] << (7 - k))
+    negative = torch.signbit(x.reshape(-1)).view(torch.int64)
+    packed = negative.mul_(_PACK_MULTIPLIER).bitwise_right_shift_(56).to(torch.uint8)
     return packed.bitwise_not_()
+
+
+def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(256, 8): row b holds the 8 signs packed in byte b, +1 for a set bit, MSB first.
+
+    Built from `arange` on the device: no host-to-device copy (which would wait for the device).
+    """
+    key = (dtype, device)
+    if key not in _SIGN_TABLES:
+        shifts = 7 - torch.arange(8, device=device)
+        bits = torch.arange(256, device=device).unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1)
+        _SIGN_TABLES[key] = bits.to(dtype).mul_(2).sub_(1)
+    return _SIGN_TABLES[key]
 
 
 def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Inverse of `pack_signs`: +1 for a set bit, -1 for a clear one, 8 values per byte, in order."""
-    key = (dtype, packed.device)
-    if key not in _SIGN_TABLES:
-        weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=packed.device)
-        bits = torch.arange(256, device=packed.device).to(torch.uint8).unsqueeze(1).bitwise_and(weights).ne(0)
-        _SIGN_TABLES[key] = bits.to(dtype).mul_(2).sub_(1)
-    return torch.nn.functional.embedding(packed.reshape(-1).long(), _SIGN_TABLES[key]).reshape(-1)
+    return _sign_table(dtype, packed.device)[packed.reshape(-1).int()].reshape(-1)
+
+
+def _decode_into(out: Tensor, packed: Tensor, scales: Tensor) -> None:
+    """`out[j] = scales[j] * unpack_signs(packed[j])` for each row j, looked up straight into `out` (rows, n).
+
+    A table of `scale * (+-1)` per row is exact, so this equals unpacking and then scaling, in one pass.
+    """
+    table = _sign_table(out.dtype, out.device)
+    for row, (bytes_, scale) in enumerate(zip(packed, scales, strict=True)):
+        torch.index_select(table * scale, 0, bytes_.int(), out=out[row].view(-1, 8))
 
 
 def compress_(z: Tensor, error: Tensor) -> Tensor:
@@ -60,11 +83,12 @@ def compress_(z: Tensor, error: Tensor) -> Tensor:
 
     `error` is overwritten with `z - scale * sign(z)`, sign(0) = +1. Why the sign bit suffices for that
     rule: `z` is always a sum `x + error` with an error buffer that starts at +0.0, and IEEE addition gives
-    -0.0 only for -0.0 + -0.0, so neither `z` nor any later error is ever -0.0.
+    -0.0 only for -0.0 + -0.0, so neither `z` nor any later error is ever -0.0. `error` first holds
+    `copysign(scale, z)` (exactly `scale * sign(z)`), so no temporary is allocated.
     """
     scale = torch.linalg.vector_norm(z).div_(math.sqrt(z.numel())).reshape(1)
-    signs = torch.ones_like(z).copysign_(z)
-    torch.sub(z, signs.mul_(scale), out=error)
+    torch.copysign(scale.expand_as(z), z, out=error)
+    torch.sub(z, error, out=error)
     return scale
 
 
@@ -108,16 +132,17 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     signs, scales = _split_scale(received)
     # Server stage on this rank's chunk: the scale-weighted mean of the W sign vectors, compressed again.
     weights = scales.to(buffer.dtype) * (1.0 / world)  # DeepSpeed multiplies by 1/W rather than dividing
-    server = unpack_signs(signs, buffer.dtype).reshape(world, chunk).mul_(weights).sum(0)
+    weighted = torch.empty(world, chunk, dtype=buffer.dtype, device=buffer.device)
+    _decode_into(weighted, signs, weights)
+    server = weighted.sum(0)
     server.add_(server_error)
     server_scale = compress_(server, server_error)
-    # Phase 2: every rank gets every compressed chunk and decodes the same bytes.
+    # Phase 2: every rank gets every compressed chunk and decodes the same bytes, straight into the buffer.
     mine = _with_scale(pack_signs(server).reshape(1, chunk // 8), server_scale)
     gathered = torch.empty(world, mine.shape[1], dtype=torch.uint8, device=buffer.device)
     comm.all_gather_into_tensor(gathered, mine)
     signs, scales = _split_scale(gathered)
-    decoded = unpack_signs(signs, buffer.dtype).reshape(world, chunk).mul_(scales.to(buffer.dtype))
-    buffer.copy_(decoded.reshape(-1))
+    _decode_into(buffer.view(world, chunk), signs, scales.to(buffer.dtype))
     return buffer
 
 
@@ -135,41 +160,62 @@ def compressed_bytes_per_call(numel: int, world_size: int) -> int:
 
 
 class CompressedBuckets:
-    """Tensors grouped into buckets, each all-reduced by one compressed call with its own error buffers.
+    """Tensors grouped into buckets, each bucket one persistent padded flat buffer all-reduced in place.
 
-    `layout` lists, per bucket, the indices of the tensors it holds (in order) and `numels` their sizes.
-    With `keep_tail` the padded tail of each bucket's flat buffer is kept from call to call, as 1-bit LAMB's
-    fused momentum buffer is in DeepSpeed (the tail holds the previous decompressed output, which feeds the
-    next compression and its scale); without it the tail is zero on every call, as DeepSpeed's
-    per-tensor padding. The error buffers are rank-specific state: checkpoint them with `state_dict()`.
+    `layout` lists, per bucket, the indices of the tensors it holds (in order) and `shapes` their shapes.
+    Every buffer set made by `new_flats()` has this layout; `views(flats)` are the tensors inside it, so an
+    optimizer keeps the state it communicates (1-bit Adam's and 1-bit LAMB's momentum) right in the buffer
+    and a compressed call needs no copy in or out, as DeepSpeed's fused buffers. `segments` are the
+    contiguous runs of a bucket that belong to one param group, for flat math with per-group scalars.
+
+    With `keep_tail` the padded tail of a buffer is kept from call to call, as 1-bit LAMB's fused momentum
+    buffer is in DeepSpeed (the tail holds the previous decompressed output, which feeds the next
+    compression and its scale); without it the tail is zeroed before every call, as DeepSpeed's per-tensor
+    padding. The error buffers and `flats` (the tails) are rank-specific state: checkpoint them with
+    `state_dict()`.
     """
 
-    def __init__(self, layout: Sequence[Sequence[int]], numels: Sequence[int], comm: Comm, device: torch.device,
-                 keep_tail: bool = False) -> None:
+    def __init__(self, layout: Sequence[Sequence[int]], shapes: Sequence[torch.Size], comm: Comm,
+                 device: torch.device, dtype: torch.dtype = torch.float32, keep_tail: bool = False,
+                 groups: Sequence[int] | None = None) -> None:
         self.layout = [list(indices) for indices in layout]
-        self.comm, self.keep_tail = comm, keep_tail
+        self.shapes = [torch.Size(shape) for shape in shapes]
+        self.comm, self.keep_tail, self.device, self.dtype = comm, keep_tail, device, dtype
+        numels = [shape.numel() for shape in self.shapes]
         self.sizes = [sum(numels[i] for i in indices) for indices in self.layout]
         world = comm.world_size
         self.padded = [padded_numel(size, world) for size in self.sizes]
-        self.worker_errors = [torch.zeros(n, device=device) for n in self.padded]
-        self.server_errors = [torch.zeros(n // world, device=device) for n in self.padded]
-        self.tails = [torch.zeros(n - size, device=device) for n, size in zip(self.padded, self.sizes, strict=True)]
+        self.segments = _segments(self.layout, numels, groups if groups is not None else [0] * len(numels))
+        self.worker_errors = [torch.zeros(n, device=device, dtype=dtype) for n in self.padded]
+        self.server_errors = [torch.zeros(n // world, device=device, dtype=dtype) for n in self.padded]
+        self.flats = self.new_flats()
 
-    def allreduce_(self, tensors: Sequence[Tensor]) -> None:
-        """Replace each tensor by its compressed mean over ranks, in place (identity on one rank)."""
+    def new_flats(self) -> list[Tensor]:
+        """A fresh zeroed set of padded flat buffers with this layout."""
+        return [torch.zeros(n, device=self.device, dtype=self.dtype) for n in self.padded]
+
+    def views(self, flats: Sequence[Tensor]) -> list[Tensor]:
+        """Per tensor (in the original order), its shaped view inside `flats`."""
+        out: list[Tensor | None] = [None] * len(self.shapes)
+        for flat, indices in zip(flats, self.layout, strict=True):
+            start = 0
+            for i in indices:
+                out[i] = flat[start:start + self.shapes[i].numel()].view(self.shapes[i])
+                start += self.shapes[i].numel()
+        return out  # type: ignore[return-value]
+
+    def segment_views(self, flats: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
+        """(param group, 1-D view) for each run of one group's tensors inside `flats`: one kernel per run."""
+        return [(group, flats[b][start:stop]) for b, group, start, stop in self.segments]
+
+    def allreduce_(self, flats: Sequence[Tensor] | None = None) -> None:
+        """Replace each buffer of `flats` (default: `self.flats`) by its compressed mean over ranks, in place."""
         if not self.comm.distributed:
             return
-        for b, indices in enumerate(self.layout):
-            members = [tensors[i].view(-1) for i in indices]
-            flat = torch.empty(self.padded[b], dtype=members[0].dtype, device=members[0].device)
-            views = list(flat[: self.sizes[b]].split([m.numel() for m in members]))
-            torch._foreach_copy_(views, members)
-            tail = flat[self.sizes[b]:]
-            tail.copy_(self.tails[b]) if self.keep_tail else tail.zero_()
+        for b, flat in enumerate(self.flats if flats is None else flats):
+            if not self.keep_tail:
+                flat[self.sizes[b]:].zero_()
             compressed_allreduce_(flat, self.worker_errors[b], self.server_errors[b], self.comm)
-            torch._foreach_copy_(members, views)
-            if self.keep_tail:
-                self.tails[b].copy_(tail)
 
     def bytes_per_call(self) -> int:
         """What one `allreduce_` costs this rank in Comm's bytes, all buckets together."""
@@ -180,8 +226,9 @@ class CompressedBuckets:
             error.zero_()
 
     def state_dict(self) -> dict[str, Any]:
+        tails = [flat[size:].clone() for flat, size in zip(self.flats, self.sizes, strict=True)]
         return {"world_size": self.comm.world_size, "sizes": list(self.sizes),
-                "worker_errors": self.worker_errors, "server_errors": self.server_errors, "tails": self.tails}
+                "worker_errors": self.worker_errors, "server_errors": self.server_errors, "tails": tails}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["world_size"] != self.comm.world_size or list(state["sizes"]) != self.sizes:
@@ -190,9 +237,26 @@ class CompressedBuckets:
                 f"run has {self.comm.world_size} ranks and buckets {self.sizes}: the per-rank error buffers "
                 "cannot be carried over to another world size"
             )
-        for name in ("worker_errors", "server_errors", "tails"):
-            for mine, saved in zip(getattr(self, name), state[name], strict=True):
-                mine.copy_(saved)
+        tails = [flat[size:] for flat, size in zip(self.flats, self.sizes, strict=True)]
+        for mine, saved in zip([*self.worker_errors, *self.server_errors, *tails],
+                               [*state["worker_errors"], *state["server_errors"], *state["tails"]], strict=True):
+            mine.copy_(saved)
+
+
+def _segments(layout: Sequence[Sequence[int]], numels: Sequence[int],
+              groups: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """(bucket, group, start, stop) for each maximal run of consecutive tensors of one group in a bucket."""
+    segments: list[tuple[int, int, int, int]] = []
+    for b, indices in enumerate(layout):
+        start = 0
+        for i in indices:
+            stop = start + numels[i]
+            if segments and segments[-1][0] == b and segments[-1][1] == groups[i] and segments[-1][3] == start:
+                segments[-1] = (b, groups[i], segments[-1][2], stop)
+            else:
+                segments.append((b, groups[i], start, stop))
+            start = stop
+    return segments
 
 
 def bucket_layout(group_sizes: Sequence[int], bucketing: str) -> list[list[int]]:

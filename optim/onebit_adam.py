@@ -13,7 +13,6 @@ from optim._math import (
     check_adam_hyperparameters,
     check_flags,
     closure_loss,
-    foreach_adam_update,
     foreach_momentum_,
     foreach_variance_,
 )
@@ -44,6 +43,8 @@ DIFFERENCES_FROM_DEEPSPEED = """
       param-group key `exp_avg_mask` works as in DeepSpeed (in place, never taken from a checkpoint).
     - With one rank the compressed all-reduce is the identity (DeepSpeed skips it and, in 0/1 Adam's
       compressed gradient steps, also skips the momentum update).
+    - After `step()` the gradients hold scratch values: their storage carries the update, so a step
+      allocates nothing model-sized (zero or drop them before the next backward, as the trainer does).
     - Step boundaries for `freeze_step` < 2 follow our rule (`t > max(freeze_step, first real step)`);
       DeepSpeed needs at least one warm-up step for its freeze check.
 """
@@ -70,10 +71,18 @@ class OneBitFamily(torch.optim.Optimizer):
 
     Subclasses implement `_step(t)`. The step counter `t` counts `step()` calls including the init step, as
     DeepSpeed's does, so every schedule boundary (freeze_step, variance and local-step intervals) matches.
+
+    Memory layout: every per-element state tensor (``exp_avg``, ``exp_avg_sq``, ...) is a view into one
+    persistent padded flat buffer per bucket (`CompressedBuckets`), the momentum into the buffers the
+    compressed all-reduce works on. Math over state alone then runs as one kernel per bucket segment, and a
+    compressed call copies nothing in or out. The frozen denominators `sqrt(v) + eps` and the zero-variance
+    masks are cached and rebuilt (on the device) only when `v` changes or a state is loaded. After `step()`
+    the gradients hold scratch values: their storage is reused for the update.
     """
 
     def __init__(self, params: Any, defaults: dict[str, Any], comm: Comm | None, bucketing: str,
-                 init_noop_step: bool, mask_zero_variance: bool, keep_tail: bool = False) -> None:
+                 init_noop_step: bool, mask_zero_variance: bool, keep_tail: bool = False,
+                 flat_keys: Sequence[str] = ("exp_avg_sq",)) -> None:
         super().__init__(params, defaults)
         for group in self.param_groups:  # empty tensors would give NaN scales
             group["params"] = [p for p in group["params"] if p.numel() > 0]
@@ -83,18 +92,26 @@ class OneBitFamily(torch.optim.Optimizer):
         params = self._params()
         if not params:
             raise ValueError(f"{type(self).__name__}: no parameters with elements to optimize")
+        if len({(p.device, p.dtype) for p in params}) > 1:
+            raise ValueError(f"{type(self).__name__}: all parameters must share one device and dtype (its state "
+                             f"lives in flat buffers); got {sorted({(str(p.device), str(p.dtype)) for p in params})}")
         layout = bucket_layout([len(g["params"]) for g in self.param_groups], bucketing)
-        self.buckets = CompressedBuckets(layout, [p.numel() for p in params], self.comm, params[0].device,
-                                         keep_tail=keep_tail)
+        groups = [index for index, group in enumerate(self.param_groups) for _ in group["params"]]
+        self.buckets = CompressedBuckets(layout, [p.shape for p in params], self.comm, params[0].device,
+                                         params[0].dtype, keep_tail=keep_tail, groups=groups)
         self.step_count = 0
-        self._variance_masks: list[Tensor | None] | None = None  # derived from v; None: to be rebuilt
+        self._flats = {"exp_avg": self.buckets.flats, **{key: self.buckets.new_flats() for key in flat_keys}}
+        self._denoms: list[Tensor] | None = None  # sqrt(v) + eps, flat; None: to be rebuilt from v
+        self._variance_masks: list[Tensor] | None = None  # v == 0 per bucket; None: to be rebuilt
+        for key, flats in self._flats.items():
+            for p, view in zip(params, self.buckets.views(flats), strict=True):
+                self.state[p][key] = view
         for p in params:
             self._init_state(self.state[p], p)
 
     # ------------------------------------------------------------------------------------ subclass hooks
     def _init_state(self, state: dict[str, Any], p: Tensor) -> None:
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        """State that is not per element (the flat keys are already in `state`)."""
 
     def _step(self, t: int) -> None:
         raise NotImplementedError
@@ -108,7 +125,7 @@ class OneBitFamily(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        """One step of the algorithm; `p.grad` may be replaced by the (compressed) mean over ranks."""
+        """One step of the algorithm; afterwards the `.grad` tensors hold scratch (their storage is reused)."""
         loss = closure_loss(closure)
         self.step_count += 1
         if self.init_noop_step and self.step_count == 1:
@@ -133,6 +150,10 @@ class OneBitFamily(torch.optim.Optimizer):
     def _states(self, key: str) -> list[Tensor]:
         return [self.state[p][key] for p in self._params()]
 
+    def _segments(self, key: str) -> list[tuple[int, Tensor]]:
+        """(param group index, contiguous 1-D run of that group's `key` state): flat math, one kernel per run."""
+        return self.buckets.segment_views(self._flats[key])
+
     def _group_slices(self) -> list[slice]:
         """Positions of each group's tensors in the flat lists of `_params()`."""
         slices, start = [], 0
@@ -144,24 +165,55 @@ class OneBitFamily(torch.optim.Optimizer):
     def _average(self, tensors: Sequence[Tensor]) -> None:
         average_(tensors, self.comm)
 
-    def _mask_(self, tensors: Sequence[Tensor]) -> None:
-        """Zero what 1 bit cannot represent as zero: the group's `exp_avg_mask` and zero-variance elements."""
-        if self.mask_zero_variance and self._variance_masks is None:
-            self._variance_masks = [
-                (v != 0) if bool((v == 0).any()) else None for v in self._states("exp_avg_sq")
-            ]
+    def _denominators(self) -> list[Tensor]:
+        """Per tensor `sqrt(v) + eps` (views of flat buffers), rebuilt only after `v` changed.
+
+        Frozen variance makes the denominator constant through a compressed stage: one pass instead of
+        two per step. Rebuilt in place, so the cache costs one state-sized buffer and no allocation.
+        """
+        if self._denoms is None:
+            self._flats.setdefault("denom", self.buckets.new_flats())
+            for (group, variance), (_, denom) in zip(self._segments("exp_avg_sq"), self._segments("denom"),
+                                                      strict=True):
+                torch.sqrt(variance, out=denom).add_(self.param_groups[group]["eps"])
+            self._denoms = self.buckets.views(self._flats["denom"])
+        return self._denoms
+
+    def _mask_(self, flats: Sequence[Tensor]) -> None:
+        """Zero what 1 bit cannot represent as zero: the group's `exp_avg_mask` and zero-variance elements.
+
+        `flats` have the bucket layout. The zero-variance masks are built on the device (no host read decides
+        which tensors need one), so every element is multiplied by its 0/1 mask.
+        """
+        if self.mask_zero_variance:
+            if self._variance_masks is None:
+                self._variance_masks = [variance[:size].eq(0) for variance, size
+                                        in zip(self._flats["exp_avg_sq"], self.buckets.sizes, strict=True)]
+            for flat, size, zero_variance in zip(flats, self.buckets.sizes, self._variance_masks, strict=True):
+                flat[:size].masked_fill_(zero_variance, 0.0)  # a bool mask: no float copy of it per step
+        if not any("exp_avg_mask" in group for group in self.param_groups):
+            return
+        views = self.buckets.views(flats)
         for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
             group_mask = group.get("exp_avg_mask")
-            for i in range(slice_.start, slice_.stop):
-                if group_mask is not None:
-                    if group_mask.device != tensors[i].device:
-                        group["exp_avg_mask"] = group_mask = group_mask.to(tensors[i].device)
-                    tensors[i].mul_(group_mask)  # in place (DeepSpeed PR #1278)
-                if self.mask_zero_variance and self._variance_masks[i] is not None:
-                    tensors[i].mul_(self._variance_masks[i])
+            if group_mask is None:
+                continue
+            if group_mask.device != views[slice_.start].device:
+                group["exp_avg_mask"] = group_mask = group_mask.to(views[slice_.start].device)
+            for view in views[slice_]:
+                view.mul_(group_mask)  # in place (DeepSpeed PR #1278)
 
     def _variance_changed(self) -> None:
+        """`v` was updated: the cached denominators and zero-variance masks are stale."""
+        self._denoms = None
         self._variance_masks = None
+
+    def _adam_update_(self, params: list[Tensor], scratch: list[Tensor]) -> None:
+        """Every group's `w <- w - lr (m / (sqrt(v) + eps) + weight_decay w)`; `scratch` (dead gradients)."""
+        exp_avgs, denoms = self._states("exp_avg"), self._denominators()
+        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+            onebit_adam_update_(params[slice_], exp_avgs[slice_], denoms[slice_], scratch[slice_], lr=group["lr"],
+                                weight_decay=group["weight_decay"])
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -179,10 +231,14 @@ class OneBitFamily(torch.optim.Optimizer):
         # torch casts floating state to the parameter's dtype; float64 scalars must come back unrounded
         exact = {index: {key: value for key, value in entry.items() if torch.is_tensor(value)
                          and value.dtype == torch.float64} for index, entry in state_dict["state"].items()}
+        views = {key: self._states(key) for key in self._flats if key != "denom"}
         super().load_state_dict(state_dict)
         for index, p in enumerate(self._params()):
             for key, value in exact.get(index, {}).items():
                 self.state[p][key] = value.to(p.device)
+            for key, key_views in views.items():  # the state lives in the flat buffers: copy it back in
+                key_views[index].copy_(self.state[p][key])
+                self.state[p][key] = key_views[index]
         for group, mask in zip(self.param_groups, masks, strict=True):
             group.pop("exp_avg_mask", None)
             if mask is not None:
@@ -246,24 +302,31 @@ class OneBitAdam(OneBitFamily):
             if not compressing:
                 foreach_variance_(exp_avg_sqs[slice_], grads[slice_], beta2)
         if compressing:
-            self.buckets.allreduce_(exp_avgs)
-            self._mask_(exp_avgs)
+            self.buckets.allreduce_()  # the momenta live in the buckets' buffers: in place
+            self._mask_(self.buckets.flats)
         else:
             self._variance_changed()
-        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
-            onebit_adam_update_(params[slice_], exp_avgs[slice_], exp_avg_sqs[slice_], lr=group["lr"],
-                                eps=group["eps"], weight_decay=group["weight_decay"])
+        self._adam_update_(params, grads)
 
 
-def onebit_adam_update_(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], *, lr: float,
-                        eps: float, weight_decay: float) -> None:
-    """Functional core of the family's Adam step: `w <- w - lr (m / (sqrt(v) + eps) + weight_decay w)`."""
+def onebit_adam_update_(params: list[Tensor], exp_avgs: list[Tensor], denoms: list[Tensor], scratch: list[Tensor],
+                        *, lr: float, weight_decay: float) -> None:
+    """Functional core of the family's Adam step: `w <- w - lr (m / denom + weight_decay w)`, `denom = sqrt(v) + eps`.
+
+    `scratch` (same shapes; the caller's dead gradients) receives the update, so nothing is allocated. The
+    roundings are DeepSpeed's: `m / denom` and `weight_decay * w` each rounded, then summed (addcdiv with
+    value 1 adds the rounded quotient exactly), then scaled by `-lr`, then added.
+    """
     if not params:
         return
-    updates, _ = foreach_adam_update(params, exp_avgs, exp_avg_sqs, eps, weight_decay)
-    torch._foreach_mul_(updates, -lr)  # scaled, then added, as DeepSpeed rounds it
-    torch._foreach_add_(params, updates)
-
+    if weight_decay != 0:
+        torch._foreach_copy_(scratch, params)
+        torch._foreach_mul_(scratch, weight_decay)
+    else:
+        torch._foreach_zero_(scratch)
+    torch._foreach_addcdiv_(scratch, exp_avgs, denoms)
+    torch._foreach_mul_(scratch, -lr)
+    torch._foreach_add_(params, scratch)
 
 
 register_optimizer(OptimSpec(

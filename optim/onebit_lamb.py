@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,13 +87,12 @@ class OneBitLAMB(OneBitFamily):
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance,
-                         keep_tail=bucketing == "flat_scaled")
+                         keep_tail=bucketing == "flat_scaled", flat_keys=("exp_avg_sq", "exp_avg_sq_fresh"))
         self.scaled = bucketing == "flat_scaled"
         self._lamb_coeffs: list[Tensor] = []
+        self._scratch: list[Tensor] | None = None  # the momentum's twin buffers (see `_compressed_step`)
 
     def _init_state(self, state: dict[str, Any], p: Tensor) -> None:
-        super()._init_state(state, p)
-        state["exp_avg_sq_fresh"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["lamb_coeff_freeze"] = torch.zeros((), dtype=torch.float64, device=p.device)
         state["last_factor"] = torch.ones((), dtype=torch.float64, device=p.device)
 
@@ -129,39 +129,81 @@ class OneBitLAMB(OneBitFamily):
         self._variance_changed()
 
     def _compressed_step(self) -> None:
+        """Momentum update, one fused compressed call, then the frozen-coefficient update, on flat buffers.
+
+        DeepSpeed keeps a clone of every momentum for the reconstructed gradient. Here the momentum buffers
+        have a twin: the new momentum is formed in the twin (`m_new = beta1 m_old + (1 - beta1) g`, with
+        DeepSpeed's single rounding) while the home buffer keeps `beta1 m_old`; after the step the twin is the
+        home. The home then serves as scratch for the reconstructed gradient and the update direction.
+        """
         params, grads = self._params(), self._grads()
-        exp_avgs = self._states("exp_avg")
         if "scaling_coeff" not in self.state[params[0]]:
-            for p, coeff in zip(params, momentum_scaling_coeffs(exp_avgs), strict=True):
-                self.state[p]["scaling_coeff"] = coeff if self.scaled else 1.0
-        scaling = [self.state[p]["scaling_coeff"] for p in params]
-        previous = [m.clone() for m in exp_avgs]
-        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
-            foreach_momentum_(exp_avgs[slice_], grads[slice_], group["betas"][0])
-        torch._foreach_mul_(exp_avgs, scaling)
-        self.buckets.allreduce_(exp_avgs)
-        torch._foreach_div_(exp_avgs, scaling)
-        self._mask_(exp_avgs)
+            coeffs = momentum_scaling_coeffs(self._states("exp_avg")) if self.scaled else None
+            for index, p in enumerate(params):
+                self.state[p]["scaling_coeff"] = coeffs[index] if coeffs is not None else \
+                    torch.ones((), dtype=torch.float64, device=p.device)
+        scaling = self._states("scaling_coeff")
+        if self._scratch is None:
+            self._scratch = self.buckets.new_flats()
+        new_flats = self._scratch
+        new_momenta = self.buckets.views(new_flats)
+        torch._foreach_copy_(new_momenta, grads)
+        for (group, old), (_, new) in zip(self._segments("exp_avg"), self.buckets.segment_views(new_flats),
+                                          strict=True):
+            beta1 = self.param_groups[group]["betas"][0]
+            old.mul_(beta1)  # beta1 m_old, kept for the reconstructed gradient
+            torch.add(old, new, alpha=1 - beta1, out=new)
+        for old, new, size in zip(self._flats["exp_avg"], new_flats, self.buckets.sizes, strict=True):
+            new[size:].copy_(old[size:])  # the padded tail (last step's output) feeds this compression
+        torch._foreach_mul_(new_momenta, scaling)
+        self.buckets.allreduce_(new_flats)
+        torch._foreach_div_(new_momenta, scaling)
+        self._mask_(new_flats)
+        self._swap_momentum_buffers()
         self._lamb_coeffs = []
-        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+        self._denominators()  # rebuilds the flat "denom" runs if v changed since
+        work = self.buckets.views(self._scratch)
+        runs: list[list[tuple[Tensor, ...]]] = [[] for _ in self.param_groups]  # per group: flat runs
+        for (group, m), (_, w), (_, fresh), (_, denom) in zip(
+                self._segments("exp_avg"), self.buckets.segment_views(self._scratch),
+                self._segments("exp_avg_sq_fresh"), self._segments("denom"), strict=True):
+            runs[group].append((m, w, fresh, denom))
+        for index, (slice_, group) in enumerate(zip(self._group_slices(), self.param_groups, strict=True)):
             coeffs = onebit_lamb_compressed_update_(
-                params[slice_], exp_avgs[slice_], previous[slice_], self._states("exp_avg_sq")[slice_],
-                self._states("exp_avg_sq_fresh")[slice_], self._states("lamb_coeff_freeze")[slice_],
+                params[slice_], grads[slice_], work[slice_], runs[index], self._states("lamb_coeff_freeze")[slice_],
                 self._states("last_factor")[slice_], lr=group["lr"], betas=group["betas"], eps=group["eps"],
                 weight_decay=group["weight_decay"], factor_max=self.factor_max, factor_min=self.factor_min,
                 factor_threshold=self.factor_threshold,
             )
             self._lamb_coeffs.extend(coeffs.unbind())
 
+    def _swap_momentum_buffers(self) -> None:
+        """The twin buffers (the new momentum) become the home of `exp_avg`; the old home is scratch."""
+        self._scratch, self._flats["exp_avg"] = self._flats["exp_avg"], self._scratch
+        self.buckets.flats = self._flats["exp_avg"]
+        for p, view in zip(self._params(), self.buckets.views(self.buckets.flats), strict=True):
+            self.state[p]["exp_avg"] = view
 
-def momentum_scaling_coeffs(exp_avgs: list[Tensor]) -> list[float]:
-    """`mean_q rms(m_q) / rms(m_p)` per tensor, so one worker scale suits every momentum in the buffer.
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        for p in self._params():  # checkpoints before scaling coefficients were tensors held Python floats
+            if isinstance(self.state[p].get("scaling_coeff"), float):
+                self.state[p]["scaling_coeff"] = torch.tensor(self.state[p]["scaling_coeff"], dtype=torch.float64,
+                                                              device=p.device)
 
-    Computed once, at the first compression step, in Python floats as DeepSpeed does (one host sync, once).
+
+def momentum_scaling_coeffs(exp_avgs: list[Tensor]) -> list[Tensor]:
+    """`mean_q rms(m_q) / rms(m_p)` per tensor (0-d float64), so one worker scale suits every momentum in the buffer.
+
+    Computed once, at the first compression step, on the device in float64, summed left to right as
+    DeepSpeed's Python floats are (no host read). A zero RMS gets coefficient 1.
     """
-    rms = [float(n) / t.numel() ** 0.5 for n, t in zip(torch._foreach_norm(exp_avgs), exp_avgs, strict=True)]
-    united = sum(rms) / len(rms)
-    return [united / r if r > 0 else 1.0 for r in rms]
+    rms = [norm.double() / math.sqrt(m.numel()) for norm, m in zip(torch._foreach_norm(exp_avgs), exp_avgs,
+                                                                     strict=True)]
+    total = rms[0]
+    for value in rms[1:]:
+        total = total + value
+    united = total / len(rms)
+    return [torch.where(r > 0, united / r, torch.ones_like(r)) for r in rms]
 
 
 def onebit_lamb_warmup_update_(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -180,34 +222,48 @@ def onebit_lamb_warmup_update_(params: list[Tensor], exp_avgs: list[Tensor], exp
     return coeffs
 
 
-def onebit_lamb_compressed_update_(params: list[Tensor], exp_avgs: list[Tensor], previous: list[Tensor],
-                                   exp_avg_sqs: list[Tensor], exp_avg_sq_freshs: list[Tensor],
-                                   coeff_freezes: list[Tensor], last_factors: list[Tensor], *, lr: float,
-                                   betas: Sequence[float], eps: float, weight_decay: float, factor_max: float,
-                                   factor_min: float, factor_threshold: float) -> Tensor:
-    """The compression-stage update after the momenta were all-reduced; returns each tensor's coefficient."""
+def onebit_lamb_compressed_update_(params: list[Tensor], scratch: list[Tensor], work: list[Tensor],
+                                   runs: Sequence[tuple[Tensor, ...]], coeff_freezes: list[Tensor],
+                                   last_factors: list[Tensor], *, lr: float, betas: Sequence[float], eps: float,
+                                   weight_decay: float, factor_max: float, factor_min: float,
+                                   factor_threshold: float) -> Tensor:
+    """One group's compression-stage update after the momenta were all-reduced; returns each tensor's coefficient.
+
+    `runs` are the group's contiguous flat runs `(m, beta1 m_old, v_fresh, sqrt(v) + eps)`, so the elementwise
+    math is one kernel per run, not per tensor; `work` are the per-tensor views of the `beta1 m_old` runs,
+    scratch afterwards, and `scratch` (the dead gradients) receives the decayed update. Per-tensor maxima,
+    norms and the factor chain run over stacked 0-d tensors (float64): nothing is read on the host.
+    The roundings are DeepSpeed's (negating numerator and denominator of the reconstructed gradient is exact).
+    """
+    if not params:
+        return torch.empty(0, dtype=torch.float64)
     beta1, beta2 = betas
-    coeffs = []
-    for p, m, m_old, v, v_fresh, c_frz, last in zip(params, exp_avgs, previous, exp_avg_sqs, exp_avg_sq_freshs,
-                                                    coeff_freezes, last_factors, strict=True):
-        reconstructed = (m - m_old * beta1) / (1 - beta1)
-        v_fresh.mul_(beta2).addcmul_(reconstructed, reconstructed, value=1 - beta2)
-        denom = v.sqrt().add_(eps)
-        update_prelim = m / denom
-        update = update_prelim + weight_decay * p if weight_decay > 0 else update_prelim
-        factor = (denom / v_fresh.sqrt().add_(eps)).max().double()
-        if weight_decay > 0:
-            update_norm = torch.linalg.vector_norm(update)
-            ratio = torch.where(update_norm > 0, torch.linalg.vector_norm(update_prelim) / update_norm, 1.0)
-            ratio = ratio.double().clamp(max=1.0)
-            factor = factor * ratio + (1.0 - ratio)
-        factor = factor.clamp(min=factor_min, max=factor_max)
-        factor = torch.minimum(torch.maximum(factor, last * (1.0 - factor_threshold)), last * (1.0 + factor_threshold))
-        last.copy_(factor)
-        coeff = c_frz * factor
-        p.add_(update * (coeff * -lr).float())
-        coeffs.append(coeff)
-    return torch.stack(coeffs) if coeffs else torch.empty(0)
+    for m, w, fresh, denom in runs:
+        w.sub_(m).div_(beta1 - 1)  # reconstructed gradient (m - beta1 m_old) / (1 - beta1)
+        fresh.mul_(beta2).addcmul_(w, w, value=1 - beta2)
+        torch.sqrt(fresh, out=w).add_(eps)
+        torch.div(denom, w, out=w)
+    factor = torch.stack(torch._foreach_max(work)).double()  # max over elements of denom / fresh denom
+    for m, w, _, denom in runs:
+        torch.div(m, denom, out=w)  # update_prelim = m / denom
+    update = work
+    if weight_decay > 0:
+        update = scratch
+        torch._foreach_copy_(update, params)
+        torch._foreach_mul_(update, weight_decay)
+        torch._foreach_add_(update, work)
+        update_norm = torch.stack(torch._foreach_norm(update))
+        prelim_norm = torch.stack(torch._foreach_norm(work))
+        ratio = torch.where(update_norm > 0, prelim_norm / update_norm, 1.0).double().clamp(max=1.0)
+        factor = factor * ratio + (1.0 - ratio)
+    factor = factor.clamp(min=factor_min, max=factor_max)
+    last = torch.stack(last_factors)
+    factor = torch.minimum(torch.maximum(factor, last * (1.0 - factor_threshold)), last * (1.0 + factor_threshold))
+    torch._foreach_copy_(last_factors, list(factor.unbind()))
+    coeffs = torch.stack(coeff_freezes) * factor
+    torch._foreach_mul_(update, list((coeffs * -lr).float().unbind()))
+    torch._foreach_add_(params, update)
+    return coeffs
 
 
 register_optimizer(OptimSpec(

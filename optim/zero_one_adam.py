@@ -13,12 +13,7 @@ from conf.checks import require
 from optim._math import foreach_momentum_, foreach_variance_
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
-from optim.onebit_adam import (
-    DIFFERENCES_FROM_DEEPSPEED,
-    OneBitFamily,
-    check_onebit_family_options,
-    onebit_adam_update_,
-)
+from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, check_onebit_family_options
 
 StepKind = Literal["init", "variance", "onebit_grad", "sync", "local"]
 
@@ -141,58 +136,57 @@ class ZeroOneAdam(OneBitFamily):
             mask_zero_variance=mask_zero_variance,
         ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance)
+        super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance,
+                         flat_keys=("exp_avg_sq", "sync_anchor"))  # w_a, set in phase 2
         self.schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
         self.lr_sums = [0.0] * len(self.param_groups)
-
-    def _init_state(self, state: dict[str, Any], p: Tensor) -> None:
-        super()._init_state(state, p)
-        state["sync_anchor"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # w_a, set in phase 2
 
     def _step(self, t: int) -> None:
         params, grads = self._params(), self._grads()
         exp_avgs, exp_avg_sqs = self._states("exp_avg"), self._states("exp_avg_sq")
         kind = self.schedule.kind(t)
+        momentum_input = grads
         if kind == "variance":
             self._average(grads)
-        elif kind == "onebit_grad":
-            self.buckets.allreduce_(grads)
-            self._mask_(grads)
+        elif kind == "onebit_grad":  # phase 1: the anchors' buffers are free and carry the gradients
+            momentum_input = self._states("sync_anchor")
+            torch._foreach_copy_(momentum_input, grads)
+            self.buckets.allreduce_(self._flats["sync_anchor"])
+            self._mask_(self._flats["sync_anchor"])
         for index, (slice_, group) in enumerate(zip(self._group_slices(), self.param_groups, strict=True)):
             beta1, beta2 = group["betas"]
             if kind == "variance":
                 foreach_variance_(exp_avg_sqs[slice_], grads[slice_], beta2)
-            foreach_momentum_(exp_avgs[slice_], grads[slice_], beta1)
+            foreach_momentum_(exp_avgs[slice_], momentum_input[slice_], beta1)
             if self.schedule.frozen:
                 self.lr_sums[index] += group["lr"]
-            onebit_adam_update_(params[slice_], exp_avgs[slice_], exp_avg_sqs[slice_], lr=group["lr"],
-                                eps=group["eps"], weight_decay=group["weight_decay"])
         if kind == "variance":
             self._variance_changed()
+        self._adam_update_(params, grads)
         if kind == "sync":
-            self._sync(params, exp_avgs, exp_avg_sqs)
+            self._sync(params)
         if self.schedule.advance(t):  # phase 2 from the next step: errors now track u, not gradients
             self.buckets.zero_errors_()
             torch._foreach_copy_(self._states("sync_anchor"), params)
 
-    def _sync(self, params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor]) -> None:
-        """Average the accumulated updates with one compressed call and restart from the common point."""
-        anchors = self._states("sync_anchor")
-        denoms = torch._foreach_sqrt(exp_avg_sqs)
-        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
-            torch._foreach_add_(denoms[slice_], group["eps"])
-        accumulated = torch._foreach_sub(params, anchors)  # u: what this rank moved since the last sync
+    def _sync(self, params: list[Tensor]) -> None:
+        """Average the accumulated updates with one compressed call and restart from the common point.
+
+        The momentum is replaced by the averaged update at a sync, so its buffers carry q: no copy, no
+        temporary. Roundings as before: q = (w - w_a) (sqrt(v) + eps); w = w_a + q / (sqrt(v) + eps).
+        """
+        anchors, denoms = self._states("sync_anchor"), self._denominators()
+        accumulated = self._states("exp_avg")
+        torch._foreach_copy_(accumulated, params)
+        torch._foreach_sub_(accumulated, anchors)  # u: what this rank moved since the last sync
         torch._foreach_mul_(accumulated, denoms)  # q = u (sqrt(v) + eps)
-        self.buckets.allreduce_(accumulated)
-        self._mask_(accumulated)
-        for index, slice_ in enumerate(self._group_slices()):
-            torch._foreach_copy_(exp_avgs[slice_], accumulated[slice_])
-            torch._foreach_div_(exp_avgs[slice_], -self.lr_sums[index])  # m = -q / sum(lr)
-            self.lr_sums[index] = 0.0
-        torch._foreach_div_(accumulated, denoms)
-        torch._foreach_add_(accumulated, anchors)  # w = w_a + q / (sqrt(v) + eps)
-        torch._foreach_copy_(params, accumulated)
-        torch._foreach_copy_(anchors, params)
+        self.buckets.allreduce_()
+        self._mask_(self.buckets.flats)
+        torch._foreach_addcdiv_(anchors, accumulated, denoms)  # w = w_a + q / (sqrt(v) + eps)
+        torch._foreach_copy_(params, anchors)
+        for group, momentum in self._segments("exp_avg"):
+            momentum.div_(-self.lr_sums[group])  # m = -q / sum(lr)
+        self.lr_sums = [0.0] * len(self.param_groups)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"schedule": asdict(self.schedule), "lr_sums": list(self.lr_sums)}

@@ -142,10 +142,13 @@ def test_matches_the_equivalence_spec_on_gloo(world_size):
 
 def _ranks_buckets(rank, world_size):
     comm = Comm()
-    tensors = [torch.full((3, 5), float(rank + 1)), torch.arange(7.0) * (rank + 1)]
-    buckets = CompressedBuckets([[0, 1]], [15, 7], comm, torch.device("cpu"), keep_tail=True)
-    buckets.allreduce_(tensors)
-    tail = buckets.tails[0].clone()
+    buckets = CompressedBuckets([[0, 1]], [(3, 5), (7,)], comm, torch.device("cpu"), keep_tail=True)
+    tensors = buckets.views(buckets.flats)  # the tensors live in the bucket's padded buffer
+    tensors[0].fill_(rank + 1.0)
+    tensors[1].copy_(torch.arange(7.0) * (rank + 1))
+    buckets.allreduce_()
+    tensors = [t.clone() for t in tensors]
+    tail = buckets.flats[0][22:].clone()
     dense = [torch.full((4,), float(rank)), torch.ones(3) * rank]
     average_(dense, comm, bucket_numel=4)  # two flat buckets
     return tensors, tail, dense, buckets.bytes_per_call(), comm.take_counts()

@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import signal
+import sys
 from collections import Counter
 
 import pytest
@@ -16,7 +17,7 @@ from test_trainer import _popen, _wait_for_step
 from torch import nn
 
 from benchmarks.deepspeed_reference import compare_on_rank, deepspeed_available
-from optim import OneBitAdam, OneBitLAMB, ZeroOneAdam, param_groups_weight_decay
+from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, param_groups_weight_decay
 from optim.comm import Comm
 from optim.zero_one_adam import zero_one_adam_step_kinds
 from train.metrics import read_metrics
@@ -241,3 +242,133 @@ def test_trajectories_match_deepspeed_0_19_6():
                     else 1e-6
                 assert row["rel_diff"] <= limit, (name, row["step"], row["rel_diff"])
                 assert abs(row["ds_loss"] - row["our_loss"]) <= 1e-6 * abs(row["ds_loss"])
+
+
+# ------------------------------------------------------------------------------------------------ host syncs
+_HOST_READS = ("item", "tolist", "numpy", "nonzero", "__bool__", "__float__", "__int__", "__index__")
+_OPTIM_DIR = os.path.dirname(os.path.abspath(sys.modules[OneBitAdam.__module__].__file__))
+SYNC_FREE = {**OPTIMIZERS, "lamb": (LAMB, dict(lr=0.01, weight_decay=0.01)),
+             "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.01))}
+
+
+class _LoopbackComm(Comm):
+    """Two pretend ranks whose collectives hand this rank its own data back: the whole multi-rank code path of a
+    step (packing, both compressed phases, decoding) runs in one process, with nothing to wait for."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.world_size = 2
+
+    def all_reduce(self, tensor, op=None, async_op=False):
+        self._count(tensor)
+
+    def all_to_all_single(self, output, tensor):
+        self._count(tensor)
+        output.copy_(tensor.reshape(output.shape))
+
+    def all_gather_into_tensor(self, output, tensor):
+        self._count(tensor)
+        output.copy_(tensor.expand_as(output))
+
+
+def _build_sync_free(name: str, model: nn.Module, comm: Comm):
+    cls, kwargs = SYNC_FREE[name]
+    groups = param_groups_weight_decay(model, kwargs["weight_decay"])
+    rest = {k: v for k, v in kwargs.items() if k != "weight_decay"}
+    return cls(groups, comm=comm, **rest) if name in OPTIMIZERS else cls(groups, **rest)
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts host reads of tensors (`.item()`, `bool(t)`, `nonzero()`, ...) made directly by code in optim/."""
+    calls: list[str] = []
+    for method in _HOST_READS:
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _name=method, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if os.path.abspath(caller).startswith(_OPTIM_DIR + os.sep):
+                calls.append(f"{_name} from {caller}:{sys._getframe(1).f_lineno}")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", list(SYNC_FREE))
+def test_every_step_reads_nothing_on_the_host(name: str, host_reads: list[str]):
+    """No `.item()` or `bool(tensor)` in any stage of a step, compressed ones included (2 loopback ranks):
+    on a GPU each would make the host wait for the device."""
+    model = _model()
+    optimizer = _build_sync_free(name, model, _LoopbackComm())
+    for step in range(1, STEPS + 1):  # every stage of each schedule: init, warm-up, compression, syncs, local
+        optimizer.zero_grad(set_to_none=True)
+        _loss(model, 0, step).backward()
+        optimizer.step()
+        assert host_reads == [], f"{name}, step {step}: {host_reads}"
+
+
+def test_the_host_read_counter_sees_a_read(host_reads: list[str]):
+    from optim import compressed
+
+    exec(compile("torch.ones(()).item()", compressed.__file__, "exec"), {"torch": torch})
+    assert len(host_reads) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(SYNC_FREE))
+def test_every_step_makes_no_cuda_sync(name: str):
+    """Every step of every stage under `torch.cuda.set_sync_debug_mode("error")`: a synchronising call raises."""
+    model = _model().cuda()
+    optimizer = _build_sync_free(name, model, _LoopbackComm())
+    for step in range(1, STEPS + 1):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", enabled=False):
+            _loss_on(model, step, torch.device("cuda")).backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            optimizer.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def _loss_on(model: nn.Module, step: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 5, (8,), generator=g).to(device)
+    x = torch.cat([model["emb"](ids), torch.randn(8, 6, generator=g).to(device)], dim=1)
+    return model["fc2"](torch.tanh(model["fc1"](x))).square().mean()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_loading_a_state_replaces_cached_denominators_and_flat_state(name: str):
+    """An optimizer deep in its compressed stage (denominators and masks cached, state in flat buffers) that loads
+    another run's state continues exactly as that run (2 loopback ranks)."""
+    comm = _LoopbackComm()
+    models = [_model(), _model()]
+    optimizers = [_build(name, model, comm) for model in models]
+
+    def step(index: int, t: int) -> None:
+        optimizers[index].zero_grad(set_to_none=True)
+        _loss(models[index], index, t).backward()  # other data per run: other variances
+        optimizers[index].step()
+
+    for t in range(1, 11):
+        step(0, t), step(1, t)
+    models[0].load_state_dict(models[1].state_dict())
+    optimizers[0].load_state_dict(io_roundtrip(optimizers[1].state_dict()))
+    for t in range(11, 15):
+        step(1, t)
+        optimizers[0].zero_grad(set_to_none=True)
+        _loss(models[0], 1, t).backward()
+        optimizers[0].step()
+        assert torch.equal(_flat(models[0]), _flat(models[1])), f"{name}: step {t} differs after loading"
+
+
+def io_roundtrip(state: dict) -> dict:
+    """The state as a checkpoint file gives it back (fresh tensors, not views of the running optimizer's)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
