@@ -117,6 +117,9 @@ class SLAMB(torch.optim.Optimizer):
         stale_ratio_fallback: :math:`\phi_U` when a stale norm is 0: 0 (V2) or 1 (naive).
         clamp_1d: clamp the ratios of 1-D tensors too (V2); False leaves them unclamped (naive).
         comm_dtype: payload of the momentum all-reduce: ``"fp32"`` [code], ``"fp16"`` [fork] or ``"bf16"``.
+            In half precision each rank divides its share by :math:`N` before the cast (so the sum stays in
+            range), the backend sums half-precision values (partial sums rounded to the wire dtype, not fp32), and
+            the mean is cast back into the fp32 momentum; the bytes counted are the half-precision payload's, 2 per synced coordinate.
         sync_offset: dense sync when :math:`(t - \text{sync\_offset}) \bmod H = 0`; 1 as in [code].
         bucket_mb: the compacted momentum and the dense parameter average go out in all-reduces of at most
             this many MB (one per bucket, never one per tensor).
@@ -296,7 +299,8 @@ class SLAMB(torch.optim.Optimizer):
         if weight_decay != 0 and self.wd_in_trust_ratio:
             torch._foreach_add_(updates, params, alpha=weight_decay / scale)
 
-        fresh_ratio, stale_ratio, has_stale = self._trust_ratios(chunk, slots, synced, direction, scale)
+        fresh_raw, stale_raw, has_stale = self._trust_ratios(chunk, slots, synced, direction, scale)
+        fresh_ratio, stale_ratio = self._clamp_ratios(slots, fresh_raw, stale_raw)
         if weight_decay != 0 and not self.wd_in_trust_ratio:
             torch._foreach_add_(updates, params, alpha=weight_decay / scale)
 
@@ -315,7 +319,8 @@ class SLAMB(torch.optim.Optimizer):
             if self.rescale == "sum_of_products":
                 torch.addcmul(stale_coef[i], r, fresh_coef[i] - stale_coef[i], out=coef)
             else:
-                ratio = torch.addcmul(stale_ratio[i], r, fresh_ratio[i] - stale_ratio[i])
+                # The naive form interpolates the raw ratios and clamps the result (not the clamped ratios).
+                ratio = torch.addcmul(stale_raw[i], r, fresh_raw[i] - stale_raw[i])
                 if self.clamp_1d or s.param.dim() > 1:
                     ratio.clamp_(*self.trust_ratio_bounds)
                 torch.mul(r, lr_fresh - lr_stale, out=coef).add_(lr_stale).mul_(ratio)
@@ -324,7 +329,8 @@ class SLAMB(torch.optim.Optimizer):
     def _trust_ratios(
         self, chunk: _Chunk, slots: list[_Slot], synced: Tensor, direction: Tensor, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Per tensor (phi_F, phi_U, has_stale) over the fresh coordinates S_t and the stale rest."""
+        """Per tensor the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
+        their fallbacks for zero norms, and whether the tensor has stale coordinates."""
         params = [s.param for s in slots]
         updates = [direction[s.offset - chunk.start:s.offset - chunk.start + s.numel] for s in slots]
         w_total = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
@@ -353,16 +359,20 @@ class SLAMB(torch.optim.Optimizer):
         w_stale = torch.where(has_stale, w_stale, torch.zeros_like(w_stale))
         u_stale = torch.where(has_stale, u_stale, torch.zeros_like(u_stale))
 
-        c_min, c_max = self.trust_ratio_bounds
         fresh = trust_ratio(w_fresh, u_fresh)  # 1 when a norm is 0
         stale = torch.where((w_stale > 0) & (u_stale > 0), w_stale / u_stale,
                             torch.full_like(w_stale, self.stale_ratio_fallback))
+        return fresh, stale, has_stale
+
+    def _clamp_ratios(self, slots: list[_Slot], fresh: Tensor, stale: Tensor) -> tuple[Tensor, Tensor]:
+        """phi_F clamped to [c_min, c_max] and phi_U to [0, c_max] (1-D tensors left alone without clamp_1d)."""
+        c_min, c_max = self.trust_ratio_bounds
         fresh_clamped, stale_clamped = fresh.clamp(c_min, c_max), stale.clamp(0.0, c_max)
         if not self.clamp_1d:
             one_d = torch.tensor([s.param.dim() <= 1 for s in slots], device=fresh.device)
             fresh_clamped = torch.where(one_d, fresh, fresh_clamped)
             stale_clamped = torch.where(one_d, stale, stale_clamped)
-        return fresh_clamped, stale_clamped, has_stale
+        return fresh_clamped, stale_clamped
 
     def _average_parameters(self, layout: _Layout) -> None:
         """Dense fp32 average of every parameter, in tensor-aligned buckets of at most bucket_mb."""
@@ -586,4 +596,11 @@ register_optimizer(OptimSpec(
     "slamb", SLAMB, "self", check=check_slamb_options,
     description="SLAMB (Xu et al., ICML 2023): LAMB with a randomly masked momentum all-reduce, freshness "
                 "rescaling and periodic dense parameter averaging",
+))
+# The same class under the name of its parity preset: conf/optim/slamb_v2_official.yaml holds the official
+# Slamb_V2's switches (the values live in the YAML, as for every entry; the registry adds no defaults).
+register_optimizer(OptimSpec(
+    "slamb_v2_official", SLAMB, "self", check=check_slamb_options,
+    description="SLAMB with the switches of the official Slamb_V2 (decay outside the trust-ratio norms), "
+                "for comparisons with the published code",
 ))
