@@ -35,6 +35,8 @@ _BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
 # of one chunk stay in cache (see optim/lamb.py's _FOREACH_CHUNK_NUMEL); on a GPU it bounds the scratch buffer
 # (a tensor larger than the limit forms a chunk of its own).
 _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
+# Elements per piece of the update's coefficient buffer: small enough to stay in cache between the two passes.
+_APPLY_NUMEL = 1 << 16
 _GLOBAL = "slamb"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
 
 
@@ -301,50 +303,76 @@ class SLAMB(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr, weight_decay = group["lr"], group["weight_decay"]
         bc1, bc2 = bias_corrections(step, beta1, beta2, enabled=self.bias_correction_form != "none")
-        # u' = m / (sqrt(v) + eps') is the direction up to the scalar `scale`, which is folded into the norms
-        # and the step size instead of costing a pass over the chunk. Every slot's direction is formed (the
-        # ratios are computed for the whole chunk at once); only slots with a gradient are updated.
+        # The direction buffer holds u~ up to a scalar `unit` (u~ = unit * buffer), folded into the norms and
+        # the step sizes instead of costing a pass: buffer = m / (sqrt(v) + eps') with unit = sqrt(bc2) / bc1
+        # and, when the norms include the decay, buffer = w + m / (lambda' (sqrt(v) + eps')) with unit = lambda,
+        # one addcdiv instead of a division and an addition. Every slot's direction is formed (the ratios are
+        # computed for the whole chunk at once); only slots with a gradient are updated.
         scale = math.sqrt(bc2) / bc1
         eps = group["eps"] * (math.sqrt(bc2) if self.bias_correction_form == "full" else 1.0)
         direction = layout.scratch[:end - start]
         torch.sqrt(layout.exp_avg_sq[start:end], out=direction)
         direction.add_(eps)
-        torch.div(layout.exp_avg[start:end], direction, out=direction)
         params = [s.param for s in chunk.slots]
         updates = [s.flat(direction, start).view_as(s.param) for s in chunk.slots]
-        if weight_decay != 0 and self.wd_in_trust_ratio:
-            torch._foreach_add_(updates, params, alpha=weight_decay / scale)
-        fresh, stale = self._trust_ratios(layout, chunk, mask, direction, compact, scale)
-        if weight_decay != 0 and not self.wd_in_trust_ratio:
+        decay_in_norms = weight_decay != 0 and self.wd_in_trust_ratio
+        if decay_in_norms:
+            for slot, p, u in zip(chunk.slots, params, updates, strict=True):
+                torch.addcdiv(p, layout.view(layout.exp_avg, slot), u, value=scale / weight_decay, out=u)
+            unit = weight_decay
+        else:
+            torch.div(layout.exp_avg[start:end], direction, out=direction)
+            unit = scale
+        fresh, stale = self._trust_ratios(layout, chunk, mask, direction, compact, unit)
+        if weight_decay != 0 and not decay_in_norms:
             torch._foreach_add_(updates, params, alpha=weight_decay / scale)
 
-        lr_fresh, lr_stale = lr * scale, lr * scale / math.sqrt(self.world_size)
+        lr_fresh, lr_stale = lr * unit, lr * unit / math.sqrt(self.world_size)
         fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
-        fresh_coef = (fresh_clamped * -lr_fresh).unbind()  # 0-d device tensors: no host read
+        fresh_coef = fresh_clamped * -lr_fresh  # per slot, on the device: no host read
         active = [i for i, s in enumerate(chunk.slots) if s.param.grad is not None]
         always = [i for i in active if chunk.slots[i].always]
         if always:  # r == 1 on every coordinate: plain LAMB steps with the fresh ratio
+            coefs = fresh_coef.unbind()
             torch._foreach_addcmul_([params[i] for i in always], [updates[i] for i in always],
-                                    [fresh_coef[i] for i in always])
-        if self.rescale == "sum_of_products":
-            stale_coef = (stale_clamped * -lr_stale).unbind()
-            for i in active:
-                if not chunk.slots[i].always:  # w -= [stale + r (fresh - stale)] u, as two passes over w
-                    r = chunk.slots[i].flat(freshness, start).view_as(params[i])
-                    params[i].addcmul_(updates[i], stale_coef[i])
-                    updates[i].mul_(r)
-                    params[i].addcmul_(updates[i], fresh_coef[i] - stale_coef[i])
-            return
+                                    [coefs[i] for i in always])
+        if self.rescale == "sum_of_products":  # coef = -[lr_stale phi_U + r (lr_fresh phi_F - lr_stale phi_U)]
+            stale_coef = stale_clamped * -lr_stale
+            bases, slopes = stale_coef.unbind(), (fresh_coef - stale_coef).unbind()
+        else:  # naive: coef = -clamp(phi_U + r (phi_F - phi_U)) (lr_stale + r (lr_fresh - lr_stale))
+            bases, slopes = stale.unbind(), (fresh - stale).unbind()
         for i in active:
-            if not chunk.slots[i].always:  # naive: the raw ratios are interpolated, then clamped
-                r = chunk.slots[i].flat(freshness, start).view_as(params[i])
-                ratio = layout.coef[:r.numel()].view_as(r)
-                torch.mul(r, fresh[i] - stale[i], out=ratio).add_(stale[i])
-                ratio.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
-                updates[i].mul_(ratio)  # w -= ratio (r lr_fresh + (1 - r) lr_stale) u
-                params[i].add_(updates[i], alpha=-lr_stale)
-                updates[i].mul_(r)
-                params[i].add_(updates[i], alpha=lr_stale - lr_fresh)
+            slot = chunk.slots[i]
+            if not slot.always:
+                self._apply(layout, params[i], slot.flat(direction, start), slot.flat(freshness, start),
+                            bases[i], slopes[i], lr_fresh, lr_stale)
+
+    def _apply(self, layout: _Layout, param: Tensor, update: Tensor, freshness: Tensor, base: Tensor,
+               slope: Tensor, lr_fresh: float, lr_stale: float) -> None:
+        """w -= coef * u with the per-element coef of the rescale form, piece by piece through a small buffer.
+
+        Pieces of at most `_APPLY_NUMEL` elements keep the coefficient in cache between the two passes that
+        form and use it, and the buffer small (no full-size ratio tensor per masked tensor).
+        """
+        flat = param.view(-1) if param.is_contiguous() else None
+        if flat is None:  # a strided parameter: one piece, through a temporary
+            coef = torch.empty_like(freshness)
+            self._coefficients(freshness, base, slope, lr_fresh, lr_stale, coef)
+            param.addcmul_(update.view_as(param), coef.view_as(param))
+            return
+        for a in range(0, flat.numel(), _APPLY_NUMEL):
+            b = min(a + _APPLY_NUMEL, flat.numel())
+            coef = layout.coef[:b - a]
+            self._coefficients(freshness[a:b], base, slope, lr_fresh, lr_stale, coef)
+            flat[a:b].addcmul_(update[a:b], coef)
+
+    def _coefficients(self, freshness: Tensor, base: Tensor, slope: Tensor, lr_fresh: float, lr_stale: float,
+                      out: Tensor) -> None:
+        """out <- the (negative) step per unit direction at each coordinate, from its freshness r."""
+        torch.addcmul(base, freshness, slope, out=out)
+        if self.rescale == "product_of_interpolations":  # interpolate the raw ratios, clamp, times the mixed lr
+            out.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
+            out.mul_(torch.mul(freshness, lr_stale - lr_fresh).sub_(lr_stale))
 
     def _trust_ratios(
         self, layout: _Layout, chunk: _Chunk, mask: _Mask, direction: Tensor, compact: Tensor, scale: float
@@ -453,7 +481,7 @@ class SLAMB(torch.optim.Optimizer):
     def _ensure_layout(self) -> _Layout:
         if self._layout is None:
             self._layout = _Layout(self.param_groups, self.state, self.min_compress_numel, self.mask,
-                                   self.compress_ratio, self.rescale)
+                                   self.compress_ratio)
         return self._layout
 
 
@@ -537,7 +565,7 @@ class _Layout:
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], state: dict, min_compress_numel: int, mask: str,
-                 k: float, rescale: str) -> None:
+                 k: float) -> None:
         params = [p for g in param_groups for p in g["params"]]
         devices = {p.device for p in params}
         if len(devices) != 1:
@@ -575,8 +603,7 @@ class _Layout:
                                    + sum(_mask_size(mask, s.numel, k) for s in masked), device=device)
         per_chunk = [sum(_mask_size(mask, s.numel, k) for s in c.masked) for c in self.chunks]
         self.gathered_weights = torch.empty(max(per_chunk, default=0), device=device)
-        self.coef = torch.empty(max((s.numel for s in masked), default=0) if rescale != "sum_of_products" else 0,
-                                device=device)
+        self.coef = torch.empty(min(_APPLY_NUMEL, max((s.numel for s in masked), default=0)), device=device)
         self.one = torch.ones(1, device=device)
         self.generator = torch.Generator(device=device)
         self.cyclic: list[list[tuple[Tensor, ...]]] | None = None  # per chunk, per phase, per masked slot
