@@ -37,6 +37,7 @@ _BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
 _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
 # Elements per piece of the update's coefficient buffer: small enough to stay in cache between the two passes.
 _APPLY_NUMEL = 1 << 16
+_STRATIFIED_BLOCK = 16  # coordinates per row of the stratified mask
 _GLOBAL = "slamb"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
 
 
@@ -49,10 +50,32 @@ class _Slot:
     numel: int
     always: bool  # 1-D or smaller than min_compress_numel: synced every step
     index: int  # position among all slots: seeds the tensor's cyclic partition
+    block: int  # the mask selects rows of this many consecutive coordinates (1: single coordinates)
 
     def flat(self, buffer: Tensor, start: int = 0) -> Tensor:
         """This slot's 1-D slice of `buffer`, a flat buffer whose element 0 is flat position `start`."""
         return buffer[self.offset - start:self.offset - start + self.numel]
+
+    def select(self, source: Tensor, rows: Tensor, out: Tensor) -> None:
+        """out <- the selected rows of `source` (this slot's 1-D values), one row after the other."""
+        if self.block == 1:
+            torch.index_select(source, 0, rows, out=out)
+        else:
+            torch.index_select(source.view(-1, self.block), 0, rows, out=out.view(-1, self.block))
+
+    def put(self, target: Tensor, rows: Tensor, values: Tensor) -> None:
+        """The inverse of `select`: the selected rows of `target` <- `values`."""
+        if self.block == 1:
+            target.scatter_(0, rows, values)
+        else:
+            target.view(-1, self.block).index_copy_(0, rows, values.view(-1, self.block))
+
+    def fill_one(self, target: Tensor, rows: Tensor, one: Tensor) -> None:
+        """The selected rows of `target` <- 1 (`one` is a 1-element tensor of 1)."""
+        if self.block == 1:
+            target.scatter_(0, rows, one.expand(rows.numel()))
+        else:
+            target.view(-1, self.block).index_fill_(0, rows, 1.0)
 
 
 @dataclass(frozen=True)
@@ -70,19 +93,20 @@ class _Chunk:
 
 @dataclass(frozen=True)
 class _Mask:
-    """S_t within one chunk: its always-synced coordinates and, per masked slot, selected positions.
+    """S_t within one chunk: its always-synced coordinates and, per masked slot, the selected rows.
 
-    Every position tensor has a length fixed by the slot's size (and, for the cyclic mask, the phase), so the
-    compact vector's layout is known on the host. `valid` (Bernoulli only) is 1 for a selected position and 0
-    for padding, a duplicate of a selected one; None when there is no padding.
+    Every row tensor has a length fixed by the slot's size (and, for the cyclic mask, the phase), so the
+    compact vector's layout (`sizes`: coordinates per masked slot) is known on the host. `valid` (Bernoulli
+    only) is 1 for a selected row and 0 for padding, a duplicate of a selected one; None without padding.
     """
 
     positions: tuple[Tensor, ...]
+    sizes: tuple[int, ...]
     valid: tuple[Tensor, ...] | None
 
     def size(self, chunk: _Chunk) -> int:
         """Length of this chunk's part of the compact vector: always-synced coordinates, then the masked ones."""
-        return chunk.split - chunk.start + sum(p.numel() for p in self.positions)
+        return chunk.split - chunk.start + sum(self.sizes)
 
 
 class SLAMB(torch.optim.Optimizer):
@@ -296,8 +320,8 @@ class SLAMB(torch.optim.Optimizer):
         start, end = chunk.start, chunk.end
         freshness = layout.freshness[start:end]
         freshness[chunk.split - start:].mul_(self.beta3)
-        for slot, positions in zip(chunk.masked, mask.positions, strict=True):
-            slot.flat(freshness, start).scatter_(0, positions, layout.one.expand(positions.numel()))
+        for slot, rows in zip(chunk.masked, mask.positions, strict=True):
+            slot.fill_one(slot.flat(freshness, start), rows, layout.one)
 
         group = self.param_groups[chunk.group]
         beta1, beta2 = group["betas"]
@@ -445,15 +469,16 @@ class SLAMB(torch.optim.Optimizer):
         generator.manual_seed(mask_seed(self.state[_GLOBAL]["seed"], step))
         masks = []
         for chunk in layout.chunks:
-            sizes = [_draw_size(self.mask, s.numel, k) for s in chunk.masked]
+            sizes = [_draw_size(self.mask, s, k) for s in chunk.masked]
             uniforms = torch.rand(sum(sizes), generator=generator, device=layout.exp_avg.device).split(sizes)
+            coordinates = tuple(_mask_size(self.mask, s, k) for s in chunk.masked)
             if self.mask == "stratified":
-                positions = tuple(stratified_positions(s.numel, stratified_count(s.numel, k), u)
-                                  for s, u in zip(chunk.masked, uniforms, strict=True))
-                masks.append(_Mask(positions, None))
+                rows = tuple(stratified_positions(s.numel // s.block, stratified_count(s.numel // s.block, k), u)
+                             for s, u in zip(chunk.masked, uniforms, strict=True))
+                masks.append(_Mask(rows, coordinates, None))
             else:
                 drawn = [bernoulli_positions(s.numel, k, u) for s, u in zip(chunk.masked, uniforms, strict=True)]
-                masks.append(_Mask(tuple(p for p, _ in drawn), tuple(v for _, v in drawn)))
+                masks.append(_Mask(tuple(p for p, _ in drawn), coordinates, tuple(v for _, v in drawn)))
         return masks
 
     def sync_masks(self, step: int) -> list[Tensor]:
@@ -466,9 +491,9 @@ class SLAMB(torch.optim.Optimizer):
         for chunk, mask in zip(layout.chunks, self._masks(layout, step), strict=True):
             flat[chunk.start:chunk.split] = True
             valid = mask.valid or (None,) * len(mask.positions)
-            for slot, positions, keep in zip(chunk.masked, mask.positions, valid, strict=True):
-                selected = positions if keep is None else positions[keep.bool()]
-                slot.flat(flat)[selected] = True
+            for slot, rows, keep in zip(chunk.masked, mask.positions, valid, strict=True):
+                selected = rows if keep is None else rows[keep.bool()]
+                slot.flat(flat).view(-1, slot.block)[selected] = True
         return [flat[s.offset:s.offset + s.numel].view_as(s.param) for s in layout.slots_in_group_order]
 
     def memory_bytes(self) -> dict[str, int]:
@@ -508,16 +533,26 @@ def check_slamb_options(options: dict[str, Any]) -> None:
     require(isinstance(o["seed"], int), "seed", o["seed"], "must be an integer")
 
 
-def _draw_size(mask: str, numel: int, k: float) -> int:
-    """Uniforms one masked tensor's draw takes: count + 1 (stratified) or the Bernoulli capacity."""
-    return stratified_count(numel, k) + 1 if mask == "stratified" else bernoulli_capacity(numel, k)
+def _draw_size(mask: str, slot: _Slot, k: float) -> int:
+    """Uniforms one masked tensor's draw takes: rows + 1 (stratified) or the Bernoulli capacity."""
+    if mask == "stratified":
+        return stratified_count(slot.numel // slot.block, k) + 1
+    return bernoulli_capacity(slot.numel, k)
 
 
-def _mask_size(mask: str, numel: int, k: float) -> int:
-    """Positions per step in one masked tensor's part of the compact vector (cyclic: the largest part)."""
+def _mask_size(mask: str, slot: _Slot, k: float) -> int:
+    """Coordinates per step in one masked tensor's part of the compact vector (cyclic: the largest part)."""
     if mask == "cyclic":
-        return -(-numel // _cyclic_parts(k))
-    return stratified_count(numel, k) if mask == "stratified" else bernoulli_capacity(numel, k)
+        return -(-slot.numel // _cyclic_parts(k))
+    if mask == "stratified":
+        return stratified_count(slot.numel // slot.block, k) * slot.block
+    return bernoulli_capacity(slot.numel, k)
+
+
+def _block(mask: str, numel: int) -> int:
+    """Rows of the stratified mask: up to 16 consecutive coordinates (one 64-byte cache line of fp32), the
+    largest power of two dividing the tensor's size; single coordinates for the official masks."""
+    return min(_STRATIFIED_BLOCK, numel & -numel) if mask == "stratified" else 1
 
 
 def _cyclic_parts(k: float) -> int:
@@ -539,8 +574,8 @@ def _gather(layout: _Layout, chunk: _Chunk, mask: _Mask, out: Tensor) -> None:
     m = layout.exp_avg
     always = chunk.split - chunk.start
     out[:always].copy_(m[chunk.start:chunk.split])
-    for slot, positions, part in zip(chunk.masked, mask.positions, _parts(out[always:], mask), strict=True):
-        torch.index_select(slot.flat(m), 0, positions, out=part)
+    for slot, rows, part in zip(chunk.masked, mask.positions, _parts(out[always:], mask), strict=True):
+        slot.select(slot.flat(m), rows, part)
 
 
 def _scatter(layout: _Layout, chunk: _Chunk, mask: _Mask, values: Tensor) -> None:
@@ -548,13 +583,13 @@ def _scatter(layout: _Layout, chunk: _Chunk, mask: _Mask, values: Tensor) -> Non
     m = layout.exp_avg
     always = chunk.split - chunk.start
     m[chunk.start:chunk.split].copy_(values[:always])
-    for slot, positions, part in zip(chunk.masked, mask.positions, _parts(values[always:], mask), strict=True):
-        slot.flat(m).scatter_(0, positions, part)
+    for slot, rows, part in zip(chunk.masked, mask.positions, _parts(values[always:], mask), strict=True):
+        slot.put(slot.flat(m), rows, part)
 
 
 def _parts(buffer: Tensor, mask: _Mask) -> tuple[Tensor, ...]:
-    """`buffer` cut into one piece per masked slot, as long as its positions."""
-    return buffer[:sum(p.numel() for p in mask.positions)].split([p.numel() for p in mask.positions])
+    """`buffer` cut into one piece per masked slot, as long as its selected coordinates."""
+    return buffer[:sum(mask.sizes)].split(list(mask.sizes))
 
 
 class _Layout:
@@ -584,7 +619,7 @@ class _Layout:
                 if current and limit is not None and offset + numel - current[0].offset > limit:
                     self._close(gi, current, device)
                     current = []
-                slot = _Slot(p, offset, numel, _always(p, min_compress_numel), len(by_param))
+                slot = _Slot(p, offset, numel, _always(p, min_compress_numel), len(by_param), _block(mask, numel))
                 current.append(slot)
                 by_param[id(p)] = slot
                 offset += numel
@@ -600,8 +635,8 @@ class _Layout:
         masked = [s for s in self.slots if not s.always]
         self.scratch = torch.empty(max((c.end - c.start for c in self.chunks), default=0), device=device)
         self.compact = torch.empty(sum(c.split - c.start for c in self.chunks)
-                                   + sum(_mask_size(mask, s.numel, k) for s in masked), device=device)
-        per_chunk = [sum(_mask_size(mask, s.numel, k) for s in c.masked) for c in self.chunks]
+                                   + sum(_mask_size(mask, s, k) for s in masked), device=device)
+        per_chunk = [sum(_mask_size(mask, s, k) for s in c.masked) for c in self.chunks]
         self.gathered_weights = torch.empty(max(per_chunk, default=0), device=device)
         self.coef = torch.empty(min(_APPLY_NUMEL, max((s.numel for s in masked), default=0)), device=device)
         self.one = torch.ones(1, device=device)
@@ -638,13 +673,13 @@ class _Layout:
         compact vector, free once its momenta are back in m) and in the gathered-weights buffer."""
         u_parts = list(_parts(compact[chunk.split - chunk.start:], mask))
         w_parts = list(_parts(self.gathered_weights, mask))
-        for slot, positions, u, w in zip(chunk.masked, mask.positions, u_parts, w_parts, strict=True):
-            torch.index_select(slot.flat(direction, chunk.start), 0, positions, out=u)
+        for slot, rows, u, w in zip(chunk.masked, mask.positions, u_parts, w_parts, strict=True):
+            slot.select(slot.flat(direction, chunk.start), rows, u)
             flat = slot.param.reshape(-1)
             if flat.dtype == torch.float32:
-                torch.index_select(flat, 0, positions, out=w)
+                slot.select(flat, rows, w)
             else:
-                w.copy_(flat.index_select(0, positions))
+                slot.select(flat.float(), rows, w)
         return u_parts, w_parts
 
     def cyclic_masks(self, seed: int, k: float, step: int) -> list[_Mask]:
@@ -665,7 +700,8 @@ class _Layout:
                         phases[phase].append(piece.sort().values.to(torch.int32))
                 self.cyclic[ci] = [tuple(p) for p in phases]
         phase = step % parts
-        return [_Mask(tuple(p.long() for p in self.cyclic[ci][phase]), None) for ci in range(len(self.chunks))]
+        return [_Mask(tuple(p.long() for p in pieces[phase]), tuple(p.numel() for p in pieces[phase]), None)
+                for pieces in self.cyclic]
 
     def scratch_bytes(self) -> int:
         buffers = [self.scratch, self.compact, self.gathered_weights, self.coef]
