@@ -36,7 +36,7 @@ _BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
 # (a tensor larger than the limit forms a chunk of its own).
 _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
 # Elements per piece of the update's coefficient buffer: small enough to stay in cache between the two passes.
-_APPLY_NUMEL = 1 << 16
+_APPLY_NUMEL = 1 << 18
 _STRATIFIED_BLOCK = 16  # coordinates per row of the stratified mask
 _GLOBAL = "slamb"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
 

@@ -352,6 +352,80 @@ def test_fp16_momentum_payload_is_half_the_fp32_bytes():
     assert sent["fp16", 1][0] == 2 * sent["fp16", 1][1] + 4 * d
 
 
+# --------------------------------------------------------------------------------------------- host syncs
+_HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "nonzero")
+_SLAMB_FILES = (str(REPO / "optim" / "slamb.py"), str(REPO / "optim" / "_math.py"))
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Host reads of tensor values (each one a device sync on a GPU) made while SLAMB's code is on the stack."""
+    calls: list[str] = []
+    for name in _HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code.co_filename in _SLAMB_FILES:
+                    calls.append(f"{_name} from {frame.f_code.co_filename}:{frame.f_lineno}")
+                    break
+                frame = frame.f_back
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+MULTI_RANK_VARIANTS = [
+    dict(),
+    dict(mask="bernoulli"),
+    dict(mask="cyclic", rescale="product_of_interpolations", clamp_1d=False),
+    dict(wd_in_trust_ratio=False, comm_dtype="fp16"),
+]
+
+
+@pytest.mark.parametrize("options", MULTI_RANK_VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_multi_rank_step_reads_nothing_on_the_host(host_reads, options):
+    """Sizes come from the layout, ratios stay on the device: not one host read in a step, dense syncs included."""
+    params = [nn.Parameter(t.clone()) for t in _initial_params()]
+    optimizer = SLAMB([{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:], "weight_decay": 0.0}],
+                      comm=_MirrorComm(4), compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=2, **options)
+    for step in range(1, 5):
+        for i, p in enumerate(params):
+            p.grad = _grad(0, step, i)
+        optimizer.step()
+    assert host_reads == []
+
+
+def test_the_host_read_counter_sees_a_read(host_reads):
+    code = compile("torch.ones(()).item()", _SLAMB_FILES[0], "exec")
+    exec(code, {"torch": torch})
+    assert len(host_reads) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("options", MULTI_RANK_VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_cuda_step_makes_no_device_sync(options):
+    """On a GPU the step, on the multi-rank path, runs under sync debug mode "error": any sync raises."""
+    params = [nn.Parameter(t.clone().cuda()) for t in _initial_params()]
+    optimizer = SLAMB([{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:], "weight_decay": 0.0}],
+                      comm=_MirrorComm(4), compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=2, **options)
+    grads = [[_grad(0, step, i).cuda() for i in range(len(SHAPES))] for step in range(1, 5)]
+    optimizer.step()  # builds the layout (its one-off copies from the host may sync)
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g
+            optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(p).all() for p in params)
+
+
 # --------------------------------------------------------------------------------------------- N ranks
 SHAPES = [(40, 60), (30, 50), (100, 20), (5, 5), (60,)]  # 3 masked tensors; 5x5 (< 100) and 1-D always synced
 MIN_NUMEL, K, BETA3, H, N_STEPS = 100, 0.25, 0.9, 4, 12
