@@ -139,17 +139,21 @@ class SLAMB(torch.optim.Optimizer):
     :math:`S_t` holds every coordinate of a tensor with ``dim <= 1`` or ``numel < min_compress_numel`` and,
     elsewhere, coordinates drawn from a private generator seeded by ``(seed, t)``, so all ranks agree without
     sending indices and the global RNG is never touched (the official code reseeds it every step).
-    ``stratified`` (the default): exactly :math:`c = \mathrm{round}(k n)` coordinates of each masked tensor of
-    :math:`n` elements, one uniformly in each of :math:`c` near-equal strata at a random rotation, so every
-    coordinate is synced with probability exactly :math:`c/n`, independently across steps, as under Bernoulli
-    draws. ``bernoulli`` (Slamb_V2): each coordinate independently with probability :math:`k`, so the count is
-    random; it is drawn as geometric gaps (about :math:`k n` random numbers) into a fixed capacity of mean
-    :math:`+ 8\sigma + 16` positions, padded with a duplicate of a selected one, and the padding is sent too
-    (counted in the bytes). Past the capacity (probability below 1e-15 per tensor and step) the last
-    selections wait for a later step. ``cyclic`` (Slamb): a fixed random partition of each tensor into
-    :math:`n_c = \lfloor 1/k\rfloor` parts, part :math:`t \bmod n_c` at step :math:`t`; the parts' index lists
-    are built once (4 bytes per masked coordinate). Every mask has a size known on the host, so a step on a GPU
-    reads nothing back from the device: no ``.item()``, ``nonzero`` or data-dependent shape.
+    ``stratified`` (the default): each masked tensor of :math:`n` elements is cut into rows of :math:`B` = up
+    to 16 consecutive coordinates (a 64-byte cache line; the largest power of two dividing :math:`n`) and
+    exactly :math:`c = \mathrm{round}(k n / B)` rows are selected, one uniformly in each of :math:`c`
+    near-equal strata at a random rotation. Every coordinate is synced with probability exactly
+    :math:`cB/n \approx k`, independently across steps, as under Bernoulli draws; coordinates of one row go
+    together. The fixed count sizes the all-reduce without asking the device, and rows make the draw, the
+    gathers and the scatters 16 times cheaper than single coordinates. ``bernoulli`` (Slamb_V2): each
+    coordinate independently with probability :math:`k`, a random count, drawn as geometric gaps (about
+    :math:`k n` random numbers) into a fixed capacity of mean :math:`+ 8\sigma + 16` positions, padded with a
+    duplicate of a selected one; the padding is sent too (counted in the bytes), and past the capacity
+    (probability below 1e-15 per tensor and step) the last selections wait for a later step. ``cyclic``
+    (Slamb): a fixed random partition of each tensor into :math:`n_c = \lfloor 1/k\rfloor` parts, part
+    :math:`t \bmod n_c` at step :math:`t`, as index lists built once (4 bytes per masked coordinate). With
+    every mask a step reads nothing back from the device (no ``.item()``, ``nonzero`` or data-dependent
+    shape), so on a GPU it never waits for the device.
 
     Averaging the momentum, not the gradient, loses nothing at a synced coordinate: the EMA is linear, so the
     rank mean of the local momenta there equals the momentum of the mean gradient, however stale the
@@ -192,8 +196,11 @@ class SLAMB(torch.optim.Optimizer):
             or a world of one when there is none.
 
     State: per parameter ``exp_avg``, ``exp_avg_sq`` and ``freshness`` (fp32 views of flat buffers), and under
-    the key ``"slamb"`` the step and the mask seed, all in `state_dict()`. Moments and, between dense syncs,
-    parameters differ across ranks, so checkpoints are per rank (the trainer does this for ``grad_sync="self"``).
+    the key ``"slamb"`` the step and the mask seed, all in `state_dict()`; masks are pure functions of (seed,
+    step), so nothing else is needed to resume exactly. Moments and, between dense syncs, parameters differ
+    across ranks, so checkpoints are per rank (the trainer does this for ``grad_sync="self"``). Work buffers,
+    kept between steps: the direction of the largest chunk, the compact vector (about :math:`k d`), the
+    gathered weights of one chunk and a small coefficient buffer (`memory_bytes`).
     """
 
     def __init__(
