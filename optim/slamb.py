@@ -37,7 +37,7 @@ _BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
 _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
 # Elements per piece of the update's coefficient buffer: small enough to stay in cache between the two passes.
 _APPLY_NUMEL = 1 << 18
-_STRATIFIED_BLOCK = 16  # coordinates per row of the stratified mask
+_ROW_NUMEL = 16  # coordinates per row of the stratified and cyclic masks
 _GLOBAL = "slamb"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
 
 
@@ -388,22 +388,24 @@ class SLAMB(torch.optim.Optimizer):
         flat = param.view(-1) if param.is_contiguous() else None
         if flat is None:  # a strided parameter: one piece, through a temporary
             coef = torch.empty_like(freshness)
-            self._coefficients(freshness, base, slope, lr_fresh, lr_stale, coef)
+            self._coefficients(freshness, base, slope, lr_fresh, lr_stale, coef, torch.empty_like(coef))
             param.addcmul_(update.view_as(param), coef.view_as(param))
             return
         for a in range(0, flat.numel(), _APPLY_NUMEL):
             b = min(a + _APPLY_NUMEL, flat.numel())
             coef = layout.coef[:b - a]
-            self._coefficients(freshness[a:b], base, slope, lr_fresh, lr_stale, coef)
+            self._coefficients(freshness[a:b], base, slope, lr_fresh, lr_stale, coef, layout.spare[:b - a])
             flat[a:b].addcmul_(update[a:b], coef)
 
     def _coefficients(self, freshness: Tensor, base: Tensor, slope: Tensor, lr_fresh: float, lr_stale: float,
-                      out: Tensor) -> None:
+                      out: Tensor, spare: Tensor) -> None:
         """out <- the (negative) step per unit direction at each coordinate, from its freshness r."""
         torch.addcmul(base, freshness, slope, out=out)
         if self.rescale == "product_of_interpolations":  # interpolate the raw ratios, clamp, times the mixed lr
             out.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
-            out.mul_(torch.mul(freshness, lr_stale - lr_fresh).sub_(lr_stale))
+            # ratio (-lr_stale - r (lr_fresh - lr_stale)), in two passes through the second buffer
+            torch.mul(out, -lr_stale, out=spare)
+            torch.addcmul(spare, out, freshness, value=lr_stale - lr_fresh, out=out)
 
     def _trust_ratios(
         self, layout: _Layout, chunk: _Chunk, mask: _Mask, direction: Tensor, compact: Tensor, scale: float
@@ -550,16 +552,16 @@ def _draw_size(mask: str, slot: _Slot, k: float) -> int:
 def _mask_size(mask: str, slot: _Slot, k: float) -> int:
     """Coordinates per step in one masked tensor's part of the compact vector (cyclic: the largest part)."""
     if mask == "cyclic":
-        return -(-slot.numel // _cyclic_parts(k))
+        return -(-(slot.numel // slot.block) // _cyclic_parts(k)) * slot.block
     if mask == "stratified":
         return stratified_count(slot.numel // slot.block, k) * slot.block
     return bernoulli_capacity(slot.numel, k)
 
 
 def _block(mask: str, numel: int) -> int:
-    """Rows of the stratified mask: up to 16 consecutive coordinates (one 64-byte cache line of fp32), the
-    largest power of two dividing the tensor's size; single coordinates for the official masks."""
-    return min(_STRATIFIED_BLOCK, numel & -numel) if mask == "stratified" else 1
+    """Rows of the stratified and cyclic masks: up to 16 consecutive coordinates (one 64-byte cache line of
+    fp32), the largest power of two dividing the tensor's size; single coordinates for Slamb_V2's Bernoulli."""
+    return min(_ROW_NUMEL, numel & -numel) if mask != "bernoulli" else 1
 
 
 def _cyclic_parts(k: float) -> int:
@@ -646,6 +648,7 @@ class _Layout:
         per_chunk = [sum(_mask_size(mask, s, k) for s in c.masked) for c in self.chunks]
         self.gathered_weights = torch.empty(max(per_chunk, default=0), device=device)
         self.coef = torch.empty(min(_APPLY_NUMEL, max((s.numel for s in masked), default=0)), device=device)
+        self.spare = torch.empty_like(self.coef)  # the product form's second factor
         self.one = torch.ones(1, device=device)
         self.generator = torch.Generator(device=device)
         self.cyclic: list[list[tuple[Tensor, ...]]] | None = None  # per chunk, per phase, per masked slot
@@ -692,8 +695,8 @@ class _Layout:
     def cyclic_masks(self, seed: int, k: float, step: int) -> list[_Mask]:
         """Phase t mod n_c of a fixed random partition of each masked tensor into n_c = floor(1/k) near-equal parts.
 
-        Built once from the seed (each tensor's permutation from its own generator seed), as sorted int32 index
-        lists; only the seed goes into the state_dict.
+        Built once from the seed (each tensor's permutation of its rows from its own generator seed), as sorted
+        row lists (8 bytes per row of up to 16 coordinates); only the seed goes into the state_dict.
         """
         parts = _cyclic_parts(k)
         if self.cyclic is None:
@@ -702,16 +705,18 @@ class _Layout:
                 phases: list[list[Tensor]] = [[] for _ in range(parts)]
                 for slot in chunk.masked:
                     generator = self.generator.manual_seed(mask_seed(seed, 0x80000000 + slot.index))
-                    perm = torch.randperm(slot.numel, generator=generator, device=self.exp_avg.device)
+                    rows = slot.numel // slot.block
+                    perm = torch.randperm(rows, generator=generator, device=self.exp_avg.device)
                     for phase, piece in enumerate(perm.tensor_split(parts)):
-                        phases[phase].append(piece.sort().values.to(torch.int32))
+                        phases[phase].append(piece.sort().values)
                 self.cyclic[ci] = [tuple(p) for p in phases]
         phase = step % parts
-        return [_Mask(tuple(p.long() for p in pieces[phase]), tuple(p.numel() for p in pieces[phase]), None)
-                for pieces in self.cyclic]
+        return [_Mask(pieces[phase], tuple(p.numel() * s.block for p, s in zip(pieces[phase], chunk.masked,
+                                                                                strict=True)), None)
+                for pieces, chunk in zip(self.cyclic, self.chunks, strict=True)]
 
     def scratch_bytes(self) -> int:
-        buffers = [self.scratch, self.compact, self.gathered_weights, self.coef]
+        buffers = [self.scratch, self.compact, self.gathered_weights, self.coef, self.spare]
         total = sum(t.numel() * t.element_size() for t in buffers)
         for chunk_phases in self.cyclic or []:
             total += sum(t.numel() * t.element_size() for phase in chunk_phases for t in phase)
