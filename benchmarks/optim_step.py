@@ -65,12 +65,14 @@ def _sync(device: torch.device) -> None:
 
 
 def step_times(
-    optimizers: dict[str, torch.optim.Optimizer], device: torch.device, warmup: int, repeats: int
+    optimizers: dict[str, torch.optim.Optimizer], device: torch.device, warmup: int, repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
-    """Wall times of `repeats` `step()` calls per optimizer, in seconds, measured in interleaved rounds.
+    """Times of `repeats` `step()` calls per optimizer, in seconds of `clock`, measured in interleaved rounds.
 
     Interleaving spreads drifting machine load over all optimizers alike; callers keep the best (the least
-    disturbed step) and the median (the typical one).
+    disturbed step) and the median (the typical one). On a shared CPU, `time.process_time` leaves out the time
+    the process waits for a core (not the memory bandwidth other processes take).
     """
     for optimizer in optimizers.values():
         for _ in range(warmup):  # creates the state and warms caches and allocators
@@ -79,10 +81,10 @@ def step_times(
     for _ in range(repeats):
         for name, optimizer in optimizers.items():
             _sync(device)
-            start = time.perf_counter()
+            start = clock()
             optimizer.step()
             _sync(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 

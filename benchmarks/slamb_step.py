@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -86,10 +87,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer first")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall time, or this process's CPU time (steadier on a shared CPU; --device cpu only)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu: only for --device cpu")
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     device = torch.device(args.device)
 
     model = bert_parameters(args.size, device)
@@ -97,14 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     numel = sum(p.numel() for p in params)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"optimizer step, BERT-{args.size}: {numel / 1e6:.1f}M fp32 parameters in {len(params)} tensors | {name} | "
-          f"torch {torch.__version__} | {args.repeats} interleaved steps after {args.warmup} warm-up | SLAMB k=0.1 "
-          "with a loopback collective")
+          f"torch {torch.__version__} | {args.repeats} interleaved steps after {args.warmup} warm-up, "
+          f"{args.clock} clock | SLAMB k=0.1 with a loopback collective")
     print(f"{'optimizer':<42} {'best ms':>8} {'median ms':>10} {'best x':>7} {'median x':>9} {'state MB':>9} "
           f"{'+scratch MB':>12} {'memory x':>9}", flush=True)
     lamb = build_optimizer(model, "lamb", config_kwargs("lamb"))
     for label, (registry_name, overrides) in VARIANTS.items():
         slamb = build_optimizer(model, registry_name, config_kwargs(registry_name, **overrides), comm=LoopbackComm())
-        times = step_times({REFERENCE: lamb, label: slamb}, device, args.warmup, args.repeats)
+        times = step_times({REFERENCE: lamb, label: slamb}, device, args.warmup, args.repeats, clock)
         best_ref, median_ref = min(times[REFERENCE]), statistics.median(times[REFERENCE])
         reference_bytes = state_bytes(lamb)  # LAMB's state exists once it has stepped
         if label == next(iter(VARIANTS)):

@@ -400,7 +400,7 @@ class SLAMB(torch.optim.Optimizer):
     def _coefficients(self, freshness: Tensor, base: Tensor, slope: Tensor, lr_fresh: float, lr_stale: float,
                       out: Tensor, spare: Tensor) -> None:
         """out <- the (negative) step per unit direction at each coordinate, from its freshness r."""
-        torch.addcmul(base, freshness, slope, out=out)
+        torch.mul(freshness, slope, out=out).add_(base)  # twice as fast as one addcmul with 0-d operands on a CPU
         if self.rescale == "product_of_interpolations":  # interpolate the raw ratios, clamp, times the mixed lr
             out.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
             # ratio (-lr_stale - r (lr_fresh - lr_stale)), in two passes through the second buffer
