@@ -64,22 +64,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_times(
+    optimizers: dict[str, torch.optim.Optimizer], device: torch.device, warmup: int, repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
+    """Times of `repeats` `step()` calls per optimizer, in seconds of `clock`, measured in interleaved rounds.
+
+    Interleaving spreads drifting machine load over all optimizers alike; callers keep the best (the least
+    disturbed step) and the median (the typical one). On a shared CPU, `time.process_time` leaves out the time
+    the process waits for a core (not the memory bandwidth other processes take).
+    """
+    for optimizer in optimizers.values():
+        for _ in range(warmup):  # creates the state and warms caches and allocators
+            optimizer.step()
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    for _ in range(repeats):
+        for name, optimizer in optimizers.items():
+            _sync(device)
+            start = clock()
+            optimizer.step()
+            _sync(device)
+            times[name].append(clock() - start)
+    return times
+
+
 def best_step_times(
     optimizers: dict[str, torch.optim.Optimizer], device: torch.device, warmup: int, repeats: int
 ) -> dict[str, float]:
     """Best wall time of one `step()` per optimizer, in seconds, over `repeats` interleaved rounds."""
-    for optimizer in optimizers.values():
-        for _ in range(warmup):  # creates the state and warms caches and allocators
-            optimizer.step()
-    best = dict.fromkeys(optimizers, float("inf"))
-    for _ in range(repeats):
-        for name, optimizer in optimizers.items():
-            _sync(device)
-            start = time.perf_counter()
-            optimizer.step()
-            _sync(device)
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+    return {name: min(values) for name, values in step_times(optimizers, device, warmup, repeats).items()}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -168,3 +168,76 @@ def check_flags(options: Mapping[str, Any], *keys: str) -> None:
     """Options that are switches must be true or false (a string or a pair is some other optimizer's option)."""
     for key in keys:
         require(isinstance(options[key], bool), key, options[key], "must be true or false")
+
+
+# ------------------------------------------------------------------------------------------ seeded masks
+# Random coordinate subsets that every rank draws alike from a private generator seeded by (seed, step): SLAMB's
+# momentum masks. Each sampler returns positions of one fixed length, known on the host from the tensor's size
+# alone, so that a step can compact, all-reduce and scatter them without reading anything from the device.
+
+
+def mask_seed(seed: int, step: int) -> int:
+    """A 63-bit generator seed from (seed, step): splitmix64 of both, so nearby seeds give unrelated masks."""
+    x = ((seed & 0xFFFFFFFF) << 32 | (step & 0xFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
+
+
+def stratified_count(n: int, k: float) -> int:
+    """How many of `n` coordinates `stratified_positions` selects: round(k n), at least 1 and at most n."""
+    return min(n, max(1, round(k * n)))
+
+
+def stratified_positions(n: int, count: int, uniforms: Tensor) -> Tensor:
+    """Exactly `count` distinct positions in [0, n): one uniformly in each of `count` strata, at a random rotation.
+
+    The strata tile [0, n) with lengths q = n // count or q + 1 (the first n % count are the longer ones), and
+    the whole pattern is rotated by a uniform offset, so that every position is selected with probability
+    exactly count / n (unequal strata would otherwise favour the short ones). `uniforms` holds count + 1 values
+    in [0, 1): the last one draws the rotation. Masks of different steps use independent uniforms, so a
+    coordinate's selections are independent across steps, as with per-coordinate Bernoulli draws; within a
+    step the count is fixed (no host read to size the all-reduce) and selections are spread evenly.
+    """
+    q, long_strata = divmod(n, count)
+    picks, rotation = uniforms[:count], uniforms[count:]
+    positions = torch.empty(count, dtype=torch.int64, device=uniforms.device)
+    # Stratum i starts at i (q + 1) among the long ones, at i q + n % count after them.
+    for lo, hi, length, shift in ((0, long_strata, q + 1, 0), (long_strata, count, q, long_strata)):
+        if hi > lo:
+            out = positions[lo:hi]
+            out.copy_(picks[lo:hi].mul_(length))  # the cast truncates: floor of a non-negative value
+            out.add_(torch.arange(lo, hi, device=uniforms.device), alpha=length).add_(shift)
+    positions.add_((rotation * n).to(torch.int64))
+    return torch.where(positions >= n, positions - n, positions)
+
+
+def bernoulli_capacity(n: int, k: float, sigmas: float = 8.0) -> int:
+    """A bound on Binomial(n, k) exceeded with probability below 1e-15 (mean + 8 sigma + 16), at most n."""
+    mean = n * k
+    return min(n, math.ceil(mean + sigmas * math.sqrt(mean * (1.0 - k)) + 16))
+
+
+def bernoulli_positions(n: int, k: float, uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """`(positions, valid)`: each of [0, n) selected independently with probability k, padded to a fixed length.
+
+    The gaps between successive Bernoulli(k) successes are i.i.d. Geometric(k); drawing one gap per uniform
+    (inverse CDF: floor(log(1 - U) / log(1 - k)) + 1) costs about k n random numbers instead of n. Their
+    running sum gives the sorted positions. `uniforms` fixes the capacity (`bernoulli_capacity`): positions past
+    n are padding, replaced by a copy of the first position (a duplicate carries the same value through a
+    gather, all-reduce and scatter, so it changes nothing) and marked invalid (0) in `valid`, which keeps them
+    out of norms. Two events change the mask, both with probability below 1e-15 per tensor and step at the
+    default capacity, and both decided on the device: more successes than the capacity (the last ones are not
+    selected this step) and no success at all (position n - 1 is selected).
+    """
+    if k >= 1.0:
+        positions = torch.arange(n, device=uniforms.device)
+        return positions, torch.ones(n, device=uniforms.device)
+    # 1 - U lies in (0, 1], so its log is finite; log is vectorised where log1p is not (10x on the CPU).
+    gaps = uniforms.neg().add_(1.0).log_().div_(math.log1p(-k)).to(torch.int64)
+    positions = gaps.cumsum_(0).add_(torch.arange(uniforms.numel(), device=uniforms.device))
+    valid = positions < n
+    valid[0] = True
+    first = positions[:1].clamp(max=n - 1)
+    return torch.where(valid, positions, first), valid.to(torch.float32)

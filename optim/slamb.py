@@ -12,23 +12,32 @@ from torch import Tensor
 
 from conf.checks import check_choice, check_non_negative, check_positive, check_range, require
 from optim._math import (
+    bernoulli_capacity,
+    bernoulli_positions,
     bias_corrections,
     check_adam_hyperparameters,
     check_flags,
     closure_loss,
     foreach_adam_moments_,
+    mask_seed,
+    stratified_count,
+    stratified_positions,
     trust_ratio,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_MASKS = ("bernoulli", "cyclic")
+_MASKS = ("stratified", "bernoulli", "cyclic")
 _RESCALES = ("sum_of_products", "product_of_interpolations")
 _BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
 # Elements per chunk of the flat buffers, by device type (absent: a whole param group). On the CPU the passes
-# of one chunk stay in cache (see optim/lamb.py's _FOREACH_CHUNK_NUMEL); on a GPU it bounds the scratch buffer.
+# of one chunk stay in cache (see optim/lamb.py's _FOREACH_CHUNK_NUMEL); on a GPU it bounds the scratch buffer
+# (a tensor larger than the limit forms a chunk of its own).
 _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
+# Elements per piece of the update's coefficient buffer: small enough to stay in cache between the two passes.
+_APPLY_NUMEL = 1 << 18
+_ROW_NUMEL = 16  # coordinates per row of the stratified and cyclic masks
 _GLOBAL = "slamb"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
 
 
@@ -40,6 +49,33 @@ class _Slot:
     offset: int
     numel: int
     always: bool  # 1-D or smaller than min_compress_numel: synced every step
+    index: int  # position among all slots: seeds the tensor's cyclic partition
+    block: int  # the mask selects rows of this many consecutive coordinates (1: single coordinates)
+
+    def flat(self, buffer: Tensor, start: int = 0) -> Tensor:
+        """This slot's 1-D slice of `buffer`, a flat buffer whose element 0 is flat position `start`."""
+        return buffer[self.offset - start:self.offset - start + self.numel]
+
+    def select(self, source: Tensor, rows: Tensor, out: Tensor) -> None:
+        """out <- the selected rows of `source` (this slot's 1-D values), one row after the other."""
+        if self.block == 1:
+            torch.index_select(source, 0, rows, out=out)
+        else:
+            torch.index_select(source.view(-1, self.block), 0, rows, out=out.view(-1, self.block))
+
+    def put(self, target: Tensor, rows: Tensor, values: Tensor) -> None:
+        """The inverse of `select`: the selected rows of `target` <- `values`."""
+        if self.block == 1:
+            target.scatter_(0, rows, values)
+        else:
+            target.view(-1, self.block).index_copy_(0, rows, values.view(-1, self.block))
+
+    def fill_one(self, target: Tensor, rows: Tensor, one: Tensor) -> None:
+        """The selected rows of `target` <- 1 (`one` is a 1-element tensor of 1)."""
+        if self.block == 1:
+            target.scatter_(0, rows, one.expand(rows.numel()))
+        else:
+            target.view(-1, self.block).index_fill_(0, rows, 1.0)
 
 
 @dataclass(frozen=True)
@@ -51,7 +87,26 @@ class _Chunk:
     split: int
     end: int
     slots: tuple[_Slot, ...]
-    masked_start: int  # offset of [split, end) among all masked coordinates (the cyclic phase table)
+    masked: tuple[_Slot, ...]  # the slots in [split, end)
+    one_d: Tensor  # per slot, dim <= 1 (on the device, built once: the clamp_1d switch needs no host copy)
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """S_t within one chunk: its always-synced coordinates and, per masked slot, the selected rows.
+
+    Every row tensor has a length fixed by the slot's size (and, for the cyclic mask, the phase), so the
+    compact vector's layout (`sizes`: coordinates per masked slot) is known on the host. `valid` (Bernoulli
+    only) is 1 for a selected row and 0 for padding, a duplicate of a selected one; None without padding.
+    """
+
+    positions: tuple[Tensor, ...]
+    sizes: tuple[int, ...]
+    valid: tuple[Tensor, ...] | None
+
+    def size(self, chunk: _Chunk) -> int:
+        """Length of this chunk's part of the compact vector: always-synced coordinates, then the masked ones."""
+        return chunk.split - chunk.start + sum(self.sizes)
 
 
 class SLAMB(torch.optim.Optimizer):
@@ -84,9 +139,21 @@ class SLAMB(torch.optim.Optimizer):
     :math:`S_t` holds every coordinate of a tensor with ``dim <= 1`` or ``numel < min_compress_numel`` and,
     elsewhere, coordinates drawn from a private generator seeded by ``(seed, t)``, so all ranks agree without
     sending indices and the global RNG is never touched (the official code reseeds it every step).
-    ``bernoulli``: each coordinate independently with probability ``compress_ratio`` (drawn as geometric gaps
-    between selected coordinates, O(k d) random numbers per step). ``cyclic``: a fixed random partition of the
-    coordinates into :math:`\lfloor 1/k\rfloor` chunks, chunk :math:`t \bmod n_c` at step :math:`t`.
+    ``stratified`` (the default): each masked tensor of :math:`n` elements is cut into rows of :math:`B` = up
+    to 16 consecutive coordinates (a 64-byte cache line; the largest power of two dividing :math:`n`) and
+    exactly :math:`c = \mathrm{round}(k n / B)` rows are selected, one uniformly in each of :math:`c`
+    near-equal strata at a random rotation. Every coordinate is synced with probability exactly
+    :math:`cB/n \approx k`, independently across steps, as under Bernoulli draws; coordinates of one row go
+    together. The fixed count sizes the all-reduce without asking the device, and rows make the draw, the
+    gathers and the scatters 16 times cheaper than single coordinates. ``bernoulli`` (Slamb_V2): each
+    coordinate independently with probability :math:`k`, a random count, drawn as geometric gaps (about
+    :math:`k n` random numbers) into a fixed capacity of mean :math:`+ 8\sigma + 16` positions, padded with a
+    duplicate of a selected one; the padding is sent too (counted in the bytes), and past the capacity
+    (probability below 1e-15 per tensor and step) the last selections wait for a later step. ``cyclic``
+    (Slamb): a fixed random partition of each tensor into :math:`n_c = \lfloor 1/k\rfloor` parts, part
+    :math:`t \bmod n_c` at step :math:`t`, as index lists built once (4 bytes per masked coordinate). With
+    every mask a step reads nothing back from the device (no ``.item()``, ``nonzero`` or data-dependent
+    shape), so on a GPU it never waits for the device.
 
     Averaging the momentum, not the gradient, loses nothing at a synced coordinate: the EMA is linear, so the
     rank mean of the local momenta there equals the momentum of the mean gradient, however stale the
@@ -105,7 +172,7 @@ class SLAMB(torch.optim.Optimizer):
         min_compress_numel: :math:`\tau`, tensors with fewer elements (or 1-D) are synced every step, 9000 [code].
         trust_ratio_bounds: :math:`(c_{min}, c_{max})` = (0.01, 1000) [code], the clamp of the trust ratios
             (not LAMB's boolean ``trust_clip``).
-        mask: ``"bernoulli"`` (Slamb_V2) or ``"cyclic"`` (Slamb).
+        mask: ``"stratified"`` (fixed count, the default), ``"bernoulli"`` (Slamb_V2) or ``"cyclic"`` (Slamb).
         rescale: ``"sum_of_products"`` (V2, above) or ``"product_of_interpolations"`` (naive):
             :math:`w \leftarrow w - \mathrm{clamp}(r\phi_F + (1-r)\phi_U, c_{min}, c_{max})
             \,(r\eta + (1-r)\eta/\sqrt N)\,\tilde u`.
@@ -117,6 +184,10 @@ class SLAMB(torch.optim.Optimizer):
         stale_ratio_fallback: :math:`\phi_U` when a stale norm is 0: 0 (V2) or 1 (naive).
         clamp_1d: clamp the ratios of 1-D tensors too (V2); False leaves them unclamped (naive).
         comm_dtype: payload of the momentum all-reduce: ``"fp32"`` [code], ``"fp16"`` [fork] or ``"bf16"``.
+            In half precision each rank divides its share by :math:`N` before the cast (so the sum stays in
+            range), the backend sums half-precision values (partial sums rounded to the wire dtype, not fp32),
+            and the mean is cast back into the fp32 momentum; the bytes counted are the half-precision
+            payload's, 2 per synced coordinate.
         sync_offset: dense sync when :math:`(t - \text{sync\_offset}) \bmod H = 0`; 1 as in [code].
         bucket_mb: the compacted momentum and the dense parameter average go out in all-reduces of at most
             this many MB (one per bucket, never one per tensor).
@@ -125,8 +196,11 @@ class SLAMB(torch.optim.Optimizer):
             or a world of one when there is none.
 
     State: per parameter ``exp_avg``, ``exp_avg_sq`` and ``freshness`` (fp32 views of flat buffers), and under
-    the key ``"slamb"`` the step and the mask seed, all in `state_dict()`. Moments and, between dense syncs,
-    parameters differ across ranks, so checkpoints are per rank (the trainer does this for ``grad_sync="self"``).
+    the key ``"slamb"`` the step and the mask seed, all in `state_dict()`; masks are pure functions of (seed,
+    step), so nothing else is needed to resume exactly. Moments and, between dense syncs, parameters differ
+    across ranks, so checkpoints are per rank (the trainer does this for ``grad_sync="self"``). Work buffers,
+    kept between steps: the direction of the largest chunk, the compact vector (about :math:`k d`), the
+    gathered weights of one chunk and a small coefficient buffer (`memory_bytes`).
     """
 
     def __init__(
@@ -141,7 +215,7 @@ class SLAMB(torch.optim.Optimizer):
         sync_interval: int = 100,
         min_compress_numel: int = 9000,
         trust_ratio_bounds: Sequence[float] = (0.01, 1000.0),
-        mask: str = "bernoulli",
+        mask: str = "stratified",
         rescale: str = "sum_of_products",
         bias_correction_form: str = "scalar",
         wd_in_trust_ratio: bool = True,
@@ -188,28 +262,31 @@ class SLAMB(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        """One SLAMB step: local moments, masked momentum average, rescaled LAMB update, periodic dense sync."""
+        """One SLAMB step: local moments, masked momentum average, rescaled LAMB update, periodic dense sync.
+
+        Nothing in it reads a tensor on the host: sizes come from the layout and the mask kind, per-tensor ratios
+        stay 0-d device tensors, and choices between values are `torch.where`.
+        """
         loss = closure_loss(closure)
         layout = self._ensure_layout()
         glob = self.state[_GLOBAL]
         glob["step"] += 1
         step = glob["step"]
 
-        # Chunk by chunk, so that each gather and scatter follows the pass that brought its data into cache.
-        synced = self._synced_indices(layout, step)  # cheap: about k d random numbers
-        compact = self._compact_buffer(layout, synced) if self.comm.distributed else None
-        spans = self._compact_spans(layout, synced)
-        for chunk, idx, span in zip(layout.chunks, synced, spans, strict=True):
+        masks = self._masks(layout, step)
+        spans = _spans(layout.chunks, masks)
+        distributed = self.comm.distributed
+        for chunk, mask, (a, b) in zip(layout.chunks, masks, spans, strict=True):
             self._local_moments(layout, chunk)
-            if compact is not None:
-                self._gather_momentum(layout, chunk, idx, compact, span)
-        if compact is not None:
-            self._all_reduce_mean(compact)
-        for chunk, idx, span in zip(layout.chunks, synced, spans, strict=True):
-            if compact is not None:
-                self._scatter_momentum(layout, chunk, idx, compact, span)
-            self._update_chunk(layout, chunk, idx, step)
-        if self.comm.distributed and (step - self.sync_offset) % self.sync_interval == 0:
+            if distributed:
+                _gather(layout, chunk, mask, layout.compact[a:b])
+        if distributed and spans:
+            self._all_reduce_mean(layout.compact[:spans[-1][1]])
+        for chunk, mask, (a, b) in zip(layout.chunks, masks, spans, strict=True):
+            if distributed:
+                _scatter(layout, chunk, mask, layout.compact[a:b])
+            self._update_chunk(layout, chunk, mask, layout.compact[a:b], step)
+        if distributed and (step - self.sync_offset) % self.sync_interval == 0:
             self._average_parameters(layout)
         return loss
 
@@ -227,36 +304,8 @@ class SLAMB(torch.optim.Optimizer):
             grads, beta1, beta2,
         )
 
-    # The momentum sync, m[S_t] <- rank mean of m[S_t]: the synced coordinates of all chunks are gathered into
-    # one compact vector, all-reduced in buckets of at most bucket_mb, and scattered back.
-    @staticmethod
-    def _compact_spans(layout: _Layout, synced: list[Tensor]) -> list[tuple[int, int, int]]:
-        """Per chunk (position in the compact vector, always-synced count, masked count)."""
-        spans, pos = [], 0
-        for chunk, idx in zip(layout.chunks, synced, strict=True):
-            spans.append((pos, chunk.split - chunk.start, idx.numel()))
-            pos += chunk.split - chunk.start + idx.numel()
-        return spans
-
-    def _compact_buffer(self, layout: _Layout, synced: list[Tensor]) -> Tensor:
-        total = sum(c.split - c.start + idx.numel() for c, idx in zip(layout.chunks, synced, strict=True))
-        return torch.empty(total, dtype=torch.float32, device=layout.exp_avg.device)
-
-    @staticmethod
-    def _gather_momentum(layout: _Layout, chunk: _Chunk, idx: Tensor, compact: Tensor, span: tuple) -> None:
-        pos, always, masked = span
-        m = layout.exp_avg[chunk.start:chunk.end]
-        compact[pos:pos + always].copy_(m[:always])
-        torch.index_select(m, 0, idx, out=compact[pos + always:pos + always + masked])
-
-    @staticmethod
-    def _scatter_momentum(layout: _Layout, chunk: _Chunk, idx: Tensor, compact: Tensor, span: tuple) -> None:
-        pos, always, masked = span
-        m = layout.exp_avg[chunk.start:chunk.end]
-        m[:always].copy_(compact[pos:pos + always])
-        m.index_copy_(0, idx, compact[pos + always:pos + always + masked])
-
     def _all_reduce_mean(self, compact: Tensor) -> None:
+        """m[S_t] <- the rank mean, in buckets of at most bucket_mb (see `comm_dtype` for the half-precision path)."""
         if self.comm_dtype == torch.float32:
             payload = compact
         else:  # divide first, so that the half-precision sum stays in range; cast for the wire
@@ -270,99 +319,134 @@ class SLAMB(torch.optim.Optimizer):
         else:
             compact.copy_(payload)
 
-    def _update_chunk(self, layout: _Layout, chunk: _Chunk, synced: Tensor, step: int) -> None:
-        """Freshness, Adam direction, fresh/stale trust ratios and the rescaled update of one chunk."""
-        start, end = chunk.start, chunk.end
-        layout.freshness[chunk.split:end].mul_(self.beta3)
-        layout.freshness[start:end].index_fill_(0, synced, 1.0)
+    def _update_chunk(self, layout: _Layout, chunk: _Chunk, mask: _Mask, compact: Tensor, step: int) -> None:
+        """Freshness, Adam direction, fresh/stale trust ratios and the rescaled update of one chunk.
 
-        slots = [s for s in chunk.slots if s.param.grad is not None]
-        if not slots:
-            return
+        `compact` is the chunk's part of the compact vector, free again once the averaged momenta are back in m.
+        """
+        start, end = chunk.start, chunk.end
+        freshness = layout.freshness[start:end]
+        freshness[chunk.split - start:].mul_(self.beta3)
+        for slot, rows in zip(chunk.masked, mask.positions, strict=True):
+            slot.fill_one(slot.flat(freshness, start), rows, layout.one)
+
         group = self.param_groups[chunk.group]
         beta1, beta2 = group["betas"]
         lr, weight_decay = group["lr"], group["weight_decay"]
         bc1, bc2 = bias_corrections(step, beta1, beta2, enabled=self.bias_correction_form != "none")
-        # u' = m / (sqrt(v) + eps') is the direction up to the scalar `scale`, which is folded into the norms
-        # and the step size instead of costing a pass over the chunk.
+        # The direction buffer holds u~ up to a scalar `unit` (u~ = unit * buffer), folded into the norms and
+        # the step sizes instead of costing a pass: buffer = m / (sqrt(v) + eps') with unit = sqrt(bc2) / bc1
+        # and, when the norms include the decay, buffer = w + m / (lambda' (sqrt(v) + eps')) with unit = lambda,
+        # one addcdiv instead of a division and an addition. Every slot's direction is formed (the ratios are
+        # computed for the whole chunk at once); only slots with a gradient are updated.
         scale = math.sqrt(bc2) / bc1
         eps = group["eps"] * (math.sqrt(bc2) if self.bias_correction_form == "full" else 1.0)
         direction = layout.scratch[:end - start]
         torch.sqrt(layout.exp_avg_sq[start:end], out=direction)
         direction.add_(eps)
-        torch.div(layout.exp_avg[start:end], direction, out=direction)
-        params = [s.param for s in slots]
-        updates = [direction[s.offset - start:s.offset - start + s.numel].view_as(s.param) for s in slots]
-        if weight_decay != 0 and self.wd_in_trust_ratio:
+        params = [s.param for s in chunk.slots]
+        updates = [s.flat(direction, start).view_as(s.param) for s in chunk.slots]
+        decay_in_norms = weight_decay != 0 and self.wd_in_trust_ratio
+        if decay_in_norms:
+            for slot, p, u in zip(chunk.slots, params, updates, strict=True):
+                torch.addcdiv(p, layout.view(layout.exp_avg, slot), u, value=scale / weight_decay, out=u)
+            unit = weight_decay
+        else:
+            torch.div(layout.exp_avg[start:end], direction, out=direction)
+            unit = scale
+        fresh, stale = self._trust_ratios(layout, chunk, mask, direction, compact, unit)
+        if weight_decay != 0 and not decay_in_norms:
             torch._foreach_add_(updates, params, alpha=weight_decay / scale)
 
-        fresh_ratio, stale_ratio, has_stale = self._trust_ratios(chunk, slots, synced, direction, scale)
-        if weight_decay != 0 and not self.wd_in_trust_ratio:
-            torch._foreach_add_(updates, params, alpha=weight_decay / scale)
-
-        lr_fresh, lr_stale = lr * scale, lr * scale / math.sqrt(self.world_size)
-        fresh_coef = fresh_ratio * lr_fresh  # per tensor, 0-d tensors on the device: no host sync
-        stale_coef = torch.where(has_stale, stale_ratio * lr_stale, torch.zeros_like(stale_ratio))
-        always = [i for i, s in enumerate(slots) if s.always]
+        lr_fresh, lr_stale = lr * unit, lr * unit / math.sqrt(self.world_size)
+        fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
+        fresh_coef = fresh_clamped * -lr_fresh  # per slot, on the device: no host read
+        active = [i for i, s in enumerate(chunk.slots) if s.param.grad is not None]
+        always = [i for i in active if chunk.slots[i].always]
         if always:  # r == 1 on every coordinate: plain LAMB steps with the fresh ratio
+            coefs = fresh_coef.unbind()
             torch._foreach_addcmul_([params[i] for i in always], [updates[i] for i in always],
-                                    list((-fresh_coef[always]).unbind()))
-        for i, s in enumerate(slots):
-            if s.always:
-                continue
-            r = layout.view(layout.freshness, s)
-            coef = layout.coef[:s.numel].view_as(s.param)  # a persistent buffer: no page faults per step
-            if self.rescale == "sum_of_products":
-                torch.addcmul(stale_coef[i], r, fresh_coef[i] - stale_coef[i], out=coef)
-            else:
-                ratio = torch.addcmul(stale_ratio[i], r, fresh_ratio[i] - stale_ratio[i])
-                if self.clamp_1d or s.param.dim() > 1:
-                    ratio.clamp_(*self.trust_ratio_bounds)
-                torch.mul(r, lr_fresh - lr_stale, out=coef).add_(lr_stale).mul_(ratio)
-            s.param.addcmul_(updates[i], coef, value=-1.0)
+                                    [coefs[i] for i in always])
+        if self.rescale == "sum_of_products":  # coef = -[lr_stale phi_U + r (lr_fresh phi_F - lr_stale phi_U)]
+            stale_coef = stale_clamped * -lr_stale
+            bases, slopes = stale_coef.unbind(), (fresh_coef - stale_coef).unbind()
+        else:  # naive: coef = -clamp(phi_U + r (phi_F - phi_U)) (lr_stale + r (lr_fresh - lr_stale))
+            bases, slopes = stale.unbind(), (fresh - stale).unbind()
+        for i in active:
+            slot = chunk.slots[i]
+            if not slot.always:
+                self._apply(layout, params[i], slot.flat(direction, start), slot.flat(freshness, start),
+                            bases[i], slopes[i], lr_fresh, lr_stale)
+
+    def _apply(self, layout: _Layout, param: Tensor, update: Tensor, freshness: Tensor, base: Tensor,
+               slope: Tensor, lr_fresh: float, lr_stale: float) -> None:
+        """w -= coef * u with the per-element coef of the rescale form, piece by piece through a small buffer.
+
+        Pieces of at most `_APPLY_NUMEL` elements keep the coefficient in cache between the two passes that
+        form and use it, and the buffer small (no full-size ratio tensor per masked tensor).
+        """
+        flat = param.view(-1) if param.is_contiguous() else None
+        if flat is None:  # a strided parameter: one piece, through a temporary
+            coef = torch.empty_like(freshness)
+            self._coefficients(freshness, base, slope, lr_fresh, lr_stale, coef, torch.empty_like(coef))
+            param.addcmul_(update.view_as(param), coef.view_as(param))
+            return
+        for a in range(0, flat.numel(), _APPLY_NUMEL):
+            b = min(a + _APPLY_NUMEL, flat.numel())
+            coef = layout.coef[:b - a]
+            self._coefficients(freshness[a:b], base, slope, lr_fresh, lr_stale, coef, layout.spare[:b - a])
+            flat[a:b].addcmul_(update[a:b], coef)
+
+    def _coefficients(self, freshness: Tensor, base: Tensor, slope: Tensor, lr_fresh: float, lr_stale: float,
+                      out: Tensor, spare: Tensor) -> None:
+        """out <- the (negative) step per unit direction at each coordinate, from its freshness r."""
+        torch.mul(freshness, slope, out=out).add_(base)  # twice as fast as one addcmul with 0-d operands on a CPU
+        if self.rescale == "product_of_interpolations":  # interpolate the raw ratios, clamp, times the mixed lr
+            out.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
+            # ratio (-lr_stale - r (lr_fresh - lr_stale)), in two passes through the second buffer
+            torch.mul(out, -lr_stale, out=spare)
+            torch.addcmul(spare, out, freshness, value=lr_stale - lr_fresh, out=out)
 
     def _trust_ratios(
-        self, chunk: _Chunk, slots: list[_Slot], synced: Tensor, direction: Tensor, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Per tensor (phi_F, phi_U, has_stale) over the fresh coordinates S_t and the stale rest."""
-        params = [s.param for s in slots]
-        updates = [direction[s.offset - chunk.start:s.offset - chunk.start + s.numel] for s in slots]
-        w_total = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
-        u_total = torch.stack(torch._foreach_norm(updates)) * scale
-        w_fresh, u_fresh = w_total.clone(), u_total.clone()
-        has_stale = torch.zeros(len(slots), dtype=torch.bool, device=w_total.device)
+        self, layout: _Layout, chunk: _Chunk, mask: _Mask, direction: Tensor, compact: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Per slot the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
+        their fallbacks for zero norms.
 
-        masked = [i for i, s in enumerate(slots) if not s.always]
+        Fresh norms come from the few selected coordinates, gathered into compact buffers; stale ones by
+        difference from the whole-tensor norms, so no pass touches the stale 90 % twice.
+        """
+        params = [s.param for s in chunk.slots]
+        updates = [s.flat(direction, chunk.start) for s in chunk.slots]
+        w_norms = list(torch._foreach_norm(params, 2, dtype=torch.float32))
+        u_norms = list(torch._foreach_norm(updates))
+        w_total, u_total = torch.stack(w_norms), torch.stack(u_norms)
+        masked = [i for i, s in enumerate(chunk.slots) if not s.always]
         if masked:
-            # Fresh norms from the few synced coordinates; stale ones by difference (no pass over the stale 90%).
-            starts = [slots[i].offset - chunk.start for i in masked]
-            bounds = [edge for i, a in zip(masked, starts, strict=True) for edge in (a, a + slots[i].numel)]
-            cuts = torch.searchsorted(synced, torch.tensor(bounds, device=synced.device)).tolist()  # host sync
-            u_parts, w_parts, stale = [], [], []
-            for j, i in enumerate(masked):
-                a, b = cuts[2 * j], cuts[2 * j + 1]
-                u_parts.append(direction.index_select(0, synced[a:b]))
-                w_parts.append(slots[i].param.reshape(-1).index_select(0, synced[a:b] - starts[j]))
-                stale.append(b - a < slots[i].numel)
-            where = torch.tensor(masked, device=w_total.device)
-            w_fresh[where] = torch.stack(torch._foreach_norm(w_parts, 2, dtype=torch.float32))
-            u_fresh[where] = torch.stack(torch._foreach_norm(u_parts)) * scale
-            has_stale[where] = torch.tensor(stale, device=w_total.device)
+            u_parts, w_parts = layout.gathered(chunk, mask, direction, compact)
+            if mask.valid is not None:  # padding duplicates a selected coordinate: count it once
+                torch._foreach_mul_(u_parts, list(mask.valid))
+                torch._foreach_mul_(w_parts, list(mask.valid))
+            for i, w_norm, u_norm in zip(masked, torch._foreach_norm(w_parts), torch._foreach_norm(u_parts),
+                                         strict=True):
+                w_norms[i], u_norms[i] = w_norm, u_norm
+        w_fresh, u_fresh = torch.stack(w_norms), torch.stack(u_norms)
+        u_total, u_fresh = u_total * scale, u_fresh * scale
         w_stale = (w_total.square() - w_fresh.square()).clamp_(min=0).sqrt_()
         u_stale = (u_total.square() - u_fresh.square()).clamp_(min=0).sqrt_()
-        w_stale = torch.where(has_stale, w_stale, torch.zeros_like(w_stale))
-        u_stale = torch.where(has_stale, u_stale, torch.zeros_like(u_stale))
-
-        c_min, c_max = self.trust_ratio_bounds
         fresh = trust_ratio(w_fresh, u_fresh)  # 1 when a norm is 0
         stale = torch.where((w_stale > 0) & (u_stale > 0), w_stale / u_stale,
                             torch.full_like(w_stale, self.stale_ratio_fallback))
+        return fresh, stale
+
+    def _clamp_ratios(self, chunk: _Chunk, fresh: Tensor, stale: Tensor) -> tuple[Tensor, Tensor]:
+        """phi_F clamped to [c_min, c_max] and phi_U to [0, c_max] (1-D tensors left alone without clamp_1d)."""
+        c_min, c_max = self.trust_ratio_bounds
         fresh_clamped, stale_clamped = fresh.clamp(c_min, c_max), stale.clamp(0.0, c_max)
         if not self.clamp_1d:
-            one_d = torch.tensor([s.param.dim() <= 1 for s in slots], device=fresh.device)
-            fresh_clamped = torch.where(one_d, fresh, fresh_clamped)
-            stale_clamped = torch.where(one_d, stale, stale_clamped)
-        return fresh_clamped, stale_clamped, has_stale
+            fresh_clamped = torch.where(chunk.one_d, fresh, fresh_clamped)
+            stale_clamped = torch.where(chunk.one_d, stale, stale_clamped)
+        return fresh_clamped, stale_clamped
 
     def _average_parameters(self, layout: _Layout) -> None:
         """Dense fp32 average of every parameter, in tensor-aligned buckets of at most bucket_mb."""
@@ -385,24 +469,26 @@ class SLAMB(torch.optim.Optimizer):
             p.copy_(value.view_as(p))
 
     # ------------------------------------------------------------------------------------------ masks
-    def _synced_indices(self, layout: _Layout, step: int) -> list[Tensor]:
-        """Per chunk, the sorted indices (from the chunk's start) of its masked coordinates in S_t.
-
-        The chunk's always-synced coordinates, [start, split), are in S_t too, implicitly.
-        """
+    def _masks(self, layout: _Layout, step: int) -> list[_Mask]:
+        """S_t chunk by chunk: a pure function of (seed, step), drawn from the layout's private generator."""
         k = self.compress_ratio
-        seed = self.state[_GLOBAL]["seed"]
         if self.mask == "cyclic":
-            table, count = layout.cyclic_phases(seed, k)
-            current = step % count
-            return [
-                torch.nonzero(table[c.masked_start:c.masked_start + c.end - c.split] == current).squeeze(1)
-                .add_(c.split - c.start)
-                for c in layout.chunks
-            ]
+            return layout.cyclic_masks(self.state[_GLOBAL]["seed"], k, step)
         generator = layout.generator
-        generator.manual_seed(_mask_seed(seed, step))
-        return [_bernoulli_positions(c.end - c.split, k, generator, c.split - c.start) for c in layout.chunks]
+        generator.manual_seed(mask_seed(self.state[_GLOBAL]["seed"], step))
+        masks = []
+        for chunk in layout.chunks:
+            sizes = [_draw_size(self.mask, s, k) for s in chunk.masked]
+            uniforms = torch.rand(sum(sizes), generator=generator, device=layout.exp_avg.device).split(sizes)
+            coordinates = tuple(_mask_size(self.mask, s, k) for s in chunk.masked)
+            if self.mask == "stratified":
+                rows = tuple(stratified_positions(s.numel // s.block, stratified_count(s.numel // s.block, k), u)
+                             for s, u in zip(chunk.masked, uniforms, strict=True))
+                masks.append(_Mask(rows, coordinates, None))
+            else:
+                drawn = [bernoulli_positions(s.numel, k, u) for s, u in zip(chunk.masked, uniforms, strict=True)]
+                masks.append(_Mask(tuple(p for p, _ in drawn), coordinates, tuple(v for _, v in drawn)))
+        return masks
 
     def sync_masks(self, step: int) -> list[Tensor]:
         """The boolean mask S_`step` of every parameter (param_groups order): which coordinates that step averages.
@@ -411,24 +497,25 @@ class SLAMB(torch.optim.Optimizer):
         """
         layout = self._ensure_layout()
         flat = torch.zeros(layout.numel, dtype=torch.bool, device=layout.exp_avg.device)
-        for chunk, idx in zip(layout.chunks, self._synced_indices(layout, step), strict=True):
+        for chunk, mask in zip(layout.chunks, self._masks(layout, step), strict=True):
             flat[chunk.start:chunk.split] = True
-            flat[chunk.start + idx] = True
+            valid = mask.valid or (None,) * len(mask.positions)
+            for slot, rows, keep in zip(chunk.masked, mask.positions, valid, strict=True):
+                selected = rows if keep is None else rows[keep.bool()]
+                slot.flat(flat).view(-1, slot.block)[selected] = True
         return [flat[s.offset:s.offset + s.numel].view_as(s.param) for s in layout.slots_in_group_order]
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the optimizer's persistent tensors: `state` (m, v, freshness) and `scratch` (work buffers)."""
         layout = self._ensure_layout()
         state = sum(t.numel() * t.element_size() for t in (layout.exp_avg, layout.exp_avg_sq, layout.freshness))
-        scratch = (layout.scratch.numel() + layout.coef.numel()) * layout.scratch.element_size()
-        if layout.phases is not None:
-            scratch += layout.phases.numel() * layout.phases.element_size()
-        return {"state": state, "scratch": scratch}
+        return {"state": state, "scratch": layout.scratch_bytes()}
 
     # ------------------------------------------------------------------------------------------ layout
     def _ensure_layout(self) -> _Layout:
         if self._layout is None:
-            self._layout = _Layout(self.param_groups, self.state, self.min_compress_numel)
+            self._layout = _Layout(self.param_groups, self.state, self.min_compress_numel, self.mask,
+                                   self.compress_ratio)
         return self._layout
 
 
@@ -455,54 +542,74 @@ def check_slamb_options(options: dict[str, Any]) -> None:
     require(isinstance(o["seed"], int), "seed", o["seed"], "must be an integer")
 
 
-def _mask_seed(seed: int, step: int) -> int:
-    """A 63-bit generator seed from (seed, step): splitmix64 of both, so nearby seeds give unrelated masks."""
-    x = ((seed & 0xFFFFFFFF) << 32 | (step & 0xFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) >> 1
+def _draw_size(mask: str, slot: _Slot, k: float) -> int:
+    """Uniforms one masked tensor's draw takes: rows + 1 (stratified) or the Bernoulli capacity."""
+    if mask == "stratified":
+        return stratified_count(slot.numel // slot.block, k) + 1
+    return bernoulli_capacity(slot.numel, k)
 
 
-def _bernoulli_positions(n: int, k: float, generator: torch.Generator, offset: int) -> Tensor:
-    """Sorted positions `offset + i`, i in [0, n), each present independently with probability k.
+def _mask_size(mask: str, slot: _Slot, k: float) -> int:
+    """Coordinates per step in one masked tensor's part of the compact vector (cyclic: the largest part)."""
+    if mask == "cyclic":
+        return -(-(slot.numel // slot.block) // _cyclic_parts(k)) * slot.block
+    if mask == "stratified":
+        return stratified_count(slot.numel // slot.block, k) * slot.block
+    return bernoulli_capacity(slot.numel, k)
 
-    The gaps between successive Bernoulli(k) successes are i.i.d. Geometric(k), so drawing the gaps
-    (inverse CDF of uniforms: floor(log(1 - U) / log(1 - k)) + 1) costs about k n random numbers instead of n,
-    and gives the indices the gather needs without a pass over a dense mask.
-    """
-    device = generator.device
-    if n == 0:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    if k >= 1.0:
-        return torch.arange(offset, offset + n, device=device)
-    log_q = math.log1p(-k)
-    mean = n * k
-    batch = int(mean + 6.0 * math.sqrt(mean * (1.0 - k)) + 32)
-    pieces, next_position = [], offset
-    while True:
-        uniform = torch.rand(batch, generator=generator, device=device)
-        # 1 - U lies in (0, 1], so its log is finite; log is vectorised where log1p is not (10x on the CPU).
-        gaps = uniform.neg_().add_(1.0).log_().div_(log_q).floor_().to(torch.int64).add_(1)
-        positions = gaps.cumsum_(0).add_(next_position - 1)
-        last = int(positions[-1])
-        if last >= offset + n:
-            count = int(torch.searchsorted(positions, offset + n))
-            pieces.append(positions[:count])
-            break
-        pieces.append(positions)
-        next_position = last + 1
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+def _block(mask: str, numel: int) -> int:
+    """Rows of the stratified and cyclic masks: up to 16 consecutive coordinates (one 64-byte cache line of
+    fp32), the largest power of two dividing the tensor's size; single coordinates for Slamb_V2's Bernoulli."""
+    return min(_ROW_NUMEL, numel & -numel) if mask != "bernoulli" else 1
+
+
+def _cyclic_parts(k: float) -> int:
+    return max(1, math.floor(1.0 / k + 1e-9))
+
+
+def _spans(chunks: list[_Chunk], masks: list[_Mask]) -> list[tuple[int, int]]:
+    """Per chunk its [start, end) in the compact vector, from host-side sizes only."""
+    spans, position = [], 0
+    for chunk, mask in zip(chunks, masks, strict=True):
+        size = mask.size(chunk)
+        spans.append((position, position + size))
+        position += size
+    return spans
+
+
+def _gather(layout: _Layout, chunk: _Chunk, mask: _Mask, out: Tensor) -> None:
+    """out <- m at the chunk's synced coordinates: always-synced ones first, then each masked slot's positions."""
+    m = layout.exp_avg
+    always = chunk.split - chunk.start
+    out[:always].copy_(m[chunk.start:chunk.split])
+    for slot, rows, part in zip(chunk.masked, mask.positions, _parts(out[always:], mask), strict=True):
+        slot.select(slot.flat(m), rows, part)
+
+
+def _scatter(layout: _Layout, chunk: _Chunk, mask: _Mask, values: Tensor) -> None:
+    """The inverse of `_gather`: m at the synced coordinates <- the averaged values."""
+    m = layout.exp_avg
+    always = chunk.split - chunk.start
+    m[chunk.start:chunk.split].copy_(values[:always])
+    for slot, rows, part in zip(chunk.masked, mask.positions, _parts(values[always:], mask), strict=True):
+        slot.put(slot.flat(m), rows, part)
+
+
+def _parts(buffer: Tensor, mask: _Mask) -> tuple[Tensor, ...]:
+    """`buffer` cut into one piece per masked slot, as long as its selected coordinates."""
+    return buffer[:sum(mask.sizes)].split(list(mask.sizes))
 
 
 class _Layout:
-    """Flat fp32 buffers for m, v and freshness, with every parameter's state a view into them.
+    """Flat fp32 buffers for m, v and freshness, with every parameter's state a view into them, and work buffers.
 
     Order: param group by param group, always-synced tensors first, so that each chunk's always-synced
     coordinates are one slice and its masked ones another.
     """
 
-    def __init__(self, param_groups: list[dict[str, Any]], state: dict, min_compress_numel: int) -> None:
+    def __init__(self, param_groups: list[dict[str, Any]], state: dict, min_compress_numel: int, mask: str,
+                 k: float) -> None:
         params = [p for g in param_groups for p in g["params"]]
         devices = {p.device for p in params}
         if len(devices) != 1:
@@ -512,31 +619,39 @@ class _Layout:
         self.slots: list[_Slot] = []
         self.chunks: list[_Chunk] = []
         by_param: dict[int, _Slot] = {}
-        offset = masked_offset = 0
+        offset = 0
         for gi, group in enumerate(param_groups):
             ordered = sorted(group["params"], key=lambda p: not _always(p, min_compress_numel))  # stable
             current: list[_Slot] = []
             for p in ordered:
                 numel = p.numel()
                 if current and limit is not None and offset + numel - current[0].offset > limit:
-                    masked_offset = self._close(gi, current, masked_offset)
+                    self._close(gi, current, device)
                     current = []
-                slot = _Slot(p, offset, numel, _always(p, min_compress_numel))
+                slot = _Slot(p, offset, numel, _always(p, min_compress_numel), len(by_param), _block(mask, numel))
                 current.append(slot)
                 by_param[id(p)] = slot
                 offset += numel
             if current:
-                masked_offset = self._close(gi, current, masked_offset)
-        self.numel, self.masked_numel = offset, masked_offset
+                self._close(gi, current, device)
+        self.numel = offset
         self.slots_in_group_order = [by_param[id(p)] for p in params]
 
         self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(offset, dtype=torch.float32, device=device)
         self.freshness = torch.ones(offset, dtype=torch.float32, device=device)
+        # Work buffers, kept between steps (a fresh allocation would be page-faulted in again every step).
+        masked = [s for s in self.slots if not s.always]
         self.scratch = torch.empty(max((c.end - c.start for c in self.chunks), default=0), device=device)
-        self.coef = torch.empty(max((s.numel for s in self.slots if not s.always), default=0), device=device)
+        self.compact = torch.empty(sum(c.split - c.start for c in self.chunks)
+                                   + sum(_mask_size(mask, s, k) for s in masked), device=device)
+        per_chunk = [sum(_mask_size(mask, s, k) for s in c.masked) for c in self.chunks]
+        self.gathered_weights = torch.empty(max(per_chunk, default=0), device=device)
+        self.coef = torch.empty(min(_APPLY_NUMEL, max((s.numel for s in masked), default=0)), device=device)
+        self.spare = torch.empty_like(self.coef)  # the product form's second factor
+        self.one = torch.ones(1, device=device)
         self.generator = torch.Generator(device=device)
-        self.phases: Tensor | None = None  # cyclic mask: per masked coordinate, the step mod n_c that syncs it
+        self.cyclic: list[list[tuple[Tensor, ...]]] | None = None  # per chunk, per phase, per masked slot
         for slot in self.slots:  # adopt loaded state, then point the state at the flat buffers
             entry = state[slot.param]
             for key, buffer in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq),
@@ -549,33 +664,63 @@ class _Layout:
                     view.copy_(entry[key])
                 entry[key] = view
 
-    def _close(self, group: int, slots: list[_Slot], masked_offset: int) -> int:
+    def _close(self, group: int, slots: list[_Slot], device: torch.device) -> None:
         split = next((s.offset for s in slots if not s.always), slots[-1].offset + slots[-1].numel)
         end = slots[-1].offset + slots[-1].numel
-        self.chunks.append(_Chunk(group, slots[0].offset, split, end, tuple(slots), masked_offset))
+        one_d = torch.tensor([s.param.dim() <= 1 for s in slots], device=device)
+        masked = tuple(s for s in slots if not s.always)
+        self.chunks.append(_Chunk(group, slots[0].offset, split, end, tuple(slots), masked, one_d))
         self.slots.extend(slots)
-        return masked_offset + end - split
 
     @staticmethod
     def view(buffer: Tensor, slot: _Slot) -> Tensor:
-        return buffer[slot.offset:slot.offset + slot.numel].view_as(slot.param)
+        return slot.flat(buffer).view_as(slot.param)
 
-    def cyclic_phases(self, seed: int, k: float) -> tuple[Tensor, int]:
-        """(table, n_c): a random partition of the masked coordinates into n_c = floor(1/k) near-equal chunks.
+    def gathered(
+        self, chunk: _Chunk, mask: _Mask, direction: Tensor, compact: Tensor
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """The direction and the weights at each masked slot's positions, in `compact` (the chunk's part of the
+        compact vector, free once its momenta are back in m) and in the gathered-weights buffer."""
+        u_parts = list(_parts(compact[chunk.split - chunk.start:], mask))
+        w_parts = list(_parts(self.gathered_weights, mask))
+        for slot, rows, u, w in zip(chunk.masked, mask.positions, u_parts, w_parts, strict=True):
+            slot.select(slot.flat(direction, chunk.start), rows, u)
+            flat = slot.param.reshape(-1)
+            if flat.dtype == torch.float32:
+                slot.select(flat, rows, w)
+            else:
+                slot.select(flat.float(), rows, w)
+        return u_parts, w_parts
 
-        Built once from the seed, as one small integer per coordinate (the chunk it belongs to) rather than the
-        official int32 permutation (4 bytes per parameter); only the seed goes into the state_dict.
+    def cyclic_masks(self, seed: int, k: float, step: int) -> list[_Mask]:
+        """Phase t mod n_c of a fixed random partition of each masked tensor into n_c = floor(1/k) near-equal parts.
+
+        Built once from the seed (each tensor's permutation of its rows from its own generator seed), as sorted
+        row lists (8 bytes per row of up to 16 coordinates); only the seed goes into the state_dict.
         """
-        count = max(1, math.floor(1.0 / k + 1e-9))
-        if self.phases is None:
-            dtype = torch.uint8 if count <= 256 else torch.int32
-            device = self.exp_avg.device
-            generator = torch.Generator(device=device).manual_seed(_mask_seed(seed, 0xFFFFFFFF))
-            n = self.masked_numel
-            perm = torch.randperm(n, generator=generator, device=device)
-            self.phases = torch.empty(n, dtype=dtype, device=device)
-            self.phases[perm] = (torch.arange(n, device=device) * count // max(n, 1)).to(dtype)
-        return self.phases, count
+        parts = _cyclic_parts(k)
+        if self.cyclic is None:
+            self.cyclic = [[() for _ in range(parts)] for _ in self.chunks]
+            for ci, chunk in enumerate(self.chunks):
+                phases: list[list[Tensor]] = [[] for _ in range(parts)]
+                for slot in chunk.masked:
+                    generator = self.generator.manual_seed(mask_seed(seed, 0x80000000 + slot.index))
+                    rows = slot.numel // slot.block
+                    perm = torch.randperm(rows, generator=generator, device=self.exp_avg.device)
+                    for phase, piece in enumerate(perm.tensor_split(parts)):
+                        phases[phase].append(piece.sort().values)
+                self.cyclic[ci] = [tuple(p) for p in phases]
+        phase = step % parts
+        return [_Mask(pieces[phase], tuple(p.numel() * s.block for p, s in zip(pieces[phase], chunk.masked,
+                                                                                strict=True)), None)
+                for pieces, chunk in zip(self.cyclic, self.chunks, strict=True)]
+
+    def scratch_bytes(self) -> int:
+        buffers = [self.scratch, self.compact, self.gathered_weights, self.coef, self.spare]
+        total = sum(t.numel() * t.element_size() for t in buffers)
+        for chunk_phases in self.cyclic or []:
+            total += sum(t.numel() * t.element_size() for phase in chunk_phases for t in phase)
+        return total
 
 
 def _always(p: Tensor, min_compress_numel: int) -> bool:
@@ -586,4 +731,11 @@ register_optimizer(OptimSpec(
     "slamb", SLAMB, "self", check=check_slamb_options,
     description="SLAMB (Xu et al., ICML 2023): LAMB with a randomly masked momentum all-reduce, freshness "
                 "rescaling and periodic dense parameter averaging",
+))
+# The same class under the name of its parity preset: conf/optim/slamb_v2_official.yaml holds the official
+# Slamb_V2's switches (the values live in the YAML, as for every entry; the registry adds no defaults).
+register_optimizer(OptimSpec(
+    "slamb_v2_official", SLAMB, "self", check=check_slamb_options,
+    description="SLAMB with the switches of the official Slamb_V2 (decay outside the trust-ratio norms), "
+                "for comparisons with the published code",
 ))

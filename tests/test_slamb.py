@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import REPO, TINY, compose, run_train
 from distributed_harness import run_on_ranks
 from omegaconf import OmegaConf
@@ -202,6 +203,227 @@ def test_weight_decay_outside_the_trust_ratio_and_full_bias_correction_differ_fr
 def test_bad_hyper_parameters_name_the_value(kwargs, value):
     with pytest.raises(ValueError, match=value.replace(".", r"\.").replace("(", r"\(")):
         SLAMB([nn.Parameter(torch.ones(2))], **kwargs)
+
+
+# --------------------------------------------------------------------------------------------- official code
+CONF_OPTIM = REPO / "conf" / "optim"
+
+
+class _MirrorComm(Comm):
+    """N identical ranks in one process: an all-reduce (sum) multiplies by N, so every average is the identity.
+
+    It takes SLAMB's multi-rank path (compaction, bucketed all-reduce, lr / sqrt(N) for stale coordinates,
+    dense syncs) deterministically, and counts the bytes as a real rank would send them.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(None)
+        self.world_size = world_size
+
+    def all_reduce(self, tensor, op=None, async_op=False):
+        self._count(tensor)
+        tensor.mul_(self.world_size)
+        return _Done() if async_op else None
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+def _preset(name: str, **overrides) -> dict:
+    cfg = yaml.safe_load((CONF_OPTIM / f"{name}.yaml").read_text())
+    assert cfg.pop("name") == name
+    return cfg | overrides
+
+
+def _ratio(weight: torch.Tensor, update: torch.Tensor, fallback: float) -> torch.Tensor:
+    w, u = weight.norm(), update.norm()
+    return w / u if w > 0 and u > 0 else torch.tensor(fallback)
+
+
+def _official_v2(params, grads, masks, wds, *, lr, betas, eps, beta3, bounds, world_size, interval) -> None:
+    """Slamb_V2's step, transcribed tensor by tensor, with the masks given (identical ranks: averages are no-ops).
+
+    Bias correction as one scalar; norms over the Adam direction without decay; phi_F over the coordinates whose
+    freshness is 1 (fallback 1, clamp [c_min, c_max]), phi_U over the others (fallback 0, clamp [0, c_max]);
+    w -= lr phi_F r u + lr / sqrt(N) phi_U (1 - r) u with u including the decay.
+    """
+    beta1, beta2 = betas
+    state = {}
+    for t, (step_grads, step_masks) in enumerate(zip(grads, masks, strict=True), start=1):
+        for p, g, mask, wd in zip(params, step_grads, step_masks, wds, strict=True):
+            m, v, r = state.setdefault(id(p), (torch.zeros_like(p), torch.zeros_like(p), torch.ones_like(p)))
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            r.mul_(beta3)
+            r[mask] = 1.0
+            u = m / (v.sqrt() + eps) * ((1 - beta2**t) ** 0.5 / (1 - beta1**t))
+            fresh = r == 1
+            phi_f = _ratio(p[fresh], u[fresh], 1.0).clamp(*bounds)
+            phi_u = _ratio(p[~fresh], u[~fresh], 0.0).clamp(0.0, bounds[1])
+            u = u + wd * p
+            p.sub_(lr * phi_f * u * r + lr / math.sqrt(world_size) * phi_u * u * (1 - r))
+        # a dense sync (t % interval == 1) averages identical parameters: nothing to do
+
+
+def _official_naive(params, grads, masks, wds, *, lr, betas, eps, beta3, bounds, world_size, interval) -> None:
+    """The naive Slamb's step, transcribed: full bias correction, decay inside the norms, staleness counters,
+    phi = clamp(r phi_F + (1 - r) phi_U, c_min, c_max) over the raw ratios (fallback 1), 1-D tensors unclamped."""
+    beta1, beta2 = betas
+    state = {}
+    for t, (step_grads, step_masks) in enumerate(zip(grads, masks, strict=True), start=1):
+        for p, g, mask, wd in zip(params, step_grads, step_masks, wds, strict=True):
+            m, v, j = state.setdefault(id(p), (torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)))
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            u = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps) + wd * p
+            j.add_(1).mul_(~mask)
+            if p.dim() == 1:
+                p.sub_(lr * _ratio(p, u, 1.0) * u)
+                continue
+            r = beta3**j
+            phi = (r * _ratio(p[mask], u[mask], 1.0) + (1 - r) * _ratio(p[~mask], u[~mask], 1.0)).clamp(*bounds)
+            p.sub_(phi * (r * lr + (1 - r) * lr / math.sqrt(world_size)) * u)
+
+
+def _compare_with_official(reference, options: dict, world_size: int, shrink_fresh: bool = False) -> None:
+    """SLAMB with `options` on N identical (mirrored) ranks against `reference` fed SLAMB's own masks."""
+    params = [nn.Parameter(t.clone()) for t in _initial_params()]
+    wds = [0.01] * 4 + [0.0]
+    optimizer = SLAMB([{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:], "weight_decay": 0.0}],
+                      comm=_MirrorComm(world_size), **options)
+    masks = [optimizer.sync_masks(t) for t in range(1, N_STEPS + 1)]
+    if shrink_fresh:  # phi_F far below c_min at step 1: clamping before or after the interpolation differs
+        with torch.no_grad():
+            for p, mask in zip(params, masks[0], strict=True):
+                if p.dim() > 1 and not mask.all():
+                    p[mask] *= 1e-4
+    expected = [p.detach().clone() for p in params]
+    grads = [[_grad(0, t, i) for i in range(len(SHAPES))] for t in range(1, N_STEPS + 1)]
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g
+        optimizer.step()
+    reference(expected, grads, masks, wds, lr=options["lr"], betas=tuple(options["betas"]), eps=options["eps"],
+              beta3=options["beta3"], bounds=tuple(options["trust_ratio_bounds"]), world_size=world_size,
+              interval=options["sync_interval"])
+    for got, want in zip(params, expected, strict=True):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_v2_official_preset_equals_the_official_slamb_v2_step(world_size):
+    options = _preset("slamb_v2_official", compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=H,
+                      beta3=BETA3, lr=1e-2)
+    assert options["wd_in_trust_ratio"] is False and options["mask"] == "bernoulli"
+    _compare_with_official(_official_v2, options, world_size)
+
+
+NAIVE = dict(mask="cyclic", rescale="product_of_interpolations", bias_correction_form="full",
+             stale_ratio_fallback=1, clamp_1d=False, wd_in_trust_ratio=True)
+
+
+@pytest.mark.parametrize("shrink_fresh", [False, True])
+def test_naive_switches_equal_the_official_naive_slamb_step(shrink_fresh):
+    """The product form interpolates the raw ratios and clamps the result, as the official naive Slamb."""
+    options = _preset("slamb", compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=H, beta3=BETA3,
+                      lr=1e-2, **NAIVE)
+    _compare_with_official(_official_naive, options, 4, shrink_fresh=shrink_fresh)
+
+
+def test_fp16_momentum_payload_is_half_the_fp32_bytes():
+    """comm_dtype fp16 sends 2 bytes per synced coordinate: half of fp32's, on steps without a dense sync."""
+    sent = {}
+    for dtype in ("fp32", "fp16"):
+        params = [nn.Parameter(t.clone()) for t in _initial_params()]
+        comm = _MirrorComm(2)
+        optimizer = SLAMB(params, comm=comm, comm_dtype=dtype, compress_ratio=K, min_compress_numel=MIN_NUMEL,
+                          sync_interval=H)
+        for t in range(1, 4):
+            for i, p in enumerate(params):
+                p.grad = _grad(0, t, i)
+            optimizer.step()
+            sent[dtype, t] = comm.take_counts()["bytes"], sum(int(m.sum()) for m in optimizer.sync_masks(t))
+    d = sum(math.prod(s) for s in SHAPES)
+    for t in (2, 3):  # step 1 also averages the parameters densely, in fp32
+        assert sent["fp32", t] == (4 * sent["fp32", t][1], sent["fp16", t][1])
+        assert sent["fp16", t][0] * 2 == sent["fp32", t][0]
+    assert sent["fp16", 1][0] == 2 * sent["fp16", 1][1] + 4 * d
+
+
+# --------------------------------------------------------------------------------------------- host syncs
+_HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "nonzero")
+_SLAMB_FILES = (str(REPO / "optim" / "slamb.py"), str(REPO / "optim" / "_math.py"))
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Host reads of tensor values (each one a device sync on a GPU) made while SLAMB's code is on the stack."""
+    calls: list[str] = []
+    for name in _HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code.co_filename in _SLAMB_FILES:
+                    calls.append(f"{_name} from {frame.f_code.co_filename}:{frame.f_lineno}")
+                    break
+                frame = frame.f_back
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+MULTI_RANK_VARIANTS = [
+    dict(),
+    dict(mask="bernoulli"),
+    dict(mask="cyclic", rescale="product_of_interpolations", clamp_1d=False),
+    dict(wd_in_trust_ratio=False, comm_dtype="fp16"),
+]
+
+
+@pytest.mark.parametrize("options", MULTI_RANK_VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_multi_rank_step_reads_nothing_on_the_host(host_reads, options):
+    """Sizes come from the layout, ratios stay on the device: not one host read in a step, dense syncs included."""
+    params = [nn.Parameter(t.clone()) for t in _initial_params()]
+    optimizer = SLAMB([{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:], "weight_decay": 0.0}],
+                      comm=_MirrorComm(4), compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=2, **options)
+    for step in range(1, 5):
+        for i, p in enumerate(params):
+            p.grad = _grad(0, step, i)
+        optimizer.step()
+    assert host_reads == []
+
+
+def test_the_host_read_counter_sees_a_read(host_reads):
+    code = compile("torch.ones(()).item()", _SLAMB_FILES[0], "exec")
+    exec(code, {"torch": torch})
+    assert len(host_reads) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("options", MULTI_RANK_VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_cuda_step_makes_no_device_sync(options):
+    """On a GPU the step, on the multi-rank path, runs under sync debug mode "error": any sync raises."""
+    params = [nn.Parameter(t.clone().cuda()) for t in _initial_params()]
+    optimizer = SLAMB([{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:], "weight_decay": 0.0}],
+                      comm=_MirrorComm(4), compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=2, **options)
+    grads = [[_grad(0, step, i).cuda() for i in range(len(SHAPES))] for step in range(1, 5)]
+    optimizer.step()  # builds the layout (its one-off copies from the host may sync)
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g
+            optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(p).all() for p in params)
 
 
 # --------------------------------------------------------------------------------------------- N ranks
@@ -449,3 +671,9 @@ def test_bert_slamb_experiments_train_at_test_scale(tmp_path, experiment):
     run(cfg, tmp_path)
     # fp16 with the recipe's initial loss scale 2^20: the first steps overflow, are skipped and logged at step 0.
     assert [r["step"] for r in read_metrics(tmp_path) if r["step"] > 0] == [1, 2]
+
+
+def test_bert_slamb_experiments_send_the_momentum_in_fp16():
+    """As the authors' BERT fork: the masked momentum goes out in fp16, the dense parameter average in fp32."""
+    for experiment in ("slamb_bert", "bert_large_phase1_slamb", "bert_large_phase2_slamb"):
+        assert compose([f"experiment={experiment}"]).optim.comm_dtype == "fp16", experiment
