@@ -161,6 +161,10 @@ class SlowMo(torch.optim.Optimizer):
             self._outer_step()
         return loss
 
+    def replicas_agree_after(self, step: int) -> bool:
+        """Whether every rank holds the same weights after optimizer step `step` (only right after a sync)."""
+        return step % self.sync_interval == 0
+
     def _init_state(self) -> None:
         """Anchors are the weights before the first base step: by then every rank holds rank 0's."""
         for group in self.param_groups:

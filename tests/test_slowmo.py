@@ -251,6 +251,8 @@ def test_step_and_sync_read_nothing_on_the_host(monkeypatch):
             p.grad = _grad(0, step, i)
         slowmo.step()
     assert reads == []
+    # The trainer warns when a run ends between syncs: rank 0 would evaluate and export its own replica.
+    assert [slowmo.replicas_agree_after(step) for step in range(1, 5)] == [False, True, False, True]
 
 
 def test_param_groups_are_the_bases_so_the_schedule_reaches_it_also_after_loading():

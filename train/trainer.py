@@ -114,6 +114,11 @@ class Trainer:
         if freeze_step is not None and freeze_step >= self.max_steps:
             warnings.append(f"optim.freeze_step={freeze_step} is not below the run's {self.max_steps} steps: "
                             f"{self.spec.name} never compresses and sends 32 bits per parameter per step, like LAMB")
+        agree_after = getattr(self.optimizer, "replicas_agree_after", None)  # replicas that drift between syncs
+        if self.comm.distributed and agree_after is not None and not agree_after(self.max_steps):
+            warnings.append(f"the run's {self.max_steps} steps do not end on one of {self.spec.name}'s weight "
+                            "averages: the final evaluation and export use rank 0's own replica; make "
+                            "trainer.max_steps a multiple of the sync interval")
         return warnings
 
     # ----------------------------------------------------------------------------------------- loop
