@@ -18,7 +18,7 @@ from optim.onebit_adam import OneBitAdam  # registers `onebit_adam`
 from optim.onebit_lamb import OneBitLAMB  # registers `onebit_lamb`
 from optim.param_groups import param_groups_weight_decay
 from optim.schedule import build_lr_schedule
-from optim.slamb import SLAMB  # registers `slamb`
+from optim.slamb import SLAMB  # registers `slamb` and `slamb_v2_official`
 from optim.slowmo import SlowMo  # registers `slowmo` (after the bases it may name)
 from optim.zero_one_adam import ZeroOneAdam  # registers `zero_one_adam`
 
