@@ -7,35 +7,23 @@ the scaler's own read of its overflow flag. The optimizers' internals are checke
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, TINY, compose
+from host_reads import count_host_reads
 
 from optim.comm import Comm
 from train.trainer import Trainer
 
-_HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
 _WATCHED = (str(REPO / "train"), "torch/amp/grad_scaler.py", "torch/nn/utils/clip_grad.py")
 
 
 @pytest.fixture
 def host_reads(monkeypatch):
     """Counts host reads of tensors made directly by the trainer, the loss scaler or gradient clipping."""
-    calls: list[str] = []
-    for name in _HOST_READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if any(part in caller for part in _WATCHED):
-                calls.append(f"{_name} from {caller}")
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return calls
+    return count_host_reads(monkeypatch, *_WATCHED)
 
 
 @pytest.mark.parametrize(("precision", "allowed"), [("fp32", 0), ("bf16", 0), ("fp16", 1)])

@@ -4,10 +4,10 @@ the trust-ratio fallbacks, no host reads in the step, exact resume."""
 from __future__ import annotations
 
 import io
-import sys
 
 import pytest
 import torch
+from host_reads import count_host_reads
 from timm.optim import Lars as TimmLars
 from torch import nn
 
@@ -126,23 +126,8 @@ def test_trust_ratio_is_1_for_a_zero_weight_or_a_zero_gradient():
     assert torch.equal(zero_grad, torch.full((3, 3), 1 - 0.5 * 0.1))  # ratio 1 on the decay term alone
 
 
-def host_reads(monkeypatch, module_file: str) -> list[str]:
-    """The host reads of tensors (`.item()`, `bool(t)`, ...) made directly by code in `module_file`, from now on."""
-    reads = []
-    for name in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            if sys._getframe(1).f_code.co_filename.endswith(module_file):
-                reads.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return reads
-
-
 def test_step_reads_nothing_on_the_host(monkeypatch):
-    reads = host_reads(monkeypatch, "optim/lars.py")
+    reads = count_host_reads(monkeypatch, "optim/lars.py")
     model = _small_model()
     optimizer = LARS(param_groups_weight_decay(model, 1e-2), lr=1.0, nesterov=True)
     for _ in range(2):

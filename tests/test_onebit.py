@@ -6,13 +6,13 @@ import contextlib
 import io
 import os
 import signal
-import sys
 from collections import Counter
 
 import pytest
 import torch
-from conftest import TINY, run_train
+from conftest import REPO, TINY, run_train
 from distributed_harness import run_on_ranks
+from host_reads import count_host_reads
 from test_trainer import _popen, _wait_for_step
 from torch import nn
 
@@ -245,8 +245,6 @@ def test_trajectories_match_deepspeed_0_19_6():
 
 
 # ------------------------------------------------------------------------------------------------ host syncs
-_HOST_READS = ("item", "tolist", "numpy", "nonzero", "__bool__", "__float__", "__int__", "__index__")
-_OPTIM_DIR = os.path.dirname(os.path.abspath(sys.modules[OneBitAdam.__module__].__file__))
 SYNC_FREE = {**OPTIMIZERS, "lamb": (LAMB, dict(lr=0.01, weight_decay=0.01)),
              "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.01))}
 
@@ -281,18 +279,7 @@ def _build_sync_free(name: str, model: nn.Module, comm: Comm):
 @pytest.fixture
 def host_reads(monkeypatch):
     """Counts host reads of tensors (`.item()`, `bool(t)`, `nonzero()`, ...) made directly by code in optim/."""
-    calls: list[str] = []
-    for method in _HOST_READS:
-        original = getattr(torch.Tensor, method)
-
-        def counted(self, *args, _original=original, _name=method, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if os.path.abspath(caller).startswith(_OPTIM_DIR + os.sep):
-                calls.append(f"{_name} from {caller}:{sys._getframe(1).f_lineno}")
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, method, counted)
-    return calls
+    return count_host_reads(monkeypatch, str(REPO / "optim") + os.sep)
 
 
 @pytest.mark.parametrize("name", list(SYNC_FREE))

@@ -16,6 +16,7 @@ import torch
 import yaml
 from conftest import REPO, TINY, compose, run_train
 from distributed_harness import run_on_ranks
+from host_reads import count_host_reads
 from omegaconf import OmegaConf
 from test_lamb import _batches, _one_thread, _tiny_bert
 from test_trainer import _wait_for_step
@@ -353,28 +354,13 @@ def test_fp16_momentum_payload_is_half_the_fp32_bytes():
 
 
 # --------------------------------------------------------------------------------------------- host syncs
-_HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "nonzero")
 _SLAMB_FILES = (str(REPO / "optim" / "slamb.py"), str(REPO / "optim" / "_math.py"))
 
 
 @pytest.fixture
 def host_reads(monkeypatch):
     """Host reads of tensor values (each one a device sync on a GPU) made while SLAMB's code is on the stack."""
-    calls: list[str] = []
-    for name in _HOST_READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            frame = sys._getframe(1)
-            while frame is not None:
-                if frame.f_code.co_filename in _SLAMB_FILES:
-                    calls.append(f"{_name} from {frame.f_code.co_filename}:{frame.f_lineno}")
-                    break
-                frame = frame.f_back
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return calls
+    return count_host_reads(monkeypatch, *_SLAMB_FILES, anywhere_on_stack=True)
 
 
 MULTI_RANK_VARIANTS = [

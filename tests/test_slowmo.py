@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import compose
 from distributed_harness import run_on_ranks
-from test_lars import host_reads
+from host_reads import count_host_reads
 from torch import nn
 
 from conf.checks import ConfigError
@@ -243,7 +243,7 @@ def test_one_rank_tau_1_beta_0_alpha_1_is_the_base(base):
 
 
 def test_step_and_sync_read_nothing_on_the_host(monkeypatch):
-    reads = host_reads(monkeypatch, "optim/slowmo.py")
+    reads = count_host_reads(monkeypatch, "optim/slowmo.py")
     params = [nn.Parameter(t.clone()) for t in _initial()]
     slowmo = SlowMo(_groups(params), lr=0.1, base="sgd", sync_interval=2, average_buffers=True)
     for step in range(1, 5):
