@@ -293,7 +293,7 @@ def test_trainer_hooks_and_zero_grad_work_on_the_wrapper():
     ({"base": "adamw", "base_options": {"betas": [0.9, 1.0]}}, "optim.base_options.betas=[0.9, 1.0] must be"),
     ({"base": "sgd", "base_options": {"nesterov": True}}, "optim.base_options.nesterov=True needs momentum > 0"),
     ({"base_options": {"lr": 0.1}}, "optim.base_options.lr=0.1 is SlowMo's own option"),
-    ({"base": "slamb"}, "optim.base=slamb must be one of sgd, adamw, lamb, lars"),
+    ({"base": "slamb"}, "optim.base=slamb must be one of sgd, adamw, apex_adam, apex_lamb, lamb, lars"),
 ])
 def test_base_options_are_checked_at_config_time_naming_the_key(overrides, start):
     options = {"lr": 6e-3, "weight_decay": 0.01, "base": "lamb", "base_options": {}} | overrides
