@@ -88,7 +88,7 @@ def test_save_pretrained_names_the_stock_class(tmp_path):
 def test_activation_checkpointing_gives_the_same_gradients_and_weights():
     no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     plain, checkpointed = _tiny(**no_dropout), _tiny(activation_checkpointing=True, **no_dropout)
-    assert checkpointed.is_gradient_checkpointing and not plain.is_gradient_checkpointing
+    assert checkpointed.is_activation_checkpointing and not plain.is_activation_checkpointing
     assert plain.state_dict().keys() == checkpointed.state_dict().keys()
     for model in (plain, checkpointed):
         model.train()
