@@ -214,7 +214,6 @@ class Trainer:
     def _abandon_step(self, step_start: tuple[dict[str, Any], dict[str, Any]] | None) -> None:
         """Forget a partial step: no gradients, and the data position and random streams of its start."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.comm.take_counts()
         if step_start is not None:
             loader_state, rng = step_start
             self.loader.load_state_dict(loader_state)
