@@ -12,6 +12,7 @@ from optim._registry import (
     list_optimizers,
     register_optimizer,
 )
+from optim.jointspar import JointSpar  # registers `jointspar`
 from optim.lamb import LAMB  # registers `lamb`
 from optim.lars import LARS  # registers `lars`
 from optim.onebit_adam import OneBitAdam  # registers `onebit_adam`
@@ -26,6 +27,7 @@ __all__ = [
     "LAMB",
     "LARS",
     "SLAMB",
+    "JointSpar",
     "OneBitAdam",
     "OneBitLAMB",
     "OptimSpec",

@@ -33,6 +33,11 @@ class OptimSpec:
     `defaults` are keyword arguments this entry fixes for its class, applied under the config's values:
     one class can stand under several names with other defaults (as timm's `lambc` is its `Lamb` with
     `trust_clip=True`). Precedence, lowest first: the class signature, `defaults`, the config.
+
+    `samples_layers`: the optimizer picks, each step, which layers compute gradients at all (JointSpar). The
+    trainer then calls its `begin_step()` before each step's first forward, runs eagerly (a compiled graph
+    would be rebuilt for every new layer set), and the optimizer gets `(name, parameter)` pairs, since its
+    layers are named blocks of the model.
     """
 
     name: str  # same string as conf/optim/<name>.yaml and its `name:` field
@@ -41,6 +46,7 @@ class OptimSpec:
     description: str
     check: Callable[[dict[str, Any]], None]
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    samples_layers: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))  # frozen all the way
@@ -115,7 +121,7 @@ def build_optimizer(
         # A value of the wrong kind: the class's own check, run by its constructor, names it.
     kwargs = {**spec.defaults, **_plain(kwargs)}
     weight_decay = kwargs.pop("weight_decay", _options(spec.cls).get("weight_decay", 0.0))
-    groups = param_groups_weight_decay(model, weight_decay)
+    groups = param_groups_weight_decay(model, weight_decay, named=spec.samples_layers)
     if spec.grad_sync == "self":
         kwargs["comm"] = comm
     return spec.cls(groups, **kwargs)

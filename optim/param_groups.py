@@ -13,14 +13,15 @@ NO_DECAY_PATTERNS: tuple[str, ...] = ("bias", "LayerNorm", "norm")
 
 
 def param_groups_weight_decay(
-    model: nn.Module, weight_decay: float, no_decay_patterns: Sequence[str] = NO_DECAY_PATTERNS
+    model: nn.Module, weight_decay: float, no_decay_patterns: Sequence[str] = NO_DECAY_PATTERNS, named: bool = False
 ) -> list[dict[str, Any]]:
     """Groups `[{"name": "decay", ...}, {"name": "no_decay", "weight_decay": 0.0, ...}]`, empty ones dropped.
 
     A trainable parameter goes to `no_decay` when it has `ndim <= 1` (biases, norm scales and shifts), when
     its qualified name contains one of `no_decay_patterns` (plain substrings), or when the model names it
     in `no_weight_decay()` (timm's convention, e.g. Swin's position embeddings). Decaying those hurts
-    accuracy and is not what the published recipes do. Frozen parameters are left out.
+    accuracy and is not what the published recipes do. Frozen parameters are left out. With `named`, each
+    group's `params` are `(qualified name, parameter)` pairs, which torch optimizers keep as `param_names`.
     """
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
     decay, no_decay = [], []
@@ -38,4 +39,8 @@ def param_groups_weight_decay(
         {"name": "decay", "params": decay, "weight_decay": weight_decay},
         {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
     ]
+    if named:
+        names = {id(param): name for name, param in model.named_parameters()}
+        for group in groups:
+            group["params"] = [(names[id(param)], param) for param in group["params"]]
     return [group for group in groups if group["params"]]

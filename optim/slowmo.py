@@ -3,52 +3,23 @@ averaging, and a slow momentum step on the averaged displacement."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from conf.checks import InvalidOption, check_choice, check_kwargs, check_non_negative, check_positive, require
+from conf.checks import check_non_negative, check_positive, require
 from optim._math import check_flags, closure_loss
-from optim._registry import (
-    OptimSpec,
-    _options,
-    _plain,
-    get_optimizer_spec,
-    list_optimizers,
-    register_optimizer,
-    run_check,
-)
+from optim._registry import OptimSpec, get_optimizer_spec, list_optimizers, register_optimizer, run_check
+from optim.base_optimizer import build_base, check_base_options
 from optim.comm import Comm
 
 _GLOBAL = "slowmo"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
-_FROM_SLOWMO = ("lr", "weight_decay")  # what the base takes from SlowMo's param groups, never from base_options
-
-
-def _check_sgd_options(options: dict[str, Any]) -> None:
-    """The checks of `torch.optim.SGD`'s options that a config can get wrong (torch checks the rest itself)."""
-    check_non_negative("lr", options["lr"])
-    momentum = options["momentum"]
-    require(isinstance(momentum, int | float) and 0.0 <= momentum < 1.0, "momentum", momentum, "must be in [0, 1)")
-    check_non_negative("weight_decay", options["weight_decay"])
-    check_flags(options, "nesterov")
-    require(not options["nesterov"] or (momentum > 0 and options["dampening"] == 0), "nesterov",
-            options["nesterov"], "needs momentum > 0 and dampening 0")
-
-
-# Plain SGD is a base only: as an optimizer of its own the project has LARS (and SGD is LARS's inner loop).
-_SGD = OptimSpec("sgd", torch.optim.SGD, "ddp", check=_check_sgd_options,
-                 description="torch.optim.SGD (momentum, Nesterov): Local SGD as SlowMo's base")
 
 
 def base_names() -> list[str]:
     """What `base` may name: `sgd` and every registered optimizer that leaves gradient sync to DDP."""
     return ["sgd", *(name for name in list_optimizers() if get_optimizer_spec(name).grad_sync == "ddp")]
-
-
-def _base_spec(name: str) -> OptimSpec:
-    return _SGD if name == "sgd" else get_optimizer_spec(name)
 
 
 class SlowMo(torch.optim.Optimizer):
@@ -123,9 +94,7 @@ class SlowMo(torch.optim.Optimizer):
             lr=lr, weight_decay=weight_decay, base=base, base_options=base_options, sync_interval=sync_interval,
             slow_momentum=slow_momentum, slow_lr=slow_lr, average_buffers=average_buffers, bucket_mb=bucket_mb,
         ))
-        spec = _base_spec(base)
-        options = {**spec.defaults, **_plain(base_options or {})}
-        self.base = spec.cls(params, lr=lr, weight_decay=weight_decay, **options)
+        self.base = build_base(base, params, lr, weight_decay, base_options)
         # Optimizer's own set-up (step hooks, `state`) over the base's groups, which hold every default already.
         super().__init__(self.base.param_groups, self.base.defaults)
         self.param_groups = self.base.param_groups  # one list of the same dicts: the schedule reaches the base
@@ -240,21 +209,7 @@ def check_slowmo_options(options: dict[str, Any]) -> None:
     o = options
     check_non_negative("lr", o["lr"])
     check_non_negative("weight_decay", o["weight_decay"])
-    check_choice("base", o["base"], base_names())
-    base_options = o["base_options"] if o["base_options"] is not None else {}
-    require(isinstance(base_options, Mapping), "base_options", base_options, "must be a mapping of the base's options")
-    for key in _FROM_SLOWMO:
-        require(key not in base_options, f"base_options.{key}", base_options.get(key),
-                f"is SlowMo's own option: set {key} beside base, not in base_options")
-    spec = _base_spec(o["base"])
-    try:
-        check_kwargs(spec.cls, base_options, owner=f"base optimizer '{spec.name}'",
-                     reserved=("params", "comm", *_FROM_SLOWMO))
-        spec.check({**_options(spec.cls), **spec.defaults, **_plain(base_options),
-                    "lr": o["lr"], "weight_decay": o["weight_decay"]})
-    except InvalidOption as err:
-        key = err.key if err.key in _FROM_SLOWMO else f"base_options.{err.key}"
-        raise InvalidOption(key, err.why, err.value) from None
+    check_base_options(o, base_names(), "SlowMo")
     interval = o["sync_interval"]
     require(isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1, "sync_interval",
             interval, "must be an integer >= 1")

@@ -166,12 +166,17 @@ def _options(node: DictConfig) -> dict[str, Any]:
 
 def _check_across_groups(cfg: DictConfig) -> None:
     """What no single group can check: the data's class count must be the model head's, its sequences must fit
-    the model's position embeddings, and a gradient all-reduce dtype needs an optimizer that uses DDP."""
+    the model's position embeddings, a gradient all-reduce dtype needs an optimizer that uses DDP, and an
+    optimizer that samples layers needs eager mode."""
     data_classes, model_classes = OmegaConf.select(cfg, "data.num_classes"), OmegaConf.select(cfg, "model.num_classes")
     if data_classes is not None and model_classes is not None and data_classes != model_classes:
         raise ConfigError(f"data.num_classes={data_classes} differs from model.num_classes={model_classes}")
-    wire = cfg.trainer.grad_allreduce_dtype
-    if wire != "fp32" and get_optimizer_spec(cfg.optim.name).grad_sync != "ddp":
+    wire, spec = cfg.trainer.grad_allreduce_dtype, get_optimizer_spec(cfg.optim.name)
+    if spec.samples_layers and cfg.trainer.compile:
+        raise ConfigError(f"trainer.compile=true with optim={cfg.optim.name}, which changes every step which "
+                          "layers compute gradients (a compiled graph would be rebuilt each time): set "
+                          "trainer.compile=false")
+    if wire != "fp32" and spec.grad_sync != "ddp":
         raise ConfigError(f"trainer.grad_allreduce_dtype={wire} sets DDP's gradient all-reduce, which "
                           f"optim={cfg.optim.name} does not use (it communicates by itself; see its own options)")
     seq_len = OmegaConf.select(cfg, "data.max_seq_len")

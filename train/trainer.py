@@ -182,6 +182,8 @@ class Trainer:
         lr = self.peak_lr * self.lr_multiplier(self.step + 1)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.spec.samples_layers:  # JointSpar: only this step's layers will compute weight gradients
+            self.optimizer.begin_step()
         accumulation = self.geometry.accumulation_steps
         step_start = (self.loader.state_dict(), rng_state()) if accumulation > 1 else None
         totals: dict[str, torch.Tensor] = {}
