@@ -66,9 +66,12 @@ def test_each_config_builds_its_optimizer_and_steps(name):
     assert decay["weight_decay"] == cfg["weight_decay"]
     before = [p.detach().clone() for p in model.parameters()]
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids).last_hidden_state.square().mean().backward()
-    optimizer.step()
-    optimizer.step()  # DeepSpeed's 1-bit family leaves the weights alone on its first step
+    for _ in range(2):  # DeepSpeed's 1-bit family leaves the weights alone on its first step
+        optimizer.zero_grad()
+        if spec.samples_layers:  # JointSpar: the step's layers are drawn before the forward pass
+            optimizer.begin_step()
+        model(input_ids=ids).last_hidden_state.square().mean().backward()
+        optimizer.step()
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
@@ -79,7 +82,7 @@ def test_lamb_config_leaves_clipping_to_the_trainer():
 
 
 def test_unknown_name_lists_known_ones():
-    known = "adamw, apex_adam, apex_lamb, lamb"
+    known = "adamw, apex_adam, apex_lamb, jointspar, lamb"
     with pytest.raises(ValueError, match=f"unknown optimizer 'sgdx'; known optimizers: {known}") as info:
         get_optimizer_spec("sgdx")
     assert all(name in str(info.value) for name in list_optimizers())
@@ -224,6 +227,14 @@ OWN_OPTIONS = [
     ("slowmo", "slow_lr", 0.0),
     ("slowmo", "average_buffers", "no"),
     ("slowmo", "bucket_mb", 0),
+    ("jointspar", "base", "adamw"),
+    ("jointspar", "base_options", "momentum=0.9"),
+    ("jointspar", "sample_ratio", 1.5),
+    ("jointspar", "p_min", 0.0),
+    ("jointspar", "eta_p", float("inf")),
+    ("jointspar", "granularity", "row"),
+    ("jointspar", "unsampled", "zero"),
+    ("jointspar", "seed", -1),
     ("onebit_adam", "freeze_step", -1),
     ("onebit_adam", "bucketing", "flat_scaled"),
     ("onebit_adam", "init_noop_step", "yes"),
@@ -286,7 +297,8 @@ def test_options_of_a_sibling_optimizer_fail_at_check_time(name, overrides, star
 
 
 def test_unknown_name_fails_at_check_time():
-    with pytest.raises(ConfigError, match=r"^optim\.name=sgdx .*; known optimizers: adamw, apex_adam, apex_lamb, lamb"):
+    known = "adamw, apex_adam, apex_lamb, jointspar, lamb"
+    with pytest.raises(ConfigError, match=rf"^optim\.name=sgdx .*; known optimizers: {known}"):
         check_optimizer_config("sgdx", {})
 
 
@@ -371,7 +383,8 @@ def test_each_optimizer_constructs_over_meta_parameters(name):
         model = _Small()
     cfg = {k: v for k, v in _config(name).items() if k != "name"}
     optimizer = build_optimizer(model, name, cfg)  # param_groups_weight_decay groups, the YAML values
-    assert [g["name"] for g in optimizer.param_groups] == ["decay", "no_decay"]
+    names = [g["name"] for g in optimizer.param_groups]  # JointSpar splits each group by layer
+    assert list(dict.fromkeys(names)) == ["decay", "no_decay"]
     tensors = list(_tensors(vars(optimizer), set()))
     off_meta = [(t.device, tuple(t.shape)) for t in tensors if t.device.type != "meta"]
     assert tensors and not off_meta  # no real storage: no value was read, nothing was allocated
