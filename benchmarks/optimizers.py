@@ -1,0 +1,261 @@
+"""Every registered optimizer against LAMB: step time and state memory, JointSpar's backward saving, and training
+at equal steps on the demo corpus over gloo ranks (final loss and measured bits per parameter per step).
+
+    python -m benchmarks.optimizers                                   # all three parts, every optimizer runnable here
+    python -m benchmarks.optimizers --part step --size base           # step time and memory, BERT-base parameters
+    python -m benchmarks.optimizers --part backward --size base       # JointSpar's forward + backward vs dense
+    python -m benchmarks.optimizers --part train --steps 100 --optimizers lamb slamb jointspar
+
+step: each optimizer is built from its conf/optim YAML (what `optim=<name>` runs) over the same BERT parameters
+and random gradients, in a world of one, and timed against LAMB in its own round (steps interleaved, one CPU
+thread, best and median over the repeats, as ratios to LAMB's of the same round). A world of one is each
+optimizer's own arithmetic without its collectives; SLAMB's and the 1-bit family's multi-rank paths are timed by
+`benchmarks.slamb_step` and `benchmarks.onebit_step`. JointSpar's step includes drawing its layers and steps only
+those, as in training. Memory is the bytes of the optimizer's persistent state tensors (a wrapper's base included).
+
+backward: forward + backward of a BERT pretraining batch with every layer computing its weight gradients (dense)
+against JointSpar's sampled layers at several `sample_ratio`s (uniform probabilities), best over the repeats, and
+the FLOPs autograd counted, both as ratios to dense.
+
+train: each optimizer runs the real trainer, `python -m train trainer.nproc_per_node=<ranks> optim=<name> ...`
+on the demo (tiny BERT, embedded corpus) from the same seed and data; the numbers come from its metrics.jsonl:
+the final loss (mean of the last `--tail` steps) and the communication it measured, in bits per parameter per
+step, with the ratio to LAMB's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import BertConfig, BertForPreTraining
+
+from benchmarks.optim_step import SIZES, bert_parameters
+from benchmarks.slamb_step import config_kwargs
+from conf.checks import missing_nvidia_apex
+from optim import JointSpar, build_optimizer, get_optimizer_spec, list_optimizers
+from optim.apex import APEX_OPTIMIZERS
+from train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = "lamb"
+
+
+def runnable_optimizers() -> list[str]:
+    """Every registered optimizer this machine can build (NVIDIA apex's need apex and a GPU)."""
+    apex_missing = missing_nvidia_apex("apex.optimizers", "amp_C") is not None
+    return [name for name in list_optimizers() if not (name in APEX_OPTIMIZERS and apex_missing)]
+
+
+# ------------------------------------------------------------------------------------------ step time and memory
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages behind the optimizer's state tensors, its base optimizer's included."""
+    seen, total = set(), 0
+    for opt in (optimizer, getattr(optimizer, "base", None)):
+        for entry in (opt.state.values() if opt is not None else ()):
+            for value in entry.values() if isinstance(entry, dict) else ():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                    seen.add(value.untyped_storage().data_ptr())
+                    total += value.untyped_storage().nbytes()
+    return total
+
+
+def _stepper(name: str, optimizer: torch.optim.Optimizer, grads: dict[nn.Parameter, torch.Tensor],
+             clock: Callable[[], float]) -> Callable[[], float]:
+    """One training step's optimizer work, returning its duration in `clock` seconds. For JointSpar that is the
+    layer draw and the step; handing the sampled layers their gradients (backward's work) is not timed."""
+    if not get_optimizer_spec(name).samples_layers:
+        def step() -> float:
+            start = clock()
+            optimizer.step()
+            return clock() - start
+        return step
+
+    def sampled_step() -> float:
+        optimizer.zero_grad()
+        start = clock()
+        optimizer.begin_step()
+        drawn = clock() - start
+        for p, grad in grads.items():
+            if p.requires_grad:
+                p.grad = grad
+        start = clock()
+        optimizer.step()
+        return drawn + clock() - start
+    return sampled_step
+
+
+def step_part(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    model = bert_parameters(args.size, torch.device("cpu"))
+    grads = {p: p.grad for p in model.parameters()}
+    numel = sum(p.numel() for p in grads)
+    print(f"\n## step: BERT-{args.size}, {numel / 1e6:.1f}M fp32 parameters, a world of one, 1 CPU thread, "
+          f"{args.repeats} interleaved steps after {args.warmup} warm-up ({args.clock} clock); x: ratio to lamb")
+    print(f"{'optimizer':<18} {'best ms':>8} {'median ms':>10} {'best x':>7} {'median x':>9} {'state MB':>9} "
+          f"{'memory x':>9}", flush=True)
+    reference = build_optimizer(model, REFERENCE, config_kwargs(REFERENCE))
+    for name in args.optimizers:
+        if name == REFERENCE:
+            continue
+        for p, grad in grads.items():  # a previous JointSpar round leaves only its last layers' gradients
+            p.grad = grad
+        optimizer = build_optimizer(model, name, config_kwargs(name))
+        steppers = {REFERENCE: _stepper(REFERENCE, reference, grads, clock),
+                    name: _stepper(name, optimizer, grads, clock)}
+        times: dict[str, list[float]] = {key: [] for key in steppers}
+        for round_ in range(args.warmup + args.repeats):
+            for key, step in steppers.items():
+                elapsed = step()
+                if round_ >= args.warmup:
+                    times[key].append(elapsed)
+        if name == next(n for n in args.optimizers if n != REFERENCE):
+            _step_row(REFERENCE, times[REFERENCE], times[REFERENCE], state_bytes(reference),
+                      state_bytes(reference))
+        _step_row(name, times[name], times[REFERENCE], state_bytes(optimizer), state_bytes(reference))
+        for p, grad in grads.items():
+            p.grad = grad
+        del optimizer
+
+
+def _step_row(label: str, values: list[float], reference: list[float], memory: int, reference_memory: int) -> None:
+    best, median = min(values), statistics.median(values)
+    print(f"{label:<18} {best * 1e3:>8.1f} {median * 1e3:>10.1f} {best / min(reference):>7.2f} "
+          f"{median / statistics.median(reference):>9.2f} {memory / 2**20:>9.1f} {memory / reference_memory:>9.2f}",
+          flush=True)
+
+
+# ------------------------------------------------------------------------------------------ JointSpar's backward
+BACKWARD_SIZES = {**SIZES, "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                         intermediate_size=1024)}
+
+
+def backward_part(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig(**BACKWARD_SIZES[args.backward_size], hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0))
+    batch, seq = 8, 128
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    labels = torch.where(torch.rand(batch, seq) < 0.15, ids, -100)
+
+    def forward_backward() -> tuple[float, int]:
+        start = time.perf_counter()
+        out = model(input_ids=ids, labels=labels, next_sentence_label=torch.zeros(batch, dtype=torch.long))
+        with FlopCounterMode(display=False) as counter:
+            out.loss.backward()
+        return time.perf_counter() - start, counter.get_total_flops()
+
+    ratios = [r for r in args.sample_ratios if r < 1.0]
+    optimizers = {r: JointSpar(model.named_parameters(), lr=0.0, base="sgd", sample_ratio=r, p_min=min(0.1, r),
+                               eta_p=0.0) for r in ratios}
+    layers = len(next(iter(optimizers.values())).layers) if optimizers else 0
+    print(f"\n## backward: BERT-{args.backward_size} pretraining, batch {batch} x seq {seq}, {args.threads} CPU "
+          f"thread(s), {layers} JointSpar layers (granularity block), best of {args.repeats} after "
+          f"{args.warmup} warm-up, interleaved")
+    times: dict[str, list[float]] = {"dense": []} | {f"sample_ratio={r}": [] for r in ratios}
+    flops: dict[str, list[int]] = {key: [] for key in times}
+    for round_ in range(args.warmup + args.repeats):
+        for key in times:
+            optimizer = optimizers.get(float(key.split("=")[1])) if key != "dense" else None
+            if optimizer is not None:
+                optimizer.begin_step()
+            elapsed, counted = forward_backward()
+            if optimizer is None:
+                model.zero_grad(set_to_none=True)
+            else:
+                optimizer.step()  # lr 0: the weights stay; the next round draws the next layer set
+                optimizer.zero_grad()  # and every layer is trainable again
+            if round_ >= args.warmup:
+                times[key].append(elapsed)
+                flops[key].append(counted)
+    print(f"{'layers computed':<18} {'fwd+bwd ms':>11} {'time x':>7} {'bwd FLOPs x':>12}")
+    for key in times:
+        print(f"{key:<18} {min(times[key]) * 1e3:>11.1f} {min(times[key]) / min(times['dense']):>7.2f} "
+              f"{statistics.mean(flops[key]) / statistics.mean(flops['dense']):>12.2f}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ training
+def train_run(name: str, args: argparse.Namespace, run_dir: Path) -> tuple[list[dict], float]:
+    """Train the demo with optimizer `name`; (metrics records, wall seconds)."""
+    overrides = [
+        f"optim={name}", f"trainer.nproc_per_node={args.ranks}", f"trainer.max_steps={args.steps}",
+        "trainer.micro_batch_size=null", "trainer.device=cpu", "trainer.log_every=1", "trainer.checkpoint_every=0",
+        "logger.progress_bar=false", "logger.tensorboard=false", "logger.wandb=disabled", *args.override,
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "train", *overrides], cwd=REPO, env=env, capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"optim={name} run failed:\n{result.stderr[-3000:]}")
+    return read_metrics(run_dir), time.perf_counter() - start
+
+
+def train_part(args: argparse.Namespace) -> None:
+    print(f"\n## train: tiny BERT on the demo corpus, {args.ranks} gloo ranks on CPU, {args.steps} steps, same seed "
+          f"and data; overrides: {' '.join(args.override) or 'none'}")
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.optimizers:
+            rows[name] = train_run(name, args, Path(tmp) / name)
+    reference_bits = _mean(rows[REFERENCE][0], "comm_bits_per_param") if REFERENCE in rows else None
+    print(f"{'optimizer':<18} {'loss':>7} {'mlm_loss':>9} {'bits/param/step':>16} {'x lamb':>7} "
+          f"{'collectives/step':>17} {'wall s':>7}")
+    for name, (records, wall) in rows.items():
+        tail = records[-args.tail:]
+        bits = _mean(records, "comm_bits_per_param")
+        versus = f"{bits / reference_bits:>7.3f}" if reference_bits else f"{'-':>7}"
+        print(f"{name:<18} {_mean(tail, 'loss'):>7.3f} {_mean(tail, 'mlm_loss'):>9.3f} {bits:>16.3f} {versus} "
+              f"{_mean(records, 'comm_collectives_per_step'):>17.2f} {wall:>7.0f}", flush=True)
+
+
+def _mean(records: list[dict], key: str) -> float:
+    return sum(r[key] for r in records) / len(records)
+
+
+PARTS = {"step": step_part, "backward": backward_part, "train": train_part}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=[*PARTS, "all"], default="all")
+    parser.add_argument("--optimizers", nargs="+", default=None, help="registry names (default: all runnable here)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="base", help="step: BERT parameter set")
+    parser.add_argument("--backward-size", choices=sorted(BACKWARD_SIZES), default="small", help="backward: BERT size")
+    parser.add_argument("--sample-ratios", nargs="+", type=float, default=[0.25, 0.5, 0.75], help="backward")
+    parser.add_argument("--threads", type=int, default=1, help="backward: CPU threads")
+    parser.add_argument("--repeats", type=int, default=5, help="step, backward: timed repeats (best, median kept)")
+    parser.add_argument("--warmup", type=int, default=2, help="step, backward: untimed repeats first")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="step: wall time, or this process's CPU time (steadier on a shared CPU)")
+    parser.add_argument("--steps", type=int, default=100, help="train: optimizer steps per run")
+    parser.add_argument("--ranks", type=int, default=4, help="train: gloo ranks")
+    parser.add_argument("--tail", type=int, default=10, help="train: final loss = mean over this many last steps")
+    parser.add_argument("--override", action="append", default=[], help="train: extra Hydra override (repeatable)")
+    args = parser.parse_args(argv)
+    runnable = runnable_optimizers()
+    args.optimizers = args.optimizers or runnable
+    unknown = [name for name in args.optimizers if name not in runnable]
+    if unknown:
+        parser.error(f"--optimizers {' '.join(unknown)}: not runnable here; choose from {', '.join(runnable)}")
+    if REFERENCE not in args.optimizers:
+        args.optimizers = [REFERENCE, *args.optimizers]
+    for part in PARTS if args.part == "all" else [args.part]:
+        PARTS[part](args)
+
+
+if __name__ == "__main__":
+    main()
