@@ -19,6 +19,8 @@ NO_DROPOUT = ["model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_pr
 LAMB = [*TINY, *NO_DROPOUT, "trainer.max_steps=6", "trainer.checkpoint_every=3"]
 SLAMB = [*TINY, "optim=slamb", "trainer.max_steps=4"]
 
+pytestmark = pytest.mark.slow  # two gloo ranks in spawned processes, then a `python -m train` process
+
 
 def _first_steps_on_two_ranks(rank: int, world_size: int, tmp_path: Path) -> None:
     """The first half of a LAMB and of a SLAMB run on two ranks, each stopped with a checkpoint."""
