@@ -40,9 +40,11 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 CHECKPOINTS_DIR = "checkpoints"  # inside a run directory
 SHARED_FILE = "shared.pt"
 META_FILE = "meta.json"
-# Per-rank entries a run on another world size does without: the data position is the same global one on every
-# rank (see data/loader.py) and RNG streams are re-seeded. Any other per-rank entry binds a checkpoint to its ranks.
-PORTABLE_OWN_KEYS = frozenset({"rng", "data"})
+# Per-rank entries that do not bind a checkpoint to its world size: the data position is the same global one on
+# every rank (see data/loader.py), so any rank may take rank 0's; RNG streams are re-seeded (`reseed_rng`) instead.
+# Any other per-rank entry (a self-synchronising optimizer's learner) binds it to the ranks that wrote it.
+GLOBAL_OWN_KEYS = ("data",)
+RESEEDED_OWN_KEYS = ("rng",)
 
 
 class RunDirectoryError(ConfigError, RuntimeError):
@@ -127,7 +129,7 @@ class Checkpointer:
         atomic_torch_save(own, staging / _rank_file(self.comm.rank))
         if self.comm.rank == 0:
             atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
-            rank_bound = sorted(set(own) - PORTABLE_OWN_KEYS)  # the same keys on every rank
+            rank_bound = sorted(set(own) - {*GLOBAL_OWN_KEYS, *RESEEDED_OWN_KEYS})  # the same keys on every rank
             atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step, "world_size": self.comm.world_size,
                                                     "rank_bound": rank_bound})
         self.comm.barrier()
@@ -156,7 +158,7 @@ class Checkpointer:
         if not own_file.is_file():
             raise FileNotFoundError(f"{own_file} is missing: checkpoint {path} is incomplete")
         own = torch.load(own_file, map_location="cpu", weights_only=False)
-        return shared, own if same_ranks else {key: own[key] for key in ("data",) if key in own}
+        return shared, own if same_ranks else {key: own[key] for key in GLOBAL_OWN_KEYS if key in own}
 
     def best(self) -> list[dict[str, float]]:
         """The kept best checkpoints, best first: `[{"step": ..., "score": ...}, ...]`."""
