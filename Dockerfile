@@ -9,8 +9,9 @@
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3
 FROM ${BASE_IMAGE}
 
-# The uid that owns /workspace/runs; match the host user that owns the mounted runs directory.
-ARG UID=1000
+# The uid that owns /workspace/runs (match the host user that owns the mounted runs directory); not `UID`,
+# which bash, the shell of the RUN steps, keeps read-only as the current user's.
+ARG RUNS_UID=1000
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -38,7 +39,7 @@ RUN torch_before="$(python -c 'import torch; print(torch.__version__)')" \
     && PIP_CONSTRAINT=/dev/null pip install -r /opt/slamb/requirements.txt \
     && test "$(python -c 'import torch; print(torch.__version__)')" = "${torch_before}"
 
-RUN useradd --no-log-init --create-home --non-unique --uid "${UID}" trainer \
+RUN useradd --no-log-init --create-home --non-unique --uid "${RUNS_UID}" trainer \
     && mkdir -p /workspace/runs /data \
     && chown trainer /workspace/runs
 
@@ -50,7 +51,7 @@ COPY train /opt/slamb/train
 COPY benchmarks /opt/slamb/benchmarks
 COPY docker /opt/slamb/docker
 
-USER ${UID}
+USER ${RUNS_UID}
 WORKDIR /workspace
 # Checkpoints, logs and exports land in /workspace/runs/<name>; datasets are read from /data.
 VOLUME ["/workspace/runs", "/data"]
