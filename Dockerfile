@@ -1,17 +1,58 @@
-# Training image for A100/V100 clusters: the pinned stack (torch 2.14.1 CUDA build) and this repository.
-#   docker build -t slamb-trainer .
-#   docker run --gpus all --ipc=host -v /data:/data slamb-trainer experiment=bert_large_phase1 data.path=/data/wiki_books
-FROM python:3.11-slim-bookworm
+# syntax=docker/dockerfile:1
+# Training image: an NGC PyTorch base (torch, CUDA, NCCL, InfiniBand user space, apex where the release ships it)
+# plus this repository's pinned runtime dependencies, installed without replacing the base's torch.
+#   A100/H100 (default base, CUDA 13):  docker build -t slamb-trainer:a100 .
+#   V100 (needs sm_70 kernels, CUDA 12.x base):
+#     docker build --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:24.12-py3 -t slamb-trainer:v100 .
+#   docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 --network host \
+#     -v /data:/data -v "$PWD/runs":/workspace/runs slamb-trainer:a100 experiment=bert_large_phase1 data.path=/data/wiki_books
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3
+FROM ${BASE_IMAGE}
+
+# The uid that owns /workspace/runs (match the host user that owns the mounted runs directory); not `UID`,
+# which bash, the shell of the RUN steps, keeps read-only as the current user's.
+ARG RUNS_UID=1000
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HUB_OFFLINE=1 \
-    HF_DATASETS_OFFLINE=1
+    HF_DATASETS_OFFLINE=1 \
+    PYTHONPATH=/opt/slamb
 
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# NCCL's InfiniBand transport needs the verbs user space: NGC bases ship it; a base without it gets Ubuntu's
+# (unpinned: the versions differ between the Ubuntu releases of the A100 and V100 bases).
+# hadolint ignore=DL3008
+RUN if ! ldconfig -p | grep -q libibverbs.so.1; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends ibverbs-providers libibverbs1 librdmacm1 ibverbs-utils \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
+
+# Runtime dependencies only (no torch pins, no test or lint tools, no demo model). NGC bases (25.03+) constrain
+# pip to their own package versions; ours are the tested pins, so the constraint is lifted for this install, and
+# the build fails if the base's torch did not come out of it unchanged.
+COPY requirements.txt /opt/slamb/requirements.txt
+RUN torch_before="$(python -c 'import torch; print(torch.__version__)')" \
+    && PIP_CONSTRAINT=/dev/null pip install -r /opt/slamb/requirements.txt \
+    && test "$(python -c 'import torch; print(torch.__version__)')" = "${torch_before}"
+
+RUN useradd --no-log-init --create-home --non-unique --uid "${RUNS_UID}" trainer \
+    && mkdir -p /workspace/runs /data \
+    && chown trainer /workspace/runs
+
+COPY conf /opt/slamb/conf
+COPY data /opt/slamb/data
+COPY models /opt/slamb/models
+COPY optim /opt/slamb/optim
+COPY train /opt/slamb/train
+COPY benchmarks /opt/slamb/benchmarks
+COPY docker /opt/slamb/docker
+
+USER ${RUNS_UID}
 WORKDIR /workspace
-COPY requirements.txt .
-RUN pip install -r requirements.txt
-
-COPY . .
-ENTRYPOINT ["docker/entrypoint.sh"]
+# Checkpoints, logs and exports land in /workspace/runs/<name>; datasets are read from /data.
+VOLUME ["/workspace/runs", "/data"]
+ENTRYPOINT ["/opt/slamb/docker/entrypoint.sh"]

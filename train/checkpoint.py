@@ -7,6 +7,12 @@ that keep per-rank state, the model and optimizer). A checkpoint is built in `st
 after every rank has written, so a directory without `.tmp` is always complete; a kill mid-save leaves a
 `.tmp` directory that is ignored and later removed.
 
+Another world size: `meta.json` lists under `rank_bound` the per-rank entries that tie a checkpoint to the
+number of ranks that wrote it (the learner of a self-synchronising optimizer). When there are none (DDP
+optimizers: the learner is in `shared.pt`), any number of ranks may resume it: the data position is global, so
+every rank takes rank 0's (the loader re-partitions the rest of the epoch), and the RNG streams are left out, for
+the caller to re-seed (`reseed_rng`). Otherwise the resume is refused in one line naming the choices.
+
 Best-K retention: `best.json` lists the `keep_best` checkpoints with the best evaluation score so far
 (written atomically by rank 0); pruning keeps them besides the newest `keep_last`.
 
@@ -34,6 +40,11 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 CHECKPOINTS_DIR = "checkpoints"  # inside a run directory
 SHARED_FILE = "shared.pt"
 META_FILE = "meta.json"
+# Per-rank entries that do not bind a checkpoint to its world size: the data position is the same global one on
+# every rank (see data/loader.py), so any rank may take rank 0's; RNG streams are re-seeded (`reseed_rng`) instead.
+# Any other per-rank entry (a self-synchronising optimizer's learner) binds it to the ranks that wrote it.
+GLOBAL_OWN_KEYS = ("data",)
+RESEEDED_OWN_KEYS = ("rng",)
 
 
 class RunDirectoryError(ConfigError, RuntimeError):
@@ -67,6 +78,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def reseed_rng(seed: int, rank: int, step: int) -> None:
+    """Fresh streams for a rank that has no saved ones (a resume on another world size): keyed by the run's seed,
+    the rank and the step, so they differ across ranks and from the streams of the run's first steps."""
+    python_seed, numpy_seed, torch_seed = np.random.SeedSequence([seed, rank, step]).generate_state(3)
+    random.seed(int(python_seed))
+    np.random.seed(int(numpy_seed))
+    torch.manual_seed(int(torch_seed))  # every CUDA device too
 
 
 def complete_checkpoints(directory: Path) -> list[Path]:
@@ -109,7 +129,9 @@ class Checkpointer:
         atomic_torch_save(own, staging / _rank_file(self.comm.rank))
         if self.comm.rank == 0:
             atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
-            atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step, "world_size": self.comm.world_size})
+            rank_bound = sorted(set(own) - {*GLOBAL_OWN_KEYS, *RESEEDED_OWN_KEYS})  # the same keys on every rank
+            atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step, "world_size": self.comm.world_size,
+                                                    "rank_bound": rank_bound})
         self.comm.barrier()
         if self.comm.rank == 0:
             replace_directory(staging, final)  # the same step saved again after a resume: replaced whole
@@ -118,17 +140,25 @@ class Checkpointer:
         return final
 
     def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Read a checkpoint's shared state and this rank's own state; refuse a different world size."""
+        """Read a checkpoint's shared state and this rank's own state.
+
+        On another world size (only for checkpoints without rank-bound state) the own state is rank 0's global
+        data position alone: no `rng`, which the caller re-seeds.
+        """
         path = Path(path)
         shared_file = path / SHARED_FILE
         if not shared_file.is_file():
             raise FileNotFoundError(f"{shared_file} is missing: {path} is not a complete checkpoint")
         shared = torch.load(shared_file, map_location="cpu", weights_only=False)
-        check_world_size(path, shared["world_size"], self.comm.world_size)
-        own_file = path / _rank_file(self.comm.rank)
+        written_by = shared["world_size"]
+        same_ranks = written_by == self.comm.world_size
+        if not same_ranks:
+            check_world_size(path, {**read_meta(path), "world_size": written_by}, self.comm.world_size)
+        own_file = path / _rank_file(self.comm.rank if same_ranks else 0)
         if not own_file.is_file():
             raise FileNotFoundError(f"{own_file} is missing: checkpoint {path} is incomplete")
-        return shared, torch.load(own_file, map_location="cpu", weights_only=False)
+        own = torch.load(own_file, map_location="cpu", weights_only=False)
+        return shared, own if same_ranks else {key: own[key] for key in GLOBAL_OWN_KEYS if key in own}
 
     def best(self) -> list[dict[str, float]]:
         """The kept best checkpoints, best first: `[{"step": ..., "score": ...}, ...]`."""
@@ -182,20 +212,31 @@ def model_state(path: Path) -> dict[str, torch.Tensor] | None:
     return state["model"]
 
 
-def check_world_size(checkpoint: Path, written_by: int, world_size: int) -> None:
-    """Checkpoints resume on the number of ranks that wrote them (per-rank data positions and state)."""
-    if written_by != world_size:
-        raise RunDirectoryError(
-            f"checkpoint {checkpoint} was written by {written_by} ranks but this run has {world_size}; resume "
-            f"with that many ranks, or start a new run (another `name=`) with trainer.init_from={checkpoint} to "
-            "keep only the weights"
-        )
+def check_world_size(checkpoint: Path, meta: dict[str, Any], world_size: int) -> None:
+    """A checkpoint resumes on another number of ranks only when none of its per-rank state is bound to them."""
+    written_by = meta["world_size"]
+    rank_bound = meta.get("rank_bound")
+    if written_by == world_size or rank_bound == []:
+        return
+    if rank_bound is None:  # written before checkpoints recorded it
+        why = "and does not record whether its per-rank state re-partitions"
+    else:
+        why = (f"and optim={meta.get('optimizer', '?')} keeps per-rank state ({', '.join(rank_bound)}) that does "
+               "not re-partition")
+    raise RunDirectoryError(
+        f"checkpoint {checkpoint} was written by {written_by} ranks but this run has {world_size}, {why}: resume "
+        f"with {written_by} ranks, or start a new run (another name=...) with trainer.init_from={checkpoint} to "
+        "keep only the weights"
+    )
+
+
+def read_meta(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's `meta.json` ({} for checkpoints written without one)."""
+    meta_file = Path(checkpoint) / META_FILE
+    return json.loads(meta_file.read_text()) if meta_file.is_file() else {}
 
 
 def newest_checkpoint_meta(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest complete checkpoint of `directory` and its `meta.json` ({} for checkpoints written without one)."""
     found = complete_checkpoints(directory)
-    if not found:
-        return None
-    meta_file = found[-1] / META_FILE
-    return found[-1], (json.loads(meta_file.read_text()) if meta_file.is_file() else {})
+    return (found[-1], read_meta(found[-1])) if found else None

