@@ -25,7 +25,10 @@ from optim.comm import Comm
 
 _GLOBAL = "jointspar"  # key of the optimizer-wide entry of `self.state`
 BASES = ("sgd", "lars", "lamb")
-_STEP_SCALED = ("lars", "lamb")  # trust-ratio bases: a factor on the gradient cancels, so 1/p scales the step
+# What 1/p multiplies, per base, in a sampled layer's param group. A factor on the gradient would cancel in a trust
+# ratio, so LARS scales its direction where it enters the momentum buffer (its paper's per-layer LR, Algorithm 1)
+# and LAMB its step; SGD scales its whole direction, the gradient (in `step`) and the L2 term.
+_RESCALED = {"sgd": "weight_decay", "lars": "direction_scale", "lamb": "lr"}
 GRANULARITIES = ("block", "tensor")
 UNSAMPLED_POLICIES = ("freeze", "decay")
 
@@ -145,10 +148,12 @@ class JointSpar(torch.optim.Optimizer):
        rank, and switches ``requires_grad`` off for the parameters of the other layers: backward computes no
        weight gradient for them, and stops below the lowest sampled layer.
     2. `step` averages the sampled layers' gradients over the ranks in one all-reduce (fp32), nothing else.
-    3. Unbiased rescaling by :math:`1/p_t^d`: SGD rescales its direction, :math:`(g^d + \lambda x^d) / p^d`
-       (gradient and weight decay, before its momentum); LARS and LAMB, whose trust ratio cancels any factor on
-       the gradient, take their step with the layer's LR :math:`\gamma / p^d`. Either way the expected step
-       is the base's.
+    3. Unbiased rescaling by :math:`1/p_t^d`: SGD rescales its direction, :math:`(g^d + \lambda x^d) / p^d`,
+       before its momentum; LARS, whose trust ratio cancels any factor on the gradient, rescales its
+       trust-ratio direction before its momentum (the paper's per-layer LR, which LARS's Algorithm 1 puts inside
+       the buffer); LAMB, whose moments are normalised, takes its step with the layer's LR :math:`\gamma / p^d`.
+       Either way the expected direction is the base's. (Scaling LARS's step after its momentum instead
+       amplified rare large steps: on an MLP it diverged at an LR where LARS trains.)
     4. The base steps the sampled layers. Unsampled ones, with ``unsampled="freeze"``, keep weights and state
        (their gradient is None, which the bases skip); with ``"decay"`` their state sees a zero gradient (momenta
        decay) while their weights do not move (LR and weight decay 0 for that step).
@@ -281,16 +286,17 @@ class JointSpar(torch.optim.Optimizer):
         norms = self._layer_norms(on, grads)  # the step's one host read
 
         inverse = {id(layer): 1.0 / float(probabilities[i]) for i, layer in enumerate(self.layers) if sampled[i]}
-        if self.base_name not in _STEP_SCALED:
+        if self.base_name == "sgd":  # its direction is (g + lambda x) / p: the gradient here, lambda in the group
             torch._foreach_mul_(grads, [inverse[id(layer)] for layer in on for _ in layer.params])
         if self.unsampled == "decay":
             for layer in off:
                 for p in layer.params:
                     p.grad = torch.zeros_like(p)
-        saved = [(group["lr"], group["weight_decay"]) for group in self.param_groups]
+        saved = [(group["lr"], group["weight_decay"]) for group in self.param_groups]  # what the loop may change
         for group, index in zip(self.param_groups, self._group_layer, strict=True):
-            if sampled[index]:  # the whole step (LARS, LAMB) or the whole SGD direction, L2 term included, x 1/p
-                group["lr" if self.base_name in _STEP_SCALED else "weight_decay"] *= inverse[id(self.layers[index])]
+            if sampled[index]:
+                key = _RESCALED[self.base_name]
+                group[key] = group.get(key, 1.0) * inverse[id(self.layers[index])]
             elif self.unsampled == "decay":
                 group["lr"] = group["weight_decay"] = 0.0
         try:
@@ -298,6 +304,7 @@ class JointSpar(torch.optim.Optimizer):
         finally:
             for group, (lr, weight_decay) in zip(self.param_groups, saved, strict=True):
                 group["lr"], group["weight_decay"] = lr, weight_decay
+                group.pop("direction_scale", None)
 
         glob["gain_scale"] = max(glob["gain_scale"], cost_estimate(probabilities, self._sampled, norms))
         glob["probabilities"] = bandit_update(probabilities, self._sampled, norms, glob["gain_scale"],

@@ -49,6 +49,9 @@ class LARS(torch.optim.Optimizer):
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         exclude_1d: 1-D tensors skip the trust ratio and weight decay.
 
+    A param group may also carry ``direction_scale`` (1 when absent), a factor on :math:`d` before the
+    momentum: JointSpar sets it to a sampled layer's :math:`1/p` for one step.
+
     State per parameter: ``momentum_buffer`` (:math:`b`, created at its first step); `state_dict()` holds it.
     The step reads nothing on the host: the ratios stay on the device.
     """
@@ -91,6 +94,7 @@ class LARS(torch.optim.Optimizer):
                 trust_coefficient=group["trust_coefficient"],
                 eps=group["eps"],
                 nesterov=group["nesterov"],
+                direction_scale=group.get("direction_scale", 1.0),
             )
         return loss
 
@@ -113,9 +117,11 @@ def lars(
     trust_coefficient: float,
     eps: float,
     nesterov: bool,
+    direction_scale: float = 1.0,
 ) -> None:
     """Functional LARS over one param group (see `LARS`) with foreach kernels; `adapt[i]`: tensor i gets the
-    trust ratio and weight decay. `grads` are read, never written."""
+    trust ratio and weight decay. `direction_scale` multiplies :math:`d` before the momentum (JointSpar's 1/p).
+    `grads` are read, never written."""
     order = [i for i, a in enumerate(adapt) if a] + [i for i, a in enumerate(adapt) if not a]
     n_adapted = sum(adapt)
     params = [params[i] for i in order]
@@ -124,7 +130,13 @@ def lars(
         momentum_buffers = [momentum_buffers[i] for i in order]
 
     adapted = _trust_ratio_directions(params[:n_adapted], grads[:n_adapted], weight_decay, trust_coefficient, eps)
-    directions = [*adapted, *grads[n_adapted:]]  # the plain ones are the gradients themselves, only read below
+    plain = grads[n_adapted:]  # the gradients themselves, only read below
+    if direction_scale != 1.0:
+        if adapted:
+            torch._foreach_mul_(adapted, direction_scale)  # new tensors already
+        if plain:
+            plain = torch._foreach_mul(plain, direction_scale)
+    directions = [*adapted, *plain]
     if momentum_buffers is None:
         steps = directions
     else:

@@ -187,6 +187,32 @@ def test_the_update_is_unbiased(base):
         assert float((mean_total / trials - expected).norm()) <= tolerance
 
 
+def test_lars_base_rescales_its_direction_before_the_momentum():
+    """LARS's per-layer LR sits inside its momentum buffer in the paper's Algorithm 1: the buffer takes d / p."""
+    model, twin = _mlp(), _mlp()
+    options = {"momentum": 0.9, "trust_coefficient": 0.05}
+    optimizer = _jointspar(model, base="lars", base_options=options, eta_p=0.0)
+    reference = LARS(param_groups_weight_decay(twin, 0.01), lr=0.1, **options)
+    optimizer.zero_grad()
+    optimizer.begin_step()
+    x, y = _batch(0, 0)
+    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(twin(x), y).backward()
+    sampled = optimizer.sampled_layers()
+    optimizer.step()
+    reference.step()
+    p = optimizer.budget / len(optimizer.layers)
+    twin_of = {id(q): t for q, t in zip(model.parameters(), twin.parameters(), strict=True)}
+    for layer, on in zip(optimizer.layers, sampled, strict=True):
+        for param in layer.params:
+            twin_param = twin_of[id(param)]
+            if on:
+                torch.testing.assert_close(optimizer.base.state[param]["momentum_buffer"],
+                                           reference.state[twin_param]["momentum_buffer"] / p)
+            else:
+                assert param not in optimizer.base.state
+
+
 @pytest.mark.parametrize("unsampled", ["freeze", "decay"])
 def test_unsampled_layers_compute_no_gradient_and_keep_their_weights(unsampled):
     model = _mlp()
