@@ -66,3 +66,33 @@ def build_base(
     """Base `name` over `params` (tensors or param groups), with the entry's defaults under `base_options`."""
     spec = base_spec(name)
     return spec.cls(params, lr=lr, weight_decay=weight_decay, **{**spec.defaults, **_plain(base_options or {})})
+
+
+class BaseWrapper(torch.optim.Optimizer):
+    """An optimizer that runs a base optimizer inside (SlowMo, JointSpar).
+
+    Both share one list of param groups, the base's, so the trainer's schedule, which writes `lr` into
+    `param_groups`, reaches the base; the wrapper's `state_dict()` nests the base's under ``"base"``.
+    """
+
+    def _adopt(self, base: torch.optim.Optimizer) -> None:
+        """Take `base`'s param groups as this optimizer's (call from `__init__` instead of `super().__init__`)."""
+        self.base = base
+        # Optimizer's own set-up (step hooks, `state`) over the base's groups, which hold every default already.
+        torch.optim.Optimizer.__init__(self, base.param_groups, base.defaults)
+        self.param_groups = base.param_groups  # one list of the same dicts
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapper's state with the base's under ``"base"``."""
+        return {**super().state_dict(), "base": self.base.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        base = state_dict.pop("base")
+        super().load_state_dict(state_dict)
+        self._check_loaded_state()
+        self.base.load_state_dict(base)
+        self.param_groups = self.base.param_groups  # loading made new group dicts: share the base's again
+
+    def _check_loaded_state(self) -> None:
+        """Raise ValueError when the state just loaded is not this wrapper's own kind."""

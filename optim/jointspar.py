@@ -20,7 +20,7 @@ from torch import Tensor
 from conf.checks import check_choice, check_non_negative, require
 from optim._math import closure_loss, mask_seed
 from optim._registry import OptimSpec, register_optimizer, run_check
-from optim.base_optimizer import build_base, check_base_options
+from optim.base_optimizer import BaseWrapper, build_base, check_base_options
 from optim.comm import Comm
 
 _GLOBAL = "jointspar"  # key of the optimizer-wide entry of `self.state`
@@ -136,7 +136,7 @@ def cost_estimate(probabilities: Tensor, sampled: Tensor, norms: Tensor) -> floa
     return float((norms[sampled].square() / probabilities[sampled]).sum())
 
 
-class JointSpar(torch.optim.Optimizer):
+class JointSpar(BaseWrapper):
     r"""JointSpar (Liu & Mozafari, ICML 2022) over a base optimizer: sparse computation and communication by
     sampling layers. RECONSTRUCTED from the paper's abstract, not verified against its full text (see the module
     docstring); with ``base="lamb"`` a project extension the paper does not describe.
@@ -210,9 +210,7 @@ class JointSpar(torch.optim.Optimizer):
         self.layers, base_groups, self._group_layer = _layers_and_groups(params, granularity)
         self.budget = max(1, round(sample_ratio * len(self.layers)))
         run_check("JointSpar", _check_budget, dict(p_min=p_min, layers=len(self.layers), budget=self.budget))
-        self.base = build_base(base, base_groups, lr, weight_decay, base_options)
-        super().__init__(self.base.param_groups, self.base.defaults)
-        self.param_groups = self.base.param_groups  # one list of the same dicts: the schedule reaches the base
+        self._adopt(build_base(base, base_groups, lr, weight_decay, base_options))
         self.base_name, self.unsampled = base, unsampled
         self.p_min, self.eta_p = float(p_min), float(eta_p)
         self.comm = comm if comm is not None else Comm()
@@ -249,20 +247,11 @@ class JointSpar(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         self._all_layers_on()
 
-    def state_dict(self) -> dict[str, Any]:
-        """JointSpar's state (step, seed, probabilities, norm bound) with the base's under ``"base"``."""
-        return {**super().state_dict(), "base": self.base.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        base = state_dict.pop("base")
-        super().load_state_dict(state_dict)
+    def _check_loaded_state(self) -> None:
         glob = self.state.get(_GLOBAL)
         if glob is None or len(glob["probabilities"]) != len(self.layers):
             raise ValueError("JointSpar.load_state_dict: no 'jointspar' entry for this model's "
                              f"{len(self.layers)} layers; not a JointSpar state_dict of this model")
-        self.base.load_state_dict(base)
-        self.param_groups = self.base.param_groups  # loading made new group dicts: share the base's again
         self._sampled = None
 
     @torch.no_grad()

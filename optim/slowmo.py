@@ -11,7 +11,7 @@ from torch import Tensor
 from conf.checks import check_non_negative, check_positive, require
 from optim._math import check_flags, closure_loss
 from optim._registry import OptimSpec, get_optimizer_spec, list_optimizers, register_optimizer, run_check
-from optim.base_optimizer import build_base, check_base_options
+from optim.base_optimizer import BaseWrapper, build_base, check_base_options
 from optim.comm import Comm
 
 _GLOBAL = "slowmo"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
@@ -22,7 +22,7 @@ def base_names() -> list[str]:
     return ["sgd", *(name for name in list_optimizers() if get_optimizer_spec(name).grad_sync == "ddp")]
 
 
-class SlowMo(torch.optim.Optimizer):
+class SlowMo(BaseWrapper):
     r"""Slow Momentum (Wang, Tantia, Ballas, Rabbat; ICLR 2020, arXiv 1910.00643, Algorithm 1) over a base optimizer.
 
     Register with ``grad_sync="self"``: there is no gradient all-reduce. Each rank steps the base optimizer
@@ -94,10 +94,7 @@ class SlowMo(torch.optim.Optimizer):
             lr=lr, weight_decay=weight_decay, base=base, base_options=base_options, sync_interval=sync_interval,
             slow_momentum=slow_momentum, slow_lr=slow_lr, average_buffers=average_buffers, bucket_mb=bucket_mb,
         ))
-        self.base = build_base(base, params, lr, weight_decay, base_options)
-        # Optimizer's own set-up (step hooks, `state`) over the base's groups, which hold every default already.
-        super().__init__(self.base.param_groups, self.base.defaults)
-        self.param_groups = self.base.param_groups  # one list of the same dicts: the schedule reaches the base
+        self._adopt(build_base(base, params, lr, weight_decay, base_options))
         self.sync_interval = int(sync_interval)
         self.slow_momentum, self.slow_lr = float(slow_momentum), float(slow_lr)
         self.average_buffers = bool(average_buffers)
@@ -105,18 +102,9 @@ class SlowMo(torch.optim.Optimizer):
         self.comm = comm if comm is not None else Comm()
         self.state[_GLOBAL] = {"step": 0}
 
-    def state_dict(self) -> dict[str, Any]:
-        """SlowMo's state (anchors, slow momenta, steps taken) with the base's under ``"base"``."""
-        return {**super().state_dict(), "base": self.base.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        base = state_dict.pop("base")
-        super().load_state_dict(state_dict)
+    def _check_loaded_state(self) -> None:
         if _GLOBAL not in self.state:
             raise ValueError("SlowMo.load_state_dict: no 'slowmo' entry (steps taken); not a SlowMo state_dict")
-        self.base.load_state_dict(base)
-        self.param_groups = self.base.param_groups  # loading made new group dicts: share the base's again
 
     @torch.no_grad()
     def step(self, closure=None):
