@@ -263,6 +263,26 @@ def test_backward_skips_the_weight_gradients_of_unsampled_layers():
     assert max(sparse) < 0.7 * dense
 
 
+def test_a_skipped_step_draws_the_same_layers_again_with_every_layer_trainable_between():
+    """An fp16 overflow skips `step()` on every rank (the trainer agrees on it); the trainer's `zero_grad` then makes
+    the model whole again, and the retried step must sample the same layers, since the step count did not move."""
+    model = _mlp()
+    optimizer = _jointspar(model)
+    optimizer.begin_step()
+    first = optimizer.sampled_layers()
+    assert not all(p.requires_grad for p in model.parameters())
+    optimizer.zero_grad()  # the trainer's, after a skipped step
+    assert all(p.requires_grad for p in model.parameters())
+    optimizer.begin_step()
+    assert optimizer.sampled_layers() == first
+    x, y = _batch(0, 0)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.begin_step()
+    assert optimizer.state["jointspar"]["step"] == 1
+
+
 def test_a_step_without_begin_step_or_with_stray_gradients_is_refused():
     model = _mlp()
     optimizer = _jointspar(model)
