@@ -16,6 +16,9 @@ import torch.multiprocessing as mp
 
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, results: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    # The variable alone comes too late: torch is imported (its thread pool sized) before this runs. The ranks share
+    # the machine's cores, and their tensors are tiny: one intra-op thread each, as the subprocess launches get.
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         # Serialised to bytes: tensors put on the queue directly would travel as shared-memory handles

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from distributed_harness import run_on_ranks
@@ -41,9 +43,20 @@ def _collectives(rank, world_size):
     return x.tolist(), y.tolist(), z.tolist(), out.tolist(), (stop, stop_later, no_stop), comm.take_counts()
 
 
+def _collectives_and_all_to_all(rank, world_size):
+    """Both multi-rank workers in one spawn (each spawn costs seconds of imports); each with its own Comm."""
+    return _collectives(rank, world_size), _all_to_all(rank, world_size)
+
+
+@functools.cache
+def _ranks(world_size: int) -> list[tuple]:
+    """rank -> (collectives results, all-to-all results), from one multi-process run per world size."""
+    return run_on_ranks(_collectives_and_all_to_all, world_size)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_and_byte_counts(world_size):
-    results = run_on_ranks(_collectives, world_size)
+    results = [collectives for collectives, _ in _ranks(world_size)]
     total = sum(range(1, world_size + 1))
     for rank, (x, y, z, gathered, stop, counts) in enumerate(results):
         assert x == [float(total)] * 10
@@ -69,11 +82,20 @@ def _ddp_grads(rank, world_size, wire_dtype):
     return [p.grad.clone() for p in model.parameters()], comm.take_counts()["bytes"]
 
 
+WIRE_DTYPES = [None, "fp32", "fp16", "bf16"]
+
+
+def _ddp_grads_per_wire_dtype(rank, world_size):
+    """Plain DDP and the hook in every wire dtype, in one spawn: a fresh model, DDP and Comm for each."""
+    return {wire_dtype: _ddp_grads(rank, world_size, wire_dtype) for wire_dtype in WIRE_DTYPES}
+
+
 def test_counting_hook_matches_plain_ddp_and_halves_the_bytes_in_fp16_and_bf16():
-    plain = run_on_ranks(_ddp_grads, 2, None)
+    ranks = run_on_ranks(_ddp_grads_per_wire_dtype, 2)
+    plain = [r[None] for r in ranks]
     numel = 8 * 16 + 16 + 16 * 3 + 3
     for wire_dtype, element_size, tolerance in [("fp32", 4, 0.0), ("fp16", 2, 1e-3), ("bf16", 2, 1e-2)]:
-        hooked = run_on_ranks(_ddp_grads, 2, wire_dtype)
+        hooked = [r[wire_dtype] for r in ranks]
         for (plain_grads, plain_bytes), (hooked_grads, hooked_bytes) in zip(plain, hooked, strict=True):
             for a, b in zip(plain_grads, hooked_grads, strict=True):
                 torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance)  # fp32: bit for bit
@@ -93,7 +115,7 @@ def _all_to_all(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_to_all_single_routes_chunks_and_counts_the_input(world_size):
-    for rank, (received, counts) in enumerate(run_on_ranks(_all_to_all, world_size)):
+    for rank, (received, counts) in enumerate(all_to_all for _, all_to_all in _ranks(world_size)):
         assert received.tolist() == [[10 * i + rank] * 2 for i in range(world_size)]  # chunk i from rank i
         assert counts == {"bytes": 2 * world_size, "control_bytes": 0, "collectives": 1}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -113,11 +114,26 @@ def _ranks_compress(rank, world_size, numel, calls):
     return outputs, counts, errors
 
 
+NUMEL, CALLS = 1000, 4  # 1000 is no multiple of W * lcm(W, 8) for W = 2, 3, 4
+
+
+def _ranks_worker(rank, world_size):
+    """Everything one world size checks, from one spawn (each spawn costs seconds of imports): the equivalence
+    spec, and on 2 ranks the buckets too; each part with its own Comm."""
+    compress = _ranks_compress(rank, world_size, NUMEL, CALLS)
+    return compress, _ranks_buckets(rank, world_size) if world_size == 2 else None
+
+
+@functools.cache
+def _ranks(world_size: int) -> list[tuple]:
+    return run_on_ranks(_ranks_worker, world_size)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_matches_the_equivalence_spec_on_gloo(world_size):
-    numel, calls = 1000, 4  # 1000 is no multiple of W * lcm(W, 8) for W = 2, 3, 4
-    results = run_on_ranks(_ranks_compress, world_size, numel, calls)
+    numel, calls = NUMEL, CALLS
+    results = [compress for compress, _ in _ranks(world_size)]
     padded = padded_numel(numel, world_size)
     worker_errors, server_errors = torch.zeros(world_size, padded), torch.zeros(world_size, padded // world_size)
     for call in range(calls):
@@ -156,7 +172,7 @@ def _ranks_buckets(rank, world_size):
 
 @pytest.mark.slow
 def test_buckets_keep_their_padded_tail_and_dense_average():
-    results = run_on_ranks(_ranks_buckets, 2)
+    results = [buckets for _, buckets in _ranks(2)]
     for tensors, tail, dense, bytes_per_call, counts in results:
         assert torch.equal(tensors[0], results[0][0][0]) and tensors[0].shape == (3, 5)
         assert tail.numel() == padded_numel(22, 2) - 22 and bool((tail != 0).all())  # decoded output, not zeros

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -44,10 +45,20 @@ def _no_overflow(rank: int, world_size: int) -> bool:
     return torch.equal(grad, torch.arange(6.0).reshape(2, 3))
 
 
+def _both_cases(rank: int, world_size: int) -> tuple[tuple[bool, bool, bool], bool]:
+    return _overflow_on_rank_zero(rank, world_size), _no_overflow(rank, world_size)
+
+
+@functools.cache
+def _ranks() -> list[tuple[tuple[bool, bool, bool], bool]]:
+    """Both cases from one 2-rank spawn (each spawn costs seconds of imports), each with its own Comm."""
+    return run_on_ranks(_both_cases, 2)
+
+
 def test_one_ranks_overflow_reaches_every_rank():
-    for overflowed, channels_last, counted in run_on_ranks(_overflow_on_rank_zero, 2):
+    for overflowed, channels_last, counted in (overflow for overflow, _ in _ranks()):
         assert overflowed and channels_last and counted
 
 
 def test_no_overflow_leaves_gradients_unchanged():
-    assert all(run_on_ranks(_no_overflow, 2))
+    assert all(unchanged for _, unchanged in _ranks())

@@ -13,7 +13,6 @@ import torch
 from conftest import REPO, TINY, run_train
 from distributed_harness import run_on_ranks
 from host_reads import count_host_reads
-from test_trainer import _popen, _wait_for_step
 from torch import nn
 
 from benchmarks.deepspeed_reference import compare_on_rank, deepspeed_available
@@ -203,6 +202,9 @@ def _kill_tree(pid: int) -> None:
 
 @pytest.mark.slow
 def test_two_rank_trainer_killed_and_resumed_repeats_the_loss_series(tmp_path):
+    # Imported here, not at the top: spawned ranks import this module, and need no transformers or trainer.
+    from test_trainer import _popen, _wait_for_step
+
     # freeze_step 4: warm-up on steps 2-4, compression from step 5; the kill lands in the compressed stage.
     args = [*TINY, "optim=onebit_lamb", "optim.freeze_step=4", "optim.lr=1.0e-2", "trainer.nproc_per_node=2",
             "trainer.micro_batch_size=2", "trainer.max_steps=10", "trainer.checkpoint_every=3",

@@ -18,13 +18,14 @@ from conftest import REPO, TINY, compose, run_train
 from distributed_harness import run_on_ranks
 from host_reads import count_host_reads
 from omegaconf import OmegaConf
-from test_lamb import _batches, _one_thread, _tiny_bert
-from test_trainer import _wait_for_step
 from torch import nn
 
 from optim import LAMB, SLAMB, build_optimizer, param_groups_weight_decay
 from optim.comm import Comm
 from train.metrics import read_metrics
+
+# Spawned ranks import this module to find their worker: test_lamb and test_trainer (transformers, timm, the
+# trainer) are imported inside the tests that use them, so the ranks' start-up imports torch and optim only.
 
 # --------------------------------------------------------------------------------------------- T1
 STEPS = 100
@@ -33,6 +34,8 @@ STEPS = 100
 @functools.cache
 def _train_tiny_bert(name: str, mask: str = "", rescale: str = "") -> nn.Module:
     """The tiny BERT of test_lamb after STEPS steps of LAMB or of SLAMB with one rank and k = 1."""
+    from test_lamb import _batches, _one_thread, _tiny_bert
+
     model, batches = _tiny_bert(), _batches()
     groups = param_groups_weight_decay(model, 0.01)
     if name == "lamb":  # the conventions SLAMB uses: trust ratio on every tensor, no pre-normalisation
@@ -53,6 +56,8 @@ def _train_tiny_bert(name: str, mask: str = "", rescale: str = "") -> nn.Module:
 @pytest.mark.parametrize("rescale", ["sum_of_products", "product_of_interpolations"])
 @pytest.mark.parametrize("mask", ["bernoulli", "cyclic"])
 def test_one_rank_with_k_1_equals_lamb(mask, rescale):
+    from test_lamb import _tiny_bert
+
     slamb, lamb = _train_tiny_bert("slamb", mask, rescale), _train_tiny_bert("lamb")
     for (name, p), q in zip(slamb.named_parameters(), lamb.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
@@ -577,6 +582,8 @@ def _popen_group(args: list[str]) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_two_rank_run_killed_and_resumed_repeats_the_loss_series_and_bytes_match_the_masks(tmp_path):
+    from test_trainer import _wait_for_step
+
     reference = run_train([*SLAMB_RUN, f"hydra.run.dir={tmp_path / 'ref'}"])
     assert reference.returncode == 0, reference.stderr[-3000:]
 

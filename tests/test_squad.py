@@ -301,16 +301,22 @@ QA_TINY = [
 ]
 
 
-def test_qa_starts_from_our_pretraining_run(tmp_path):
-    run(compose([*TINY, "trainer.max_steps=2"]), tmp_path / "pretrain")
-    run(compose([*QA_TINY, f"trainer.init_from={tmp_path / 'pretrain'}"]), tmp_path / "qa")
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """One tiny 2-step pretraining run, only read (as `trainer.init_from`) by the tests that start from it."""
+    run_dir = tmp_path_factory.mktemp("pretrain")
+    run(compose([*TINY, "trainer.max_steps=2"]), run_dir)
+    return run_dir
+
+
+def test_qa_starts_from_our_pretraining_run(tmp_path, pretrained):
+    run(compose([*QA_TINY, f"trainer.init_from={pretrained}"]), tmp_path / "qa")
     assert any("eval/f1" in r for r in read_metrics(tmp_path / "qa"))
 
 
-def test_init_from_a_different_architecture_fails_clearly(tmp_path):
-    run(compose([*TINY, "trainer.max_steps=2"]), tmp_path / "pretrain")
+def test_init_from_a_different_architecture_fails_clearly(tmp_path, pretrained):
     with pytest.raises(RuntimeError, match="size mismatch"):
-        run(compose([*QA_TINY, "model.hidden_size=64", f"trainer.init_from={tmp_path / 'pretrain'}"]), tmp_path / "qa")
+        run(compose([*QA_TINY, "model.hidden_size=64", f"trainer.init_from={pretrained}"]), tmp_path / "qa")
 
 
 def test_pipeline_commands_chain_the_stages(tmp_path):

@@ -42,15 +42,31 @@ def test_run_trains_checkpoints_and_exports(tmp_path):
     assert len(AutoTokenizer.from_pretrained(tmp_path / "hf_model")) == 30522
 
 
-def test_rerunning_a_finished_run_does_nothing(tmp_path):
-    _train(tmp_path, "trainer.max_steps=2")
+@pytest.fixture(scope="module")
+def _finished_two_step_run(tmp_path_factory) -> Path:
+    """One finished `trainer.max_steps=2` run: the tests that start from one get a copy (cheaper than training)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    _train(run_dir, "trainer.max_steps=2")
+    return run_dir
+
+
+@pytest.fixture
+def finished_run(_finished_two_step_run, tmp_path) -> Path:
+    """A private copy (timestamps included) of the finished 2-step run, as `_train(tmp_path, "trainer.max_steps=2")`
+    would leave it."""
+    shutil.copytree(_finished_two_step_run, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def test_rerunning_a_finished_run_does_nothing(finished_run):
+    tmp_path = finished_run
     stamp = (tmp_path / "checkpoints" / "step_00000002" / "shared.pt").stat().st_mtime_ns
     _train(tmp_path, "trainer.max_steps=2")
     assert (tmp_path / "checkpoints" / "step_00000002" / "shared.pt").stat().st_mtime_ns == stamp
 
 
-def test_resume_false_refuses_to_overwrite(tmp_path):
-    _train(tmp_path, "trainer.max_steps=2")
+def test_resume_false_refuses_to_overwrite(finished_run):
+    tmp_path = finished_run
     with pytest.raises(RuntimeError, match="already has checkpoint"):
         _train(tmp_path, "trainer.max_steps=4", "trainer.resume=false")
 
@@ -80,8 +96,8 @@ def test_mixed_precision_runs(tmp_path, precision):
     assert ("loss_scale" in records[-1]) == (precision == "fp16")
 
 
-def test_tf32_is_fp32_with_tf32_matmuls(tmp_path):
-    fp32 = _train(tmp_path / "fp32", "trainer.max_steps=2")
+def test_tf32_is_fp32_with_tf32_matmuls(tmp_path, _finished_two_step_run):
+    fp32 = read_metrics(_finished_two_step_run)  # the fp32 run of `_train(..., "trainer.max_steps=2")`
     try:
         tf32 = _train(tmp_path / "tf32", "precision=tf32", "trainer.max_steps=2")
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
@@ -265,8 +281,8 @@ def test_non_finite_weights_are_never_checkpointed_between_log_records(tmp_path)
         assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
-def test_rerun_after_a_crash_past_the_last_checkpoint_finishes_the_export(tmp_path):
-    _train(tmp_path, "trainer.max_steps=2")
+def test_rerun_after_a_crash_past_the_last_checkpoint_finishes_the_export(finished_run):
+    tmp_path = finished_run
     shutil.rmtree(tmp_path / "hf_model")  # as if killed between the final checkpoint and the export
     (tmp_path / "finished.json").unlink()
     _train(tmp_path, "trainer.max_steps=2")
