@@ -76,6 +76,8 @@ def _stepper(name: str, optimizer: torch.optim.Optimizer, grads: dict[nn.Paramet
     layer draw and the step; handing the sampled layers their gradients (backward's work) is not timed."""
     if not get_optimizer_spec(name).samples_layers:
         def step() -> float:
+            for p, grad in grads.items():  # all of them: a JointSpar round's zero_grad dropped the model's
+                p.grad = grad
             start = clock()
             optimizer.step()
             return clock() - start
@@ -109,8 +111,6 @@ def step_part(args: argparse.Namespace) -> None:
     for name in args.optimizers:
         if name == REFERENCE:
             continue
-        for p, grad in grads.items():  # a previous JointSpar round leaves only its last layers' gradients
-            p.grad = grad
         optimizer = build_optimizer(model, name, config_kwargs(name))
         steppers = {REFERENCE: _stepper(REFERENCE, reference, grads, clock),
                     name: _stepper(name, optimizer, grads, clock)}
@@ -124,8 +124,6 @@ def step_part(args: argparse.Namespace) -> None:
             _step_row(REFERENCE, times[REFERENCE], times[REFERENCE], state_bytes(reference),
                       state_bytes(reference))
         _step_row(name, times[name], times[REFERENCE], state_bytes(optimizer), state_bytes(reference))
-        for p, grad in grads.items():
-            p.grad = grad
         del optimizer
 
 
