@@ -261,31 +261,32 @@ class JointSpar(BaseWrapper):
         sampled = self.sampled_layers()
         glob = self.state[_GLOBAL]
         probabilities = self.probabilities
-        on = [layer for layer, s in zip(self.layers, sampled, strict=True) if s]
-        off = [layer for layer, s in zip(self.layers, sampled, strict=True) if not s]
-        if any(p.grad is not None for layer in off for p in layer.params):
+        on = [i for i, s in enumerate(sampled) if s]
+        off = [i for i, s in enumerate(sampled) if not s]
+        if any(p.grad is not None for i in off for p in self.layers[i].params):
             raise RuntimeError("JointSpar: unsampled layers have gradients; call begin_step() after zero_grad() "
                                "and before the forward pass")
-        params = [p for layer in on for p in layer.params]
+        owner = [i for i in on for _ in self.layers[i].params]  # the layer of each sampled parameter
+        params = [p for i in on for p in self.layers[i].params]
         for p in params:
             if p.grad is None:  # not used by this loss: a zero, so that every rank sends the same layout
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
         self._average(grads)
-        norms = self._layer_norms(on, grads)  # the step's one host read
+        norms = self._layer_norms(owner, grads)  # the step's one host read
 
-        inverse = {id(layer): 1.0 / float(probabilities[i]) for i, layer in enumerate(self.layers) if sampled[i]}
+        inverse = (1.0 / probabilities).tolist()
         if self.base_name == "sgd":  # its direction is (g + lambda x) / p: the gradient here, lambda in the group
-            torch._foreach_mul_(grads, [inverse[id(layer)] for layer in on for _ in layer.params])
+            torch._foreach_mul_(grads, [inverse[i] for i in owner])
         if self.unsampled == "decay":
-            for layer in off:
-                for p in layer.params:
+            for i in off:
+                for p in self.layers[i].params:
                     p.grad = torch.zeros_like(p)
         saved = [(group["lr"], group["weight_decay"]) for group in self.param_groups]  # what the loop may change
         for group, index in zip(self.param_groups, self._group_layer, strict=True):
             if sampled[index]:
                 key = _RESCALED[self.base_name]
-                group[key] = group.get(key, 1.0) * inverse[id(self.layers[index])]
+                group[key] = group.get(key, 1.0) * inverse[index]
             elif self.unsampled == "decay":
                 group["lr"] = group["weight_decay"] = 0.0
         try:
@@ -313,15 +314,14 @@ class JointSpar(BaseWrapper):
         torch._foreach_copy_(grads, [v.view_as(g) for g, v in zip(grads, flat.split([g.numel() for g in grads]),
                                                                   strict=True)])
 
-    def _layer_norms(self, on: list[Layer], grads: list[Tensor]) -> Tensor:
-        """Every layer's gradient L2 norm (0 for unsampled ones) as float64 on the host."""
+    def _layer_norms(self, owner: list[int], grads: list[Tensor]) -> Tensor:
+        """Every layer's gradient L2 norm (0 for unsampled ones) as float64 on the host; `owner[j]` is the layer
+        of `grads[j]`."""
         norms = torch.zeros(len(self.layers), dtype=torch.float64)
         if not grads:
             return norms
         squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().square().cpu()
-        index = {id(layer): i for i, layer in enumerate(self.layers)}
-        owner = torch.tensor([index[id(layer)] for layer in on for _ in layer.params])
-        return norms.index_add_(0, owner, squares).sqrt_()
+        return norms.index_add_(0, torch.tensor(owner), squares).sqrt_()
 
     def _all_layers_on(self) -> None:
         for layer in self.layers:
@@ -399,12 +399,6 @@ def check_jointspar_options(options: dict[str, Any]) -> None:
     seed = o["seed"]
     require(isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0, "seed", seed,
             "must be an integer >= 0")
-
-
-def layers_of(model: torch.nn.Module, granularity: str = "block") -> list[str]:
-    """The layer names JointSpar samples for `model` (what `sample_ratio` is a share of)."""
-    return list(dict.fromkeys(layer_name(name, granularity) for name, p in model.named_parameters()
-                              if p.requires_grad))
 
 
 register_optimizer(OptimSpec(
