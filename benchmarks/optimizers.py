@@ -41,7 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import BertConfig, BertForPreTraining
 
 from benchmarks.optim_step import SIZES, bert_parameters
-from benchmarks.slamb_step import config_kwargs
+from benchmarks.slamb_step import config_kwargs, state_bytes
 from conf.checks import missing_nvidia_apex
 from optim import JointSpar, build_optimizer, get_optimizer_spec, list_optimizers
 from optim.apex import APEX_OPTIMIZERS
@@ -58,18 +58,6 @@ def runnable_optimizers() -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ step time and memory
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct storages behind the optimizer's state tensors, its base optimizer's included."""
-    seen, total = set(), 0
-    for opt in (optimizer, getattr(optimizer, "base", None)):
-        for entry in (opt.state.values() if opt is not None else ()):
-            for value in entry.values() if isinstance(entry, dict) else ():
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
-                    seen.add(value.untyped_storage().data_ptr())
-                    total += value.untyped_storage().nbytes()
-    return total
-
-
 def _stepper(name: str, optimizer: torch.optim.Optimizer, grads: dict[nn.Parameter, torch.Tensor],
              clock: Callable[[], float]) -> Callable[[], float]:
     """One training step's optimizer work, returning its duration in `clock` seconds. For JointSpar that is the

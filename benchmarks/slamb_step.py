@@ -60,13 +60,15 @@ def config_kwargs(name: str, **overrides) -> dict:
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct storages behind the tensors in the optimizer's per-parameter state."""
+    """Bytes of the distinct storages behind the optimizer's state tensors, a wrapper's base optimizer included
+    (SlowMo, JointSpar)."""
     seen, total = set(), 0
-    for entry in optimizer.state.values():
-        for value in entry.values():
-            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
-                seen.add(value.untyped_storage().data_ptr())
-                total += value.untyped_storage().nbytes()
+    for opt in (optimizer, getattr(optimizer, "base", None)):
+        for entry in (opt.state.values() if opt is not None else ()):
+            for value in entry.values() if isinstance(entry, dict) else ():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                    seen.add(value.untyped_storage().data_ptr())
+                    total += value.untyped_storage().nbytes()
     return total
 
 
