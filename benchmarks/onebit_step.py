@@ -16,8 +16,9 @@ computation (packing, error feedback, copies) costs, not what a network would sa
 Volume: bits per parameter per step over a full BERT-Large phase-1 schedule (7038 steps) from each
 optimizer's communication schedule and the byte counts of `optim.comm.Comm` (the tests check that the
 counted bytes equal these predictions step by step on 2 and 4 ranks). SLAMB's figure comes from its
-configuration (conf/optim/slamb.yaml: k, H, tau) and BERT-Large's tensor shapes, by the formula of
-`slamb_bits_per_step` (masked coordinates drawn with probability k are counted at their expectation).
+configuration (conf/optim/slamb.yaml: k, H, tau; fp32 and fp16 momentum) and BERT-Large's tensor shapes, by
+the formula of `slamb_bits_per_step` (masked coordinates drawn with probability k are counted at their
+expectation). Full-precision traffic is shown in fp32 and in fp16, so SLAMB and 1-bit LAMB compare like for like.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 import yaml
 from transformers import BertConfig, BertForPreTraining
 
+from benchmarks.slamb_step import CONF_OPTIM
 from optim.compressed import bucket_layout, compressed_bytes_per_call
 from optim.param_groups import param_groups_weight_decay
 from optim.zero_one_adam import zero_one_adam_step_kinds
@@ -62,11 +64,16 @@ def _bucket_sizes(model: torch.nn.Module, bucketing: str) -> list[int]:
     return [sum(numels[i] for i in bucket) for bucket in bucket_layout([len(g["params"]) for g in groups], bucketing)]
 
 
-def onebit_bits_per_step(kinds: list[str], model: torch.nn.Module, bucketing: str, world_size: int) -> float:
-    """Mean bits per parameter per step of a 1-bit-family schedule (Comm's counting: input bytes per rank)."""
+def onebit_bits_per_step(kinds: list[str], model: torch.nn.Module, bucketing: str, world_size: int,
+                         dense_bits: int = 32) -> float:
+    """Mean bits per parameter per step of a 1-bit-family schedule (Comm's counting: input bytes per rank).
+
+    `dense_bits`: the wire width of the full-precision stages (`dense_comm_dtype`: 32, or 16 for fp16/bf16).
+    """
     numel = sum(p.numel() for p in model.parameters())
     compressed = sum(compressed_bytes_per_call(n, world_size) for n in _bucket_sizes(model, bucketing))
-    per_kind = {"init": 0, "local": 0, "dense": 4 * numel, "variance": 4 * numel, "compressed": compressed,
+    dense = dense_bits // 8 * numel
+    per_kind = {"init": 0, "local": 0, "dense": dense, "variance": dense, "compressed": compressed,
                 "onebit_grad": compressed, "sync": compressed}
     return 8 * sum(per_kind[k] for k in kinds) / len(kinds) / numel
 
@@ -76,8 +83,8 @@ def freeze_kinds(steps: int, freeze_step: int) -> list[str]:
 
 
 def slamb_bits_per_step(model: torch.nn.Module, steps: int, cfg: dict[str, Any]) -> float:
-    """Per step k of the masked coordinates plus every always-synced one, and a dense
-    parameter average every H steps, all in the communication dtype."""
+    """Per step k of the masked coordinates plus every always-synced one in the communication dtype, and
+    a dense fp32 parameter average every H steps."""
     bits = {"fp32": 32, "fp16": 16, "bf16": 16}[cfg["comm_dtype"]]
     numel = always = 0
     for p in model.parameters():
@@ -90,35 +97,45 @@ def slamb_bits_per_step(model: torch.nn.Module, steps: int, cfg: dict[str, Any])
 
 
 def volume_table(world_sizes: tuple[int, ...] = (8, 128)) -> list[str]:
+    """Bits per parameter per step over BERT-Large phase 1, every optimizer with 32- and 16-bit full-precision
+    traffic where it has any, and SLAMB against 1-bit LAMB like for like (the paper: about half)."""
     model = bert("large")
     numel = sum(p.numel() for p in model.parameters())
     warm = round(0.2843 * PHASE1_STEPS)  # the phase-1 LR warm-up of conf/experiment/bert_large_phase1.yaml
     scaled = lambda n: round(n / PUBLISHED_STEPS * PHASE1_STEPS)  # noqa: E731
-    rows: list[tuple[str, str, list[str], str]] = [
-        ("LAMB (DDP, fp32 gradients)", "-", ["dense"] * PHASE1_STEPS, "per_group"),
-        ("1-bit LAMB, published", "freeze_step 1000", freeze_kinds(PHASE1_STEPS, 1000), "flat_scaled"),
-        ("1-bit Adam, freeze scaled", f"freeze_step {scaled(23000)} (23000/152511 of the run)",
+    onebit_lamb = freeze_kinds(PHASE1_STEPS, 1000)
+    rows: list[tuple[str, str, int, list[str], str]] = [  # label, settings, dense bits, kinds, bucketing
+        ("LAMB (DDP gradients)", "trainer.grad_allreduce_dtype fp32", 32, ["dense"] * PHASE1_STEPS, "per_group"),
+        ("LAMB (DDP gradients)", "fp16 (NVIDIA's BERT)", 16, ["dense"] * PHASE1_STEPS, "per_group"),
+        ("1-bit LAMB, published", "freeze_step 1000, dense_comm_dtype fp32", 32, onebit_lamb, "flat_scaled"),
+        ("1-bit LAMB, published", "freeze_step 1000, fp16 (DeepSpeed fp16 runs)", 16, onebit_lamb, "flat_scaled"),
+        ("1-bit Adam, freeze scaled", f"freeze_step {scaled(23000)} (23000/152511 of the run), fp32", 32,
          freeze_kinds(PHASE1_STEPS, scaled(23000)), "per_group"),
-        ("0/1 Adam, published policy", f"var_freeze_step {warm} (end of warm-up), alpha 32678, H 16",
+        ("0/1 Adam, published policy", f"var_freeze_step {warm} (end of warm-up), alpha 32678, H 16, fp32", 32,
          zero_one_adam_step_kinds(PHASE1_STEPS, warm), "per_group"),
-        ("0/1 Adam, alpha scaled", f"var_freeze_step {warm}, alpha {scaled(32678)}, H 16",
+        ("0/1 Adam, alpha scaled", f"var_freeze_step {warm}, alpha {scaled(32678)}, H 16, fp32", 32,
          zero_one_adam_step_kinds(PHASE1_STEPS, warm, local_step_scaler=scaled(32678)), "per_group"),
     ]
     header = "| optimizer | settings | " + " | ".join(f"bits/param/step, W={w}" for w in world_sizes) + " |"
     lines = [f"BERT-Large ({numel / 1e6:.1f}M parameters), phase 1: {PHASE1_STEPS} steps", "", header,
              "|---|---|" + "---|" * len(world_sizes)]
-    for label, settings, kinds, bucketing in rows:
-        values = " | ".join(f"{onebit_bits_per_step(kinds, model, bucketing, w):.3f}" for w in world_sizes)
-        lines.append(f"| {label} | {settings} | {values} |")
-    try:
-        with open("conf/optim/slamb.yaml") as f:
-            slamb_cfg = yaml.safe_load(f)
-        slamb = slamb_bits_per_step(model, PHASE1_STEPS, slamb_cfg)
-        lines.append(f"| SLAMB (formula) | k {slamb_cfg['compress_ratio']}, H "
-                     f"{slamb_cfg['sync_interval']}, tau {slamb_cfg['min_compress_numel']}, "
-                     f"{slamb_cfg['comm_dtype']} | " + " | ".join(f"{slamb:.3f}" for _ in world_sizes) + " |")
-    except FileNotFoundError:
-        lines.append("| SLAMB | conf/optim/slamb.yaml absent | - |")
+    onebit_lamb_bits = {}
+    for label, settings, dense_bits, kinds, bucketing in rows:
+        values = [onebit_bits_per_step(kinds, model, bucketing, w, dense_bits) for w in world_sizes]
+        if label.startswith("1-bit LAMB"):
+            onebit_lamb_bits[dense_bits] = values
+        lines.append(f"| {label} | {settings} | " + " | ".join(f"{v:.3f}" for v in values) + " |")
+    slamb_cfg = yaml.safe_load((CONF_OPTIM / "slamb.yaml").read_text())
+    slamb_bits = {}
+    for dtype, bits in (("fp32", 32), ("fp16", 16)):
+        slamb_bits[bits] = slamb_bits_per_step(model, PHASE1_STEPS, slamb_cfg | {"comm_dtype": dtype})
+        lines.append(f"| SLAMB (formula) | k {slamb_cfg['compress_ratio']}, H {slamb_cfg['sync_interval']}, tau "
+                     f"{slamb_cfg['min_compress_numel']}, momentum in {dtype}, parameter average fp32 | "
+                     + " | ".join(f"{slamb_bits[bits]:.3f}" for _ in world_sizes) + " |")
+    lines += ["", "SLAMB / 1-bit LAMB, like for like (the paper: SLAMB sends about half of 1-bit LAMB's data): "
+              + "; ".join(f"{name}: " + ", ".join(f"{slamb_bits[bits] / v:.2f} at W={w}"
+                                                   for w, v in zip(world_sizes, onebit_lamb_bits[bits], strict=True))
+                          for name, bits in (("fp32", 32), ("fp16", 16)))]
     lines += ["", f"Published BERT-Large schedule ({PUBLISHED_STEPS} steps, batch 4096), "
               f"W={world_sizes[-1]}:", "", "| optimizer | bits/param/step | vs fp32 Adam |", "|---|---|---|"]
     for label, kinds in (("1-bit Adam, freeze_step 23000", freeze_kinds(PUBLISHED_STEPS, 23000)),

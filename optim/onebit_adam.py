@@ -17,7 +17,7 @@ from optim._math import (
     foreach_variance_,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
-from optim.comm import Comm
+from optim.comm import WIRE_DTYPES, Comm
 from optim.compressed import CompressedBuckets, average_, bucket_layout
 
 # Kept in every docstring of the family: where we differ from DeepSpeed 0.19.6.
@@ -58,6 +58,7 @@ def check_onebit_family_options(options: dict[str, Any], bucketings: Sequence[st
             "must be an integer >= 0")
     check_choice("bucketing", repr(options["bucketing"]), [repr(b) for b in bucketings])  # quoted: a string
     check_flags(options, "init_noop_step", "mask_zero_variance")
+    check_choice("dense_comm_dtype", repr(options["dense_comm_dtype"]), [repr(d) for d in WIRE_DTYPES])
 
 
 def check_onebit_adam_options(options: dict[str, Any]) -> None:
@@ -81,13 +82,14 @@ class OneBitFamily(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Any, defaults: dict[str, Any], comm: Comm | None, bucketing: str,
-                 init_noop_step: bool, mask_zero_variance: bool, keep_tail: bool = False,
+                 init_noop_step: bool, mask_zero_variance: bool, dense_comm_dtype: str, keep_tail: bool = False,
                  flat_keys: Sequence[str] = ("exp_avg_sq",)) -> None:
         super().__init__(params, defaults)
         for group in self.param_groups:  # empty tensors would give NaN scales
             group["params"] = [p for p in group["params"] if p.numel() > 0]
         self.comm = comm if comm is not None else Comm()
         self.bucketing, self.init_noop_step, self.mask_zero_variance = bucketing, init_noop_step, mask_zero_variance
+        self.dense_wire_dtype = WIRE_DTYPES[dense_comm_dtype]
         self.first_real_step = 2 if init_noop_step else 1
         params = self._params()
         if not params:
@@ -163,7 +165,7 @@ class OneBitFamily(torch.optim.Optimizer):
         return slices
 
     def _average(self, tensors: Sequence[Tensor]) -> None:
-        average_(tensors, self.comm)
+        average_(tensors, self.comm, wire_dtype=self.dense_wire_dtype)
 
     def _denominators(self) -> list[Tensor]:
         """Per tensor `sqrt(v) + eps` (views of flat buffers), rebuilt only after `v` changed.
@@ -270,6 +272,8 @@ class OneBitAdam(OneBitFamily):
             ``per_tensor`` (one per tensor, DeepSpeed's fp32 path).
         init_noop_step: keep DeepSpeed's no-op first step (it counts toward ``freeze_step``).
         mask_zero_variance: zero communicated momentum where :math:`v = 0` (see the differences below).
+        dense_comm_dtype: wire dtype of the full-precision gradient averages (warm-up): ``fp32``, or ``fp16``
+            / ``bf16`` for half the bytes, as DeepSpeed's fp16 engine sends (the sum is in the wire dtype).
         comm: the communication layer (given by `build_optimizer`); None means one process.
     """
 
@@ -277,14 +281,15 @@ class OneBitAdam(OneBitFamily):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100000, bucketing: str = "per_group",
-                 init_noop_step: bool = True, mask_zero_variance: bool = True, comm: Comm | None = None) -> None:
+                 init_noop_step: bool = True, mask_zero_variance: bool = True, dense_comm_dtype: str = "fp32",
+                 comm: Comm | None = None) -> None:
         run_check(type(self).__name__, check_onebit_adam_options, dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, bucketing=bucketing,
-            init_noop_step=init_noop_step, mask_zero_variance=mask_zero_variance,
+            init_noop_step=init_noop_step, mask_zero_variance=mask_zero_variance, dense_comm_dtype=dense_comm_dtype,
         ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.freeze_step = freeze_step
-        super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance)
+        super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance, dense_comm_dtype)
 
     def compressing(self, t: int) -> bool:
         """Whether step `t` is in the compression stage."""

@@ -18,13 +18,15 @@ from torch import nn
 from benchmarks.deepspeed_reference import compare_on_rank, deepspeed_available
 from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, param_groups_weight_decay
 from optim.comm import Comm
+from optim.compressed import average_
 from optim.zero_one_adam import zero_one_adam_step_kinds
 from train.metrics import read_metrics
 
 STEPS, RESUME_AT = 14, 9
 OPTIMIZERS = {
     "onebit_adam": (OneBitAdam, dict(lr=0.01, weight_decay=0.01, freeze_step=5)),
-    "onebit_lamb": (OneBitLAMB, dict(lr=0.01, weight_decay=0.01, freeze_step=5, max_coeff=0.3)),
+    "onebit_lamb": (OneBitLAMB, dict(lr=0.01, weight_decay=0.01, freeze_step=5, max_coeff=0.3,
+                                     dense_comm_dtype="fp16")),
     "zero_one_adam": (ZeroOneAdam, dict(lr=0.01, weight_decay=0.01, var_freeze_step=6, var_update_scaler=2,
                                         local_step_scaler=2, local_step_clipper=4)),
 }
@@ -92,7 +94,12 @@ def _train(name, rank, comm, model, optimizer, first, last):
 
 def _ranks_optimizers(rank, world_size):
     comm = Comm()
-    out = {}
+    gradient = torch.randn(1000, generator=torch.Generator().manual_seed(rank)) * 1e-3
+    exact, half = gradient.clone(), gradient.clone()
+    average_([exact], comm)
+    comm.take_counts()
+    average_([half], comm, wire_dtype=torch.float16)
+    out = {"fp16_average": dict(bytes=comm.take_counts()["bytes"], exact=exact, half=half)}
     for name in OPTIMIZERS:
         model = _model()
         initial_rows = model["emb"].weight[5:].detach().clone()
@@ -136,7 +143,7 @@ def test_replicas_bytes_masks_and_exact_resume_on_gloo(world_size):
         assert {"dense", "compressed"} <= set(kinds) or {"variance", "onebit_grad", "sync", "local"} <= set(kinds)
         for rank_result in results:
             r = rank_result[name]
-            dense_bytes = 4 * r["numel"]
+            dense_bytes = (2 if OPTIMIZERS[name][1].get("dense_comm_dtype") == "fp16" else 4) * r["numel"]
             predicted = {"init": (0, 0), "local": (0, 0), "dense": (dense_bytes, 1), "variance": (dense_bytes, 1),
                          "compressed": (r["compressed_bytes"], 2 * r["num_buckets"]),
                          "onebit_grad": (r["compressed_bytes"], 2 * r["num_buckets"]),
@@ -144,7 +151,7 @@ def test_replicas_bytes_masks_and_exact_resume_on_gloo(world_size):
             measured = [(c["bytes"], c["collectives"]) for c in r["counts"]]
             assert measured == [predicted[k] for k in kinds], name
             # 1 bit per element plus scales and padding: far below an fp32 all-reduce of the same tensors
-            assert r["compressed_bytes"] < dense_bytes / 32 * (1 + 1 / world_size) + 100
+            assert r["compressed_bytes"] < r["numel"] / 8 * (1 + 1 / world_size) + 100
             for before, after in zip(r["params"][RESUME_AT:], r["resumed"], strict=True):
                 assert torch.equal(before, after), f"{name}: resumed run differs"
             # Never-seen rows (v = 0) are masked: only weight decay moves them (unmasked: 1-bit noise / eps).
@@ -156,6 +163,13 @@ def test_replicas_bytes_masks_and_exact_resume_on_gloo(world_size):
                 assert not same, f"{name}: replicas identical on local step {step + 1}"
             else:
                 assert same, f"{name}: replicas differ after step {step + 1} ({kind})"
+    # A 16-bit dense average sends half the bytes and stays within fp16 rounding of the fp32 mean.
+    for rank_result in results:
+        wire = rank_result["fp16_average"]
+        assert wire["bytes"] == 2 * 1000
+        error = (wire["half"] - wire["exact"]).norm() / wire["exact"].norm()
+        assert 0 < error < 1e-3
+        assert torch.equal(wire["half"], results[0]["fp16_average"]["half"])
 
 
 def test_one_process_warmup_is_adam_without_bias_correction():

@@ -239,6 +239,7 @@ OWN_OPTIONS = [
     ("onebit_adam", "bucketing", "flat_scaled"),
     ("onebit_adam", "init_noop_step", "yes"),
     ("onebit_adam", "mask_zero_variance", 0),
+    ("onebit_adam", "dense_comm_dtype", "int8"),
     ("onebit_lamb", "freeze_step", 1.5),
     ("onebit_lamb", "bucketing", "flat"),
     ("onebit_lamb", "max_coeff", 0.001),
@@ -249,6 +250,7 @@ OWN_OPTIONS = [
     ("onebit_lamb", "init_noop_step", "no"),
     ("onebit_lamb", "factor_threshold", -0.1),
     ("onebit_lamb", "mask_zero_variance", None),
+    ("onebit_lamb", "dense_comm_dtype", "fp8"),
     ("zero_one_adam", "var_freeze_step", -1),
     ("zero_one_adam", "var_update_scaler", 0),
     ("zero_one_adam", "local_step_scaler", 0),
@@ -256,6 +258,7 @@ OWN_OPTIONS = [
     ("zero_one_adam", "bucketing", "per_chunk"),
     ("zero_one_adam", "init_noop_step", [True]),
     ("zero_one_adam", "mask_zero_variance", "true"),
+    ("zero_one_adam", "dense_comm_dtype", 16),
 ]
 
 
