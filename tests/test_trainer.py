@@ -298,6 +298,9 @@ def test_refused_runs_leave_the_recorded_config_alone(tmp_path):
         run(compose([*TINY, "trainer.max_steps=4", "optim=adamw"]), tmp_path, overrides=["optim=adamw"])
     with pytest.raises(ConfigError, match="already has checkpoint"):
         run(compose([*TINY, "trainer.max_steps=4", "trainer.resume=false"]), tmp_path, overrides=[])
+    with pytest.raises(ConfigError, match=r"^model\.hidden_size=64: .* holds checkpoints of a model with "
+                                          r"model\.hidden_size=32 "):
+        run(compose([*TINY, "trainer.max_steps=4", "model.hidden_size=64"]), tmp_path, overrides=[])
     assert (tmp_path / ".hydra" / "config.yaml").read_bytes() == recorded
     assert (tmp_path / ".hydra" / "overrides.yaml").read_text().strip() == "- trainer.max_steps=2"
 

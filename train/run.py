@@ -69,6 +69,27 @@ def check_run_directory(cfg: DictConfig, run_dir: Path, geometry: BatchGeometry)
         )
     if "world_size" in meta:  # a DDP optimizer's checkpoint resumes on any number of ranks
         check_world_size(checkpoint, meta, geometry.world_size)
+    check_same_model(cfg, run_dir, checkpoint)
+
+
+def check_same_model(cfg: DictConfig, run_dir: Path, checkpoint: Path) -> None:
+    """Refuse to continue checkpoints of another model: their tensors would not load into this one.
+
+    The recorded config describes the checkpoints (only accepted runs rewrite it), so its `model` is theirs.
+    """
+    recorded_path = run_dir / RECORDED_CONFIG_DIR / "config.yaml"
+    if not recorded_path.exists():
+        return
+    recorded = OmegaConf.to_container(OmegaConf.load(recorded_path).get("model", {}), resolve=True)
+    wanted = OmegaConf.to_container(cfg.model, resolve=True)
+    differing = sorted(k for k in recorded.keys() | wanted.keys() if recorded.get(k) != wanted.get(k))
+    if differing:
+        key = differing[0]
+        raise RunDirectoryError(
+            f"model.{key}={wanted.get(key)}: {run_dir} holds checkpoints of a model with model.{key}="
+            f"{recorded.get(key)} ({checkpoint.name}); resume with that model, or pick another name=... (another run "
+            "directory) for this one"
+        )
 
 
 def record_config(cfg: DictConfig, run_dir: Path, overrides: list[str] | None) -> None:
