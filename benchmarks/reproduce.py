@@ -1,0 +1,270 @@
+"""The paper's comparison at a chosen scale: BERT pretraining with every optimizer at equal steps, SQuAD
+fine-tuning of each result, Swin on images, then the comparison table and the report's plots.
+
+    python -m benchmarks.reproduce                        # CPU scale: tiny BERT, python_docs, 4 gloo ranks
+    python -m benchmarks.reproduce --optimizers lamb slamb onebit_lamb --steps 300
+    python -m benchmarks.reproduce --size base --steps 2000 --gpus 8 --override precision=bf16
+    python -m benchmarks.reproduce --simulated-network 10gbe   # collectives take a modelled network's time
+
+Every stage is an ordinary `python -m train` run with its own run directory under `--out`, so rerunning the
+command resumes an interrupted study and skips finished runs (change `--out` to start afresh).
+
+1. BERT pretraining (`--size`, default the 4.4M-parameter tiny BERT) on the prepared `python_docs` corpus
+   (prepared on first use: it downloads Debian's python3.11-doc once; `--corpus demo` takes the embedded
+   corpus instead), `--ranks` processes, the same seed, data and `--steps` for every optimizer. Where the repo
+   has a BERT preset for an optimizer (`conf/experiment/<name>_bert.yaml`: SLAMB's fp16 momentum, 1-bit
+   LAMB's published coefficients) it is used. Schedules measured in steps are scaled to `--steps` so that
+   every stage of every algorithm happens (see `schedule_overrides`).
+2. SQuAD: each pretrained model is fine-tuned with AdamW on the shipped SQuAD-format file and scored on it
+   (`experiment=squad_demo`): it shows what each pretraining gives a downstream task at this scale; it is
+   not SQuAD v1.1 dev.
+3. Swin: the offline digits (`experiment=swin_demo`) with `--swin-optimizers`, top-1 on held-out digits.
+4. `comparison.md` / `comparison.csv` join each optimizer's pretraining, fine-tuning and Swin results (one
+   row per optimizer); `python -m benchmarks.report` draws the plots from the BERT runs into `report/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.optimizers import runnable_optimizers
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON_DOCS = REPO / "data" / "prepared" / "python_docs"
+SWIN_LR = {"lamb": 1.0e-2, "slamb": 1.0e-2, "slamb_v2_official": 1.0e-2}  # swin_demo's AdamW LR is 3e-3
+SUMMARY = "summary.json"
+
+
+def user_error(message: str) -> SystemExit:
+    """One line for the user and exit code 2, as `python -m train` does for its own user errors."""
+    print(f"error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def schedule_overrides(name: str, steps: int) -> list[str]:
+    """Settings counted in steps, scaled so that every stage of optimizer `name` happens within `steps`.
+
+    1-bit Adam / LAMB: the full-precision warm-up ends at 20 % of the run (the tutorials' 15-25 %); 0/1 Adam:
+    the variance freezes there, its refresh interval doubles every 1/8 of that (so 1-bit gradient steps come
+    between refreshes) and the local-step interval every 10 % of the run; SlowMo: a weight average every
+    tenth of the run, and at the last step so that all replicas end equal.
+    """
+    fifth = max(2, steps // 5)
+    if name in ("onebit_adam", "onebit_lamb"):
+        return [f"optim.freeze_step={fifth}"]
+    if name == "zero_one_adam":
+        return [f"optim.var_freeze_step={fifth}", f"optim.var_update_scaler={max(1, fifth // 8)}",
+                f"optim.local_step_scaler={max(1, steps // 10)}"]
+    if name == "slowmo":
+        return [f"optim.sync_interval={_largest_divisor_up_to(steps, max(1, steps // 10))}"]
+    return []
+
+
+def _largest_divisor_up_to(n: int, limit: int) -> int:
+    return max(d for d in range(1, limit + 1) if n % d == 0)
+
+
+def optimizer_choice(name: str) -> str:
+    """`experiment=<name>_bert` where the repo has a BERT preset for the optimizer, else `optim=<name>`."""
+    return f"experiment={name}_bert" if (REPO / "conf" / "experiment" / f"{name}_bert.yaml").exists() else \
+        f"optim={name}"
+
+
+class Study:
+    """The runs of one reproduction, their commands and where their results land."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out: Path = args.out.resolve()
+        logging = ["logger.progress_bar=false", "logger.tensorboard=false", "logger.wandb=disabled"]
+        device = "trainer.device=cuda" if args.gpus else "trainer.device=cpu"
+        network = [f"trainer.simulated_network={args.simulated_network}"] if args.simulated_network else []
+        self.single = [*logging, device]  # fine-tuning: one process
+        self.parallel = [*logging, device, f"trainer.nproc_per_node={args.gpus or args.ranks}", *network]
+
+    def bert_dir(self, name: str) -> Path:
+        return self.out / "bert" / name
+
+    def squad_dir(self, name: str) -> Path:
+        return self.out / "squad" / name
+
+    def swin_dir(self, name: str) -> Path:
+        return self.out / "swin" / name
+
+    def bert_command(self, name: str) -> list[str]:
+        a = self.args
+        data = ["data=python_docs", f"data.path={a.corpus_path}"] if a.corpus == "python_docs" else ["data=demo"]
+        return [optimizer_choice(name), f"name=reproduce_bert_{name}", f"model=bert_{a.size}", *data,
+                f"trainer.max_steps={a.steps}", f"trainer.log_every={max(1, a.steps // 50)}",
+                "trainer.checkpoint_every=0", *schedule_overrides(name, a.steps), *self.parallel, *a.override,
+                f"hydra.run.dir={self.bert_dir(name)}"]
+
+    def squad_command(self, name: str) -> list[str]:
+        weights = self.bert_dir(name) / "hf_model"
+        return ["experiment=squad_demo", f"name=reproduce_squad_{name}", f"model.config_from={weights}",
+                f"trainer.init_from={weights}", "data.vocab_path=null", f"trainer.epochs={self.args.squad_epochs}",
+                *self.single, f"hydra.run.dir={self.squad_dir(name)}"]
+
+    def swin_command(self, name: str) -> list[str]:
+        lr = [f"optim.lr={SWIN_LR[name]}"] if name in SWIN_LR else []
+        return ["experiment=swin_demo", f"optim={name}", *lr, f"name=reproduce_swin_{name}",
+                f"trainer.epochs={self.args.swin_epochs}", *self.parallel, f"hydra.run.dir={self.swin_dir(name)}"]
+
+
+def train(label: str, overrides: list[str], run_dir: Path) -> None:
+    """One `python -m train` run (resumed, or skipped when finished); its log goes to <run dir>/reproduce.log."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    start = time.perf_counter()
+    print(f"{label:<34} ...", end="", flush=True)
+    with open(run_dir / "reproduce.log", "w") as log:
+        result = subprocess.run([sys.executable, "-m", "train", *overrides], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0:
+        print(" failed")
+        tail = (run_dir / "reproduce.log").read_text().strip().splitlines()[-15:]
+        print("\n".join(tail), file=sys.stderr)
+        command = " ".join(["python -m train", *overrides])
+        print(f"the run above failed (exit {result.returncode}); its log: {run_dir / 'reproduce.log'}; "
+              f"command: {command}", file=sys.stderr)
+        raise SystemExit(2 if result.returncode == 2 else 1)
+    print(f" {time.perf_counter() - start:6.0f} s", flush=True)
+
+
+def prepare_corpus(path: Path) -> None:
+    """Prepare the python_docs corpus at `path` unless it is there (a one-time download of ~11 MB)."""
+    if (path / "phase1").is_dir():
+        return
+    print(f"preparing the python_docs corpus into {path} (once) ...", flush=True)
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "corpus=python_docs", f"output_dir={path}"],
+                            cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(result.stderr.strip()[-2000:], file=sys.stderr)
+        raise user_error(f"could not prepare the python_docs corpus into {path} (it downloads Debian's "
+                         "python3.11-doc once); rerun with --corpus demo to use the embedded corpus")
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / SUMMARY
+    if not path.exists():
+        raise user_error(f"{path} is missing: the run did not finish; rerun the same command to resume it")
+    return json.loads(path.read_text())
+
+
+COLUMNS = ("optimizer", "pretraining loss", "bits/param/step", "vs lamb", "GB sent per rank", "step ms",
+           "pretraining min", "SQuAD F1", "SQuAD EM", "Swin top-1")
+
+
+def comparison_rows(study: Study, bert: Sequence[str], squad: bool, swin: Sequence[str]) -> list[dict[str, str]]:
+    """One row per optimizer: its pretraining summary joined with its fine-tuning and Swin results."""
+    summaries = {name: read_summary(study.bert_dir(name)) for name in bert}
+    reference = summaries.get("lamb", {}).get("bits_per_param_per_step")
+    rows = []
+    for name in dict.fromkeys([*bert, *swin]):
+        row = dict.fromkeys(COLUMNS, "")
+        row["optimizer"] = name
+        if name in summaries:
+            s = summaries[name]
+            bits = s["bits_per_param_per_step"]
+            row.update({"pretraining loss": f"{s['final']['loss']:.3f}", "bits/param/step": f"{bits:.3f}",
+                        "vs lamb": f"{bits / reference:.3f}" if reference else "",
+                        "GB sent per rank": f"{s['bytes_total'] / 1e9:.3f}",
+                        "step ms": f"{1e3 * s['mean_step_seconds']:.0f}",
+                        "pretraining min": f"{s['elapsed_seconds'] / 60:.1f}"})
+            if squad:
+                best = read_summary(study.squad_dir(name))["best"]
+                row.update({"SQuAD F1": f"{best['eval/f1']:.1f}", "SQuAD EM": f"{best['eval/exact_match']:.1f}"})
+        if name in swin:
+            row["Swin top-1"] = f"{read_summary(study.swin_dir(name))['best']['eval/top1']:.1f}"
+        rows.append(row)
+    return rows
+
+
+def write_comparison(rows: list[dict[str, str]], out: Path, title: str) -> str:
+    """comparison.md and comparison.csv under `out`; returns the Markdown."""
+    from data.atomic import atomic_write_text
+
+    markdown = "\n".join([title, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
+                          *("| " + " | ".join(row[c] for c in COLUMNS) + " |" for row in rows)]) + "\n"
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(out / "comparison.md", markdown)
+    atomic_write_text(out / "comparison.csv", buffer.getvalue())
+    return markdown
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="Every stage is a `python -m train` run; rerunning resumes.")
+    parser.add_argument("--out", type=Path, default=Path("runs/reproduce"), help="where the runs and tables go")
+    parser.add_argument("--optimizers", nargs="+", default=None, help="BERT study (default: every one runnable)")
+    parser.add_argument("--swin-optimizers", nargs="*", default=["lamb", "slamb", "adamw"], help="Swin study")
+    parser.add_argument("--size", choices=["tiny", "base", "large", "xl"], default="tiny", help="BERT size")
+    parser.add_argument("--steps", type=int, default=100, help="BERT pretraining steps, the same for every optimizer")
+    parser.add_argument("--corpus", choices=["python_docs", "demo"], default="python_docs")
+    parser.add_argument("--corpus-path", type=Path, default=PYTHON_DOCS, help="the prepared python_docs corpus")
+    parser.add_argument("--ranks", type=int, default=4, help="CPU processes (gloo) per run")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs per run (NCCL); replaces --ranks")
+    parser.add_argument("--squad-epochs", type=int, default=15, help="0: no SQuAD fine-tuning")
+    parser.add_argument("--swin-epochs", type=int, default=20, help="Swin epochs on the digits (22 steps each)")
+    parser.add_argument("--simulated-network", default=None, help="trainer.simulated_network for every run")
+    parser.add_argument("--override", action="append", default=[], help="extra override of the BERT runs "
+                        "(repeatable), e.g. --override precision=bf16")
+    args = parser.parse_args(argv)
+    runnable = runnable_optimizers()
+    args.optimizers = args.optimizers or runnable
+    for flag, names in (("--optimizers", args.optimizers), ("--swin-optimizers", args.swin_optimizers)):
+        unknown = [n for n in names if n not in runnable]
+        if unknown:
+            raise user_error(f"{flag} {' '.join(unknown)}: not runnable here; choose from {', '.join(runnable)}")
+    for flag in ("steps", "ranks"):
+        if getattr(args, flag) < 1:
+            raise user_error(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    study = Study(args)
+    if args.corpus == "python_docs" and args.optimizers:
+        prepare_corpus(args.corpus_path)
+    workers = f"{args.gpus} GPU(s)" if args.gpus else f"{args.ranks} CPU rank(s)"
+    print(f"study in {study.out}: BERT-{args.size}, {args.steps} steps, {args.corpus}, {workers}; "
+          f"{len(args.optimizers)} optimizers; SQuAD {args.squad_epochs} epochs; Swin: "
+          f"{', '.join(args.swin_optimizers) or 'none'}", flush=True)
+    start = time.perf_counter()
+    for name in args.optimizers:
+        train(f"bert  {name}", study.bert_command(name), study.bert_dir(name))
+    if args.squad_epochs:
+        for name in args.optimizers:
+            train(f"squad {name}", study.squad_command(name), study.squad_dir(name))
+    for name in args.swin_optimizers:
+        train(f"swin  {name}", study.swin_command(name), study.swin_dir(name))
+    rows = comparison_rows(study, args.optimizers, args.squad_epochs > 0, args.swin_optimizers)
+    simulated = f", simulated network {args.simulated_network}" if args.simulated_network else ""
+    title = (f"BERT-{args.size}, {args.steps} steps on {args.corpus} with {workers}{simulated}; SQuAD: fine-tuned "
+             f"{args.squad_epochs} epochs on the shipped file; Swin: digits, {args.swin_epochs} epochs")
+    print("\n" + write_comparison(rows, study.out, title))
+    if args.optimizers:
+        from benchmarks import report
+
+        report.main([str(study.bert_dir(name)) for name in args.optimizers] + ["--out", str(study.out / "report")])
+    print(f"done in {(time.perf_counter() - start) / 60:.1f} min: {study.out / 'comparison.md'}, "
+          f"{study.out / 'report'}")
+
+
+if __name__ == "__main__":
+    main()

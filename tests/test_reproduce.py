@@ -1,0 +1,76 @@
+"""`python -m benchmarks.reproduce`: every algorithm's stages happen within the study's steps, the commands
+compose, and a small study writes a comparison whose numbers are its runs' summaries."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+
+import pytest
+from conftest import compose
+
+from benchmarks import reproduce
+from benchmarks.onebit_step import freeze_kinds
+from optim.zero_one_adam import zero_one_adam_step_kinds
+from train.config import validate
+
+
+def _option(overrides: list[str], key: str) -> int:
+    return int(next(o.split("=", 1)[1] for o in overrides if o.startswith(f"optim.{key}=")))
+
+
+@pytest.mark.parametrize("steps", [20, 100, 1000])
+def test_every_stage_of_every_algorithm_happens_within_the_steps(steps):
+    for name in ("onebit_adam", "onebit_lamb"):
+        kinds = Counter(freeze_kinds(steps, _option(reproduce.schedule_overrides(name, steps), "freeze_step")))
+        assert kinds["dense"] >= steps // 10 and kinds["compressed"] >= steps // 2
+    overrides = reproduce.schedule_overrides("zero_one_adam", steps)
+    kinds = Counter(zero_one_adam_step_kinds(steps, _option(overrides, "var_freeze_step"),
+                                             _option(overrides, "var_update_scaler"),
+                                             _option(overrides, "local_step_scaler")))
+    assert all(kinds[k] > 0 for k in ("variance", "onebit_grad", "sync", "local")), kinds
+    tau = _option(reproduce.schedule_overrides("slowmo", steps), "sync_interval")
+    assert steps % tau == 0 and 1 < tau <= steps // 10  # replicas agree at the end; several averages
+
+
+def test_every_command_of_a_study_composes_and_validates(tmp_path):
+    study = reproduce.Study(reproduce.parse_args(["--out", str(tmp_path), "--simulated-network", "10gbe"]))
+    for name in reproduce.parse_args([]).optimizers:
+        command = study.bert_command(name)
+        cfg = compose([o for o in command if not o.startswith("hydra.")])
+        validate(cfg)
+        assert cfg.optim.name == name and cfg.trainer.nproc_per_node == 4 and cfg.trainer.max_steps == 100
+        assert cfg.trainer.simulated_network == "10gbe"
+    squad = compose([o for o in study.squad_command("lamb") if not o.startswith("hydra.")])
+    assert squad.trainer.init_from == str(tmp_path / "bert" / "lamb" / "hf_model")
+    swin = compose([o for o in study.swin_command("slamb") if not o.startswith("hydra.")])
+    assert swin.optim.name == "slamb" and swin.trainer.epochs == 20
+
+
+def test_bad_arguments_are_one_line_user_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        reproduce.main(["--optimizers", "sgd_plus"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --optimizers sgd_plus: not runnable here; choose from {', '.join(reproduce.runnable_optimizers())}"]
+
+
+@pytest.mark.slow
+def test_a_small_study_joins_its_runs_summaries(tmp_path):
+    reproduce.main(["--out", str(tmp_path), "--corpus", "demo", "--optimizers", "lamb", "slamb", "--steps", "4",
+                    "--ranks", "2", "--squad-epochs", "1", "--swin-optimizers", "adamw", "--swin-epochs", "1",
+                    "--override", "model.hidden_size=32", "--override", "model.intermediate_size=64"])
+    rows = {row["optimizer"]: row for row in csv.DictReader((tmp_path / "comparison.csv").open())}
+    assert list(rows) == ["lamb", "slamb", "adamw"]
+    for name in ("lamb", "slamb"):
+        summary = json.loads((tmp_path / "bert" / name / "summary.json").read_text())
+        assert float(rows[name]["bits/param/step"]) == pytest.approx(summary["bits_per_param_per_step"], abs=1e-3)
+        assert float(rows[name]["pretraining loss"]) == pytest.approx(summary["final"]["loss"], abs=1e-3)
+        squad = json.loads((tmp_path / "squad" / name / "summary.json").read_text())
+        assert float(rows[name]["SQuAD F1"]) == pytest.approx(squad["best"]["eval/f1"], abs=0.05)
+    assert float(rows["lamb"]["bits/param/step"]) == pytest.approx(32.0)
+    assert float(rows["slamb"]["vs lamb"]) < 0.5  # k = 0.1 of the momentum, plus the periodic average
+    assert rows["adamw"]["Swin top-1"] and not rows["adamw"]["pretraining loss"]
+    assert "| lamb |" in (tmp_path / "comparison.md").read_text()
+    assert all((tmp_path / "report" / f).stat().st_size > 0 for f in ("table.md", "loss_vs_step.png"))
