@@ -1,10 +1,9 @@
-"""Every registered optimizer against LAMB: step time and state memory, JointSpar's backward saving, and training
-at equal steps on the demo corpus over gloo ranks (final loss and measured bits per parameter per step).
+"""Every registered optimizer against LAMB: step time and state memory, and JointSpar's backward saving.
+(Training at equal steps, with measured bits per parameter: `python -m benchmarks.reproduce`.)
 
-    python -m benchmarks.optimizers                                   # all three parts, every optimizer runnable here
+    python -m benchmarks.optimizers                                   # both parts, every optimizer runnable here
     python -m benchmarks.optimizers --part step --size base           # step time and memory, BERT-base parameters
     python -m benchmarks.optimizers --part backward --size base       # JointSpar's forward + backward vs dense
-    python -m benchmarks.optimizers --part train --steps 100 --optimizers lamb slamb jointspar
 
 step: each optimizer is built from its conf/optim YAML (what `optim=<name>` runs) over the same BERT parameters
 and random gradients, in a world of one, and timed against LAMB in its own round (steps interleaved, one CPU
@@ -16,24 +15,14 @@ those, as in training. Memory is the bytes of the optimizer's persistent state t
 backward: forward + backward of a BERT pretraining batch with every layer computing its weight gradients (dense)
 against JointSpar's sampled layers at several `sample_ratio`s (uniform probabilities), best over the repeats, and
 the FLOPs autograd counted, both as ratios to dense.
-
-train: each optimizer runs the real trainer, `python -m train trainer.nproc_per_node=<ranks> optim=<name> ...`
-on the demo (tiny BERT, embedded corpus) from the same seed and data; the numbers come from its metrics.jsonl:
-the final loss (mean of the last `--tail` steps) and the communication it measured, in bits per parameter per
-step, with the ratio to LAMB's.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -45,9 +34,7 @@ from benchmarks.slamb_step import config_kwargs, state_bytes
 from conf.checks import missing_nvidia_apex
 from optim import JointSpar, build_optimizer, get_optimizer_spec, list_optimizers
 from optim.apex import APEX_OPTIMIZERS
-from train.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
 REFERENCE = "lamb"
 
 
@@ -172,47 +159,7 @@ def backward_part(args: argparse.Namespace) -> None:
               f"{statistics.mean(flops[key]) / statistics.mean(flops['dense']):>12.2f}", flush=True)
 
 
-# ------------------------------------------------------------------------------------------ training
-def train_run(name: str, args: argparse.Namespace, run_dir: Path) -> tuple[list[dict], float]:
-    """Train the demo with optimizer `name`; (metrics records, wall seconds)."""
-    overrides = [
-        f"optim={name}", f"trainer.nproc_per_node={args.ranks}", f"trainer.max_steps={args.steps}",
-        "trainer.micro_batch_size=null", "trainer.device=cpu", "trainer.log_every=1", "trainer.checkpoint_every=0",
-        "logger.progress_bar=false", "logger.tensorboard=false", "logger.wandb=disabled", *args.override,
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "train", *overrides], cwd=REPO, env=env, capture_output=True,
-                            text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"optim={name} run failed:\n{result.stderr[-3000:]}")
-    return read_metrics(run_dir), time.perf_counter() - start
-
-
-def train_part(args: argparse.Namespace) -> None:
-    print(f"\n## train: tiny BERT on the demo corpus, {args.ranks} gloo ranks on CPU, {args.steps} steps, same seed "
-          f"and data; overrides: {' '.join(args.override) or 'none'}")
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.optimizers:
-            rows[name] = train_run(name, args, Path(tmp) / name)
-    reference_bits = _mean(rows[REFERENCE][0], "comm_bits_per_param") if REFERENCE in rows else None
-    print(f"{'optimizer':<18} {'loss':>7} {'mlm_loss':>9} {'bits/param/step':>16} {'x lamb':>7} "
-          f"{'collectives/step':>17} {'wall s':>7}")
-    for name, (records, wall) in rows.items():
-        tail = records[-args.tail:]
-        bits = _mean(records, "comm_bits_per_param")
-        versus = f"{bits / reference_bits:>7.3f}" if reference_bits else f"{'-':>7}"
-        print(f"{name:<18} {_mean(tail, 'loss'):>7.3f} {_mean(tail, 'mlm_loss'):>9.3f} {bits:>16.3f} {versus} "
-              f"{_mean(records, 'comm_collectives_per_step'):>17.2f} {wall:>7.0f}", flush=True)
-
-
-def _mean(records: list[dict], key: str) -> float:
-    return sum(r[key] for r in records) / len(records)
-
-
-PARTS = {"step": step_part, "backward": backward_part, "train": train_part}
+PARTS = {"step": step_part, "backward": backward_part}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,10 +174,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="step, backward: untimed repeats first")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="step: wall time, or this process's CPU time (steadier on a shared CPU)")
-    parser.add_argument("--steps", type=int, default=100, help="train: optimizer steps per run")
-    parser.add_argument("--ranks", type=int, default=4, help="train: gloo ranks")
-    parser.add_argument("--tail", type=int, default=10, help="train: final loss = mean over this many last steps")
-    parser.add_argument("--override", action="append", default=[], help="train: extra Hydra override (repeatable)")
     args = parser.parse_args(argv)
     runnable = runnable_optimizers()
     args.optimizers = args.optimizers or runnable
