@@ -89,18 +89,34 @@ def slamb_bits_per_step(model: torch.nn.Module, steps: int, cfg: dict[str, Any])
     return (steps * per_step + syncs * 32 * numel) / steps / numel
 
 
+PHASE1_WARMUP = round(0.2843 * PHASE1_STEPS)  # the phase-1 LR warm-up of conf/experiment/bert_large_phase1.yaml
+
+
+def _scaled(n: int) -> int:
+    """A step count of the published 152,511-step schedule at the same fraction of phase 1."""
+    return round(n / PUBLISHED_STEPS * PHASE1_STEPS)
+
+
+def phase1_schedules() -> dict[str, tuple[str, list[str]]]:
+    """Registry name -> (settings, kind of each step) of the 1-bit family over BERT-Large phase 1."""
+    return {
+        "onebit_lamb": ("freeze_step 1000", freeze_kinds(PHASE1_STEPS, 1000)),
+        "onebit_adam": (f"freeze_step {_scaled(23000)} (23000/152511 of the run)",
+                        freeze_kinds(PHASE1_STEPS, _scaled(23000))),
+        "zero_one_adam": (f"var_freeze_step {PHASE1_WARMUP} (end of warm-up), alpha 32678, H 16",
+                          zero_one_adam_step_kinds(PHASE1_STEPS, PHASE1_WARMUP)),
+    }
+
+
 def volume_table(world_sizes: tuple[int, ...] = (8, 128)) -> list[str]:
     model = bert("large")
     numel = sum(p.numel() for p in model.parameters())
-    warm = round(0.2843 * PHASE1_STEPS)  # the phase-1 LR warm-up of conf/experiment/bert_large_phase1.yaml
-    scaled = lambda n: round(n / PUBLISHED_STEPS * PHASE1_STEPS)  # noqa: E731
+    warm, scaled, schedules = PHASE1_WARMUP, _scaled, phase1_schedules()
     rows: list[tuple[str, str, list[str], str]] = [
         ("LAMB (DDP, fp32 gradients)", "-", ["dense"] * PHASE1_STEPS, "per_group"),
-        ("1-bit LAMB, published", "freeze_step 1000", freeze_kinds(PHASE1_STEPS, 1000), "flat_scaled"),
-        ("1-bit Adam, freeze scaled", f"freeze_step {scaled(23000)} (23000/152511 of the run)",
-         freeze_kinds(PHASE1_STEPS, scaled(23000)), "per_group"),
-        ("0/1 Adam, published policy", f"var_freeze_step {warm} (end of warm-up), alpha 32678, H 16",
-         zero_one_adam_step_kinds(PHASE1_STEPS, warm), "per_group"),
+        ("1-bit LAMB, published", *schedules["onebit_lamb"], "flat_scaled"),
+        ("1-bit Adam, freeze scaled", *schedules["onebit_adam"], "per_group"),
+        ("0/1 Adam, published policy", *schedules["zero_one_adam"], "per_group"),
         ("0/1 Adam, alpha scaled", f"var_freeze_step {warm}, alpha {scaled(32678)}, H 16",
          zero_one_adam_step_kinds(PHASE1_STEPS, warm, local_step_scaler=scaled(32678)), "per_group"),
     ]

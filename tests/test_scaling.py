@@ -96,3 +96,34 @@ def test_cli_rejects_a_bad_preset_with_exit_2(tmp_path):
     result = run_train(["trainer.simulated_network=5gbe", f"hydra.run.dir={tmp_path}"], timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("config error: trainer.simulated_network=5gbe")
+
+
+def test_scaled_step_cost_splits_buckets_and_shares_the_all_gather():
+    from benchmarks.scaling import DDP_BUCKET_BYTES, Profile, comm_cost
+
+    one_per_node = Cluster(LINKS["10gbe"])
+    # fp32 gradients of 100M parameters: 4e8 bytes in 25 MiB buckets -> 16 all-reduces of 2.5e7 bytes on 4 ranks
+    ddp = Profile({"cycle": [[("all_reduce", 4.0)]]}, ["cycle"], ["cycle"], DDP_BUCKET_BYTES)
+    cost = comm_cost(ddp, ddp.schedule, 100_000_000, 4, one_per_node)
+    assert cost["collectives"] == 16 and cost["bits_per_param"] == pytest.approx(32.0)
+    assert cost["comm_s"] == pytest.approx(16 * ring_all_reduce_seconds(2.5e7, 4, LINKS["10gbe"]), rel=1e-12)
+    # a gathered 1/8 byte per parameter: each of 4 ranks puts in a quarter; a dense step every other step
+    onebit = Profile({"dense": [[("all_reduce", 4.0)]], "compressed": [[("all_to_all", 0.125), ("all_gather", 0.125)]]},
+                     ["dense", "compressed"], ["compressed"], None)
+    steady = comm_cost(onebit, onebit.steady, 8_000_000, 4, one_per_node)
+    assert steady["bits_per_param"] == pytest.approx(1.0 + 0.25) and steady["collectives"] == 2
+    assert steady["comm_s"] == pytest.approx(0.75 * 1e6 / 1.25e9 + 3 * NET_ALPHA + 3 * 2.5e5 / 1.25e9 + 3 * NET_ALPHA)
+    schedule = comm_cost(onebit, onebit.schedule, 8_000_000, 4, one_per_node)
+    assert schedule["bits_per_param"] == pytest.approx((32 + 1.25) / 2) and schedule["collectives"] == 1.5
+
+
+def test_measured_onebit_lamb_profile_is_one_bit_plus_the_gathered_share():
+    from benchmarks.scaling import MEASURE_WORLD, measure_profile
+
+    profile = measure_profile("onebit_lamb", "fp32")
+    (compressed,) = {tuple(kind for kind, _ in step) for step in profile.steps["compressed"]}
+    assert compressed == ("all_to_all", "all_gather")  # one fused call over all momenta: two collectives
+    bits = [8 * per_param for kind, per_param in profile.steps["compressed"][0]]
+    assert bits[0] == pytest.approx(1.0, rel=1e-3) and bits[1] == pytest.approx(1.0, rel=1e-3)  # gathered: 1 bit
+    assert [8 * b for _, b in profile.steps["dense"][0]] == [pytest.approx(32.0)]  # warm-up: fp32 momenta
+    assert set(profile.steady) == {"compressed"} and MEASURE_WORLD == 8
