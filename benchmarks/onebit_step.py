@@ -96,23 +96,42 @@ def slamb_bits_per_step(model: torch.nn.Module, steps: int, cfg: dict[str, Any])
     return (steps * per_step + syncs * 32 * numel) / steps / numel
 
 
+PHASE1_WARMUP = round(0.2843 * PHASE1_STEPS)  # the phase-1 LR warm-up of conf/experiment/bert_large_phase1.yaml
+
+
+def _scaled(n: int) -> int:
+    """A step count of the published 152,511-step schedule at the same fraction of phase 1."""
+    return round(n / PUBLISHED_STEPS * PHASE1_STEPS)
+
+
+def phase1_schedules() -> dict[str, tuple[str, list[str]]]:
+    """Registry name -> (settings, kind of each step) of the 1-bit family over BERT-Large phase 1."""
+    return {
+        "onebit_lamb": ("freeze_step 1000", freeze_kinds(PHASE1_STEPS, 1000)),
+        "onebit_adam": (f"freeze_step {_scaled(23000)} (23000/152511 of the run)",
+                        freeze_kinds(PHASE1_STEPS, _scaled(23000))),
+        "zero_one_adam": (f"var_freeze_step {PHASE1_WARMUP} (end of warm-up), alpha 32678, H 16",
+                          zero_one_adam_step_kinds(PHASE1_STEPS, PHASE1_WARMUP)),
+    }
+
+
 def volume_table(world_sizes: tuple[int, ...] = (8, 128)) -> list[str]:
     """Bits per parameter per step over BERT-Large phase 1, every optimizer with 32- and 16-bit full-precision
     traffic where it has any, and SLAMB against 1-bit LAMB like for like (the paper: about half)."""
     model = bert("large")
     numel = sum(p.numel() for p in model.parameters())
-    warm = round(0.2843 * PHASE1_STEPS)  # the phase-1 LR warm-up of conf/experiment/bert_large_phase1.yaml
-    scaled = lambda n: round(n / PUBLISHED_STEPS * PHASE1_STEPS)  # noqa: E731
-    onebit_lamb = freeze_kinds(PHASE1_STEPS, 1000)
+    warm, scaled, schedules = PHASE1_WARMUP, _scaled, phase1_schedules()
+    onebit_lamb_settings, onebit_lamb = schedules["onebit_lamb"]
     rows: list[tuple[str, str, int, list[str], str]] = [  # label, settings, dense bits, kinds, bucketing
         ("LAMB (DDP gradients)", "trainer.grad_allreduce_dtype fp32", 32, ["dense"] * PHASE1_STEPS, "per_group"),
         ("LAMB (DDP gradients)", "fp16 (NVIDIA's BERT)", 16, ["dense"] * PHASE1_STEPS, "per_group"),
-        ("1-bit LAMB, published", "freeze_step 1000, dense_comm_dtype fp32", 32, onebit_lamb, "flat_scaled"),
-        ("1-bit LAMB, published", "freeze_step 1000, fp16 (DeepSpeed fp16 runs)", 16, onebit_lamb, "flat_scaled"),
-        ("1-bit Adam, freeze scaled", f"freeze_step {scaled(23000)} (23000/152511 of the run), fp32", 32,
-         freeze_kinds(PHASE1_STEPS, scaled(23000)), "per_group"),
-        ("0/1 Adam, published policy", f"var_freeze_step {warm} (end of warm-up), alpha 32678, H 16, fp32", 32,
-         zero_one_adam_step_kinds(PHASE1_STEPS, warm), "per_group"),
+        ("1-bit LAMB, published", f"{onebit_lamb_settings}, dense_comm_dtype fp32", 32, onebit_lamb, "flat_scaled"),
+        ("1-bit LAMB, published", f"{onebit_lamb_settings}, fp16 (DeepSpeed fp16 runs)", 16, onebit_lamb,
+         "flat_scaled"),
+        ("1-bit Adam, freeze scaled", f"{schedules['onebit_adam'][0]}, fp32", 32, schedules["onebit_adam"][1],
+         "per_group"),
+        ("0/1 Adam, published policy", f"{schedules['zero_one_adam'][0]}, fp32", 32, schedules["zero_one_adam"][1],
+         "per_group"),
         ("0/1 Adam, alpha scaled", f"var_freeze_step {warm}, alpha {scaled(32678)}, H 16, fp32", 32,
          zero_one_adam_step_kinds(PHASE1_STEPS, warm, local_step_scaler=scaled(32678)), "per_group"),
     ]

@@ -3,45 +3,80 @@
 Bytes are the payload a rank contributes to a collective (`numel * element_size` of its input), which is
 what compression changes; how the backend moves them (ring, tree) is not modelled. Algorithm traffic
 (gradients, momenta, parameters) and control traffic (stop and overflow flags) are counted apart, so the
-headline metric, bits per parameter per step, holds only the algorithm's own data.
+headline metric, bits per parameter per step, holds only the algorithm's own data. Each algorithm collective is
+also counted by kind (all_reduce, all_gather, all_to_all, broadcast), which is what a network cost model needs.
+
+A simulated network (`Comm(network=parse_cluster("10gbe"))`, `trainer.simulated_network`) makes every algorithm
+collective last at least the time `optim.network` models for its kind, bytes and world size: the rank sleeps out
+the rest after the real collective. Collectives share one simulated link, so one issued while another is still
+"on the wire" starts when that one ends. Control traffic is not delayed. On a GPU the delay waits for the device
+before and after each collective (host syncs): a simulated run measures what a network costs, not peak speed.
 """
 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations as real types.
+import time
+
 import torch
 import torch.distributed as dist
+
+from optim.network import KINDS, Cluster, collective_seconds
 
 
 class Comm:
     """Collectives over one process group with byte counters.
 
     With no initialised process group (or a group of one) every collective is the identity and nothing is
-    counted: no bytes leave the process.
+    counted: no bytes leave the process. `network`, when given, is the simulated cluster (see the module).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None = None, network: Cluster | None = None) -> None:
         self.group = process_group
         self.initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if self.initialized else 1
         self.rank = dist.get_rank(process_group) if self.initialized else 0
+        self.network = network
         self.bytes_sent = 0
         self.control_bytes_sent = 0
         self.collectives = 0
+        self.by_kind = {kind: {"collectives": 0, "bytes": 0} for kind in KINDS}
+        self._link_free_at = 0.0  # perf_counter time when the simulated link has sent everything issued so far
         self._gloo_group: dist.ProcessGroup | None = None  # host-side votes (`any_later`), made when first needed
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def _count(self, tensor: torch.Tensor) -> None:
-        self.bytes_sent += tensor.numel() * tensor.element_size()
+    def _count(self, tensor: torch.Tensor, kind: str = "all_reduce") -> None:
+        """Charge this rank `tensor`'s bytes for one collective of `kind`."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes_sent += nbytes
         self.collectives += 1
+        self.by_kind[kind]["collectives"] += 1
+        self.by_kind[kind]["bytes"] += nbytes
+
+    def _deadline(self, kind: str, tensor: torch.Tensor) -> float | None:
+        """When the simulated link would have delivered this collective (None: no simulated network)."""
+        if self.network is None:
+            return None
+        _device_idle(tensor)  # the collective starts once the device reaches it, not when the host queues it
+        nbytes = tensor.numel() * tensor.element_size()
+        start = max(time.perf_counter(), self._link_free_at)
+        self._link_free_at = start + collective_seconds(kind, nbytes, self.world_size, self.network)
+        return self._link_free_at
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
         """In-place all-reduce of algorithm data; returns the Work handle when `async_op`."""
         if not self.distributed:
             return _completed(tensor) if async_op else None
-        self._count(tensor)
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        self._count(tensor, "all_reduce")
+        deadline = self._deadline("all_reduce", tensor)
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        if deadline is None:
+            return work
+        if work is None:
+            _sleep_until(deadline, tensor)
+            return None
+        return _DelayedWork(work, deadline, tensor)
 
     def average(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place mean over ranks (sum, then divide)."""
@@ -55,16 +90,20 @@ class Comm:
         if not self.distributed:
             return
         if self.rank == src:
-            self._count(tensor)
+            self._count(tensor, "broadcast")
+        deadline = self._deadline("broadcast", tensor)  # every rank waits for the data, sender or not
         dist.broadcast(tensor, src=src, group=self.group)
+        _sleep_until(deadline, tensor)
 
     def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
         """Gather every rank's `tensor` into `output` (rank-major); a rank is charged its own input."""
         if not self.distributed:
             output.copy_(tensor.reshape(output.shape))
             return
-        self._count(tensor)
+        self._count(tensor, "all_gather")
+        deadline = self._deadline("all_gather", tensor)
         dist.all_gather_into_tensor(output, tensor, group=self.group)
+        _sleep_until(deadline, output)
 
     def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
         """Chunk j of `tensor` (equal split along dim 0) goes to rank j; chunk i of `output` comes from rank i.
@@ -74,8 +113,10 @@ class Comm:
         if not self.distributed:
             output.copy_(tensor.reshape(output.shape))
             return
-        self._count(tensor)
+        self._count(tensor, "all_to_all")
+        deadline = self._deadline("all_to_all", tensor)
         dist.all_to_all_single(output, tensor, group=self.group)
+        _sleep_until(deadline, output)
 
     def any(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on any rank (control traffic, e.g. a stop request).
@@ -134,10 +175,18 @@ class Comm:
         if self.distributed:
             dist.barrier(group=self.group)
 
-    def take_counts(self) -> dict[str, int]:
-        """Counters since the previous call, then reset: call once per optimizer step."""
+    def take_counts(self, by_kind: bool = False) -> dict:
+        """Counters since the previous call, then reset: call once per optimizer step.
+
+        `bytes`, `control_bytes` and `collectives` are totals; with `by_kind`, also `by_kind`: each algorithm
+        collective kind (all_reduce, all_gather, all_to_all, broadcast) -> `{"collectives": n, "bytes": b}`, whose
+        sums are the totals.
+        """
         counts = {"bytes": self.bytes_sent, "control_bytes": self.control_bytes_sent, "collectives": self.collectives}
+        if by_kind:
+            counts["by_kind"] = self.by_kind
         self.bytes_sent = self.control_bytes_sent = self.collectives = 0
+        self.by_kind = {kind: {"collectives": 0, "bytes": 0} for kind in KINDS}
         return counts
 
     def _host_group(self) -> dist.ProcessGroup:
@@ -164,6 +213,44 @@ class PendingVote:
             self._work.wait()
             self._work = None
         return bool(self._value[0])
+
+
+def _device_idle(tensor: torch.Tensor) -> None:
+    """Wait for the device's queued work on `tensor`'s device (CUDA); nothing to wait for on the CPU."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def _sleep_until(deadline: float | None, tensor: torch.Tensor) -> None:
+    """After a collective on `tensor`: wait for it on the device, then sleep until the simulated `deadline`."""
+    if deadline is None:
+        return
+    _device_idle(tensor)
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+class _DelayedWork:
+    """An asynchronous collective under a simulated network: complete at the real end or the deadline, whichever
+    is later, whether the caller waits on it (`wait`) or chains on its future (a DDP comm hook)."""
+
+    __slots__ = ("_deadline", "_tensor", "_work")
+
+    def __init__(self, work: dist.Work, deadline: float, tensor: torch.Tensor) -> None:
+        self._work, self._deadline, self._tensor = work, deadline, tensor
+
+    def wait(self) -> bool:
+        self._work.wait()
+        _sleep_until(self._deadline, self._tensor)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._work.get_future().then(self._delayed)
+
+    def _delayed(self, future: torch.futures.Future):
+        _sleep_until(self._deadline, self._tensor)
+        return future.value()
 
 
 def _completed(tensor: torch.Tensor):

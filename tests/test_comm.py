@@ -125,3 +125,46 @@ def test_all_to_all_single_on_one_process_is_a_copy():
     out = torch.empty(3)
     comm.all_to_all_single(out, torch.arange(3.0))
     assert out.tolist() == [0.0, 1.0, 2.0] and comm.take_counts()["bytes"] == 0
+
+
+def _kinds_and_simulated_delay(rank, world_size):
+    """Counts by kind; then the same all-reduce with and without a simulated 10 GbE network, timed."""
+    import time
+
+    from optim.network import parse_cluster
+
+    comm = Comm()
+    comm.all_reduce(torch.ones(10))
+    comm.broadcast(torch.ones(3))
+    comm.all_gather_into_tensor(torch.empty(2 * world_size), torch.ones(2))
+    comm.all_to_all_single(torch.empty(world_size, dtype=torch.uint8), torch.ones(world_size, dtype=torch.uint8))
+    kinds = comm.take_counts(by_kind=True)
+    timed = {}
+    for name, network in (("plain", None), ("10gbe", parse_cluster("10gbe"))):
+        comm = Comm(network=network)
+        tensor = torch.ones(1 << 20)  # 4 MiB
+        comm.barrier()
+        start = time.perf_counter()
+        comm.all_reduce(tensor)
+        comm.all_reduce(tensor, async_op=True).wait()
+        comm.all_reduce(tensor, async_op=True).get_future().wait()  # the DDP hook's way
+        timed[name] = time.perf_counter() - start, tensor[0].item(), comm.take_counts(by_kind=True)
+    return kinds, timed
+
+
+def test_counts_by_kind_and_a_simulated_network_delays_without_changing_counts():
+    from optim.network import collective_seconds, parse_cluster
+
+    ranks = run_on_ranks(_kinds_and_simulated_delay, 2)
+    modelled = 3 * collective_seconds("all_reduce", 4 << 20, 2, parse_cluster("10gbe"))
+    assert modelled == pytest.approx(3 * (4 << 20) / 1.25e9 + 3 * 2 * 14e-6)  # 2 * 1/2 * n / B + 2 alpha each
+    for rank, (kinds, timed) in enumerate(ranks):
+        assert kinds["by_kind"] == {"all_reduce": {"collectives": 1, "bytes": 40},
+                                    "broadcast": {"collectives": int(rank == 0), "bytes": 12 * (rank == 0)},
+                                    "all_gather": {"collectives": 1, "bytes": 8},
+                                    "all_to_all": {"collectives": 1, "bytes": 2}}
+        assert kinds["bytes"] == sum(k["bytes"] for k in kinds["by_kind"].values())
+        (_, plain_value, plain_counts), (seconds, value, counts) = timed["plain"], timed["10gbe"]
+        assert seconds >= modelled  # three back-to-back collectives on one simulated link
+        assert value == plain_value == 8.0 and counts == plain_counts  # same data, same counts
+        assert counts["by_kind"]["all_reduce"] == {"collectives": 3, "bytes": 3 * (4 << 20)}

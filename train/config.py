@@ -18,11 +18,20 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from conf.checks import ConfigError, check_choice, check_non_negative, check_positive, options_of, require
+from conf.checks import (
+    ConfigError,
+    InvalidOption,
+    check_choice,
+    check_non_negative,
+    check_positive,
+    options_of,
+    require,
+)
 from data import check_data, data_schemas
 from models import check_model_config
 from optim import check_optimizer_config, get_optimizer_spec
 from optim.comm import WIRE_DTYPES
+from optim.network import parse_cluster
 from optim.schedule import ScheduleConfig, check_schedule_config
 from train.metrics import LoggerConfig
 from train.precision import PrecisionConfig, check_precision_config
@@ -58,6 +67,7 @@ class TrainerConfig:
     best_metric: str | None = MISSING
     best_metric_mode: str = MISSING
     keep_best: int = MISSING
+    simulated_network: str | None = MISSING
 
 
 @dataclass
@@ -158,6 +168,11 @@ def check_trainer_config(trainer: DictConfig) -> None:
         require((trainer.best_metric or "").startswith("eval/"), "best_metric", trainer.best_metric,
                 "must name an eval metric (eval/top1) when trainer.keep_best > 0")
     check_choice("best_metric_mode", trainer.best_metric_mode, ("max", "min"))
+    if trainer.simulated_network is not None:
+        try:
+            parse_cluster(trainer.simulated_network)
+        except ValueError as err:
+            raise InvalidOption("simulated_network", str(err), trainer.simulated_network) from None
 
 
 def _options(node: DictConfig) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from conf.checks import USER_ERRORS, ReportedError, user_error_line
 from optim.comm import Comm
+from optim.network import parse_cluster
 
 _USER_ERROR_EXIT_CODE = 2  # as `python -m train` exits on a user error
 _SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
@@ -53,16 +54,22 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_distributed(backend: str, device: torch.device, timeout_minutes: float = 30.0) -> Comm:
-    """Join the process group described by the environment (if any) and return the communication layer."""
+def init_distributed(backend: str, device: torch.device, timeout_minutes: float = 30.0,
+                     simulated_network: str | None = None) -> Comm:
+    """Join the process group described by the environment (if any) and return the communication layer.
+
+    `simulated_network` (`trainer.simulated_network`, e.g. `10gbe` or `ib100:8`) makes the layer's algorithm
+    collectives last at least as long as that network would take (`optim.network`).
+    """
+    network = parse_cluster(simulated_network) if simulated_network is not None else None
     if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
-        return Comm()
+        return Comm(network=network)
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
-    return Comm()
+    return Comm(network=network)
 
 
 def shutdown_distributed() -> None:

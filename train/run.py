@@ -107,7 +107,8 @@ def train_worker(config: dict[str, Any], run_dir: str) -> None:
 
     cfg = OmegaConf.create(config)
     adopt_slurm_environment()
-    comm = init_distributed(cfg.trainer.backend, pick_device(cfg.trainer.device))
+    comm = init_distributed(cfg.trainer.backend, pick_device(cfg.trainer.device),
+                            simulated_network=cfg.trainer.simulated_network)
     try:
         # Rank 0's directory wins, so ranks that resolved their own (a ${now:} in it, say) still agree.
         shared_dir = Path(str(comm.broadcast_object(run_dir)))
