@@ -12,10 +12,11 @@ steps; the 1-bit family: every stage of its schedule (benchmarks.onebit_step's s
 BERT-Large phase-1 schedule (benchmarks.onebit_step.phase1_schedules) for the schedule average; the steady state
 is the compression stage (1-bit: compressed steps; 0/1 Adam: its phase 2; the others: their whole cycle).
 DDP optimizers (LAMB, AdamW, LARS) are not stepped: DDP all-reduces every gradient once per step, in 25 MiB
-buckets, in `--grad-wire` precision. Bytes per parameter are scaled by the target's parameter count
-(APPROXIMATION: the share of small tensors SLAMB always syncs and the 1-bit padding differ between the tiny model
-and the target); an all-gather's per-rank input is a 1/W share of the gathered bytes, so it is scaled as the
-gathered bytes divided by the target's world size; a scaled call is split into the optimizer's buckets
+buckets. Full-precision payloads travel in `--wire` (default fp16, as the paper's BERT runs and its baselines
+sent them). Bytes per parameter are scaled by the target's parameter count (APPROXIMATION: the share of small
+tensors SLAMB always syncs and the 1-bit padding differ between the tiny model and the target); an all-gather's
+per-rank input is a 1/W share of the gathered bytes, so it is scaled as the gathered bytes divided by the
+target's world size; a scaled call is split into the optimizer's buckets
 (`bucket_mb`) as the optimizer would split it.
 
 Compute per step: the per-GPU batch divided by a per-GPU training throughput: `--throughput` if given, else a
@@ -155,18 +156,20 @@ def _cycle(name: str, options: dict[str, Any]) -> tuple[dict[str, Any], list[str
     return {}, ["cycle"] * steps, ["cycle"]
 
 
-def measure_profile(name: str, grad_wire: str) -> Profile:
-    """Step optimizer `name` (its conf/optim YAML) through one cycle of its schedule on the tiny BERT."""
+def measure_profile(name: str, wire: str) -> Profile:
+    """Step optimizer `name` (its conf/optim YAML, full-precision payloads in `wire`) through one cycle of its
+    schedule on the tiny BERT."""
     options = config_kwargs(name)
+    options |= {key: wire for key in ("comm_dtype", "dense_comm_dtype") if key in options}
     bucket_mb = options.get("bucket_mb")
     if get_optimizer_spec(name).grad_sync == "ddp":
-        wire = torch.tensor([], dtype=WIRE_DTYPES[grad_wire]).element_size()
-        return Profile({"cycle": [[("all_reduce", float(wire))]]}, ["cycle"], ["cycle"], DDP_BUCKET_BYTES)
+        wire_bytes = torch.tensor([], dtype=WIRE_DTYPES[wire]).element_size()
+        return Profile({"cycle": [[("all_reduce", float(wire_bytes))]]}, ["cycle"], ["cycle"], DDP_BUCKET_BYTES)
     settings, kinds, schedule = _cycle(name, options)
     model = bert_parameters("tiny", torch.device("cpu"))
     numel = sum(p.numel() for p in model.parameters())
     comm = RecordingComm(MEASURE_WORLD)
-    optimizer = build_optimizer(model, name, config_kwargs(name, **settings), comm=comm)
+    optimizer = build_optimizer(model, name, options | settings, comm=comm)
     step = _stepper(name, optimizer, {p: p.grad for p in model.parameters()}, lambda: 0.0)
     steps: dict[str, list[list[Call]]] = defaultdict(list)
     for kind in kinds:
@@ -241,7 +244,7 @@ def study(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     cluster = Cluster(LINKS[args.network], GPUS_PER_NODE, LINKS[args.nvlink])
     models = targets()
     bert_large = next(t for t in models if t.key == "bert_large").params
-    profiles = {name: measure_profile(name, args.grad_wire) for name in args.optimizers}
+    profiles = {name: measure_profile(name, args.wire) for name in args.optimizers}
     lines = [f"network: {args.network} between nodes of {GPUS_PER_NODE} GPUs over {args.nvlink} (nominal rates, "
              "optim/network.py); no compute/communication overlap",
              f"communication: measured on a tiny BERT as {MEASURE_WORLD} ranks, scaled by parameter count"]
@@ -313,8 +316,7 @@ def paper_claims(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[s
         lines.append(f"BERT-Large, data sent by SLAMB / 1-bit LAMB (bits/param/step over phase 1, {gpus} GPUs): "
                      f"paper {PAPER['bert_data_ratio']} | model {ratio:.3f} ({slamb['bits_per_param']:.3f} / "
                      f"{onebit['bits_per_param']:.3f}) | difference {ratio - PAPER['bert_data_ratio']:+.3f} "
-                     "(SLAMB as conf/optim/slamb.yaml sends it: comm_dtype fp32, the official code's; the authors' "
-                     "BERT fork sends fp16)")
+                     f"(full-precision payloads in {args.wire}: --wire)")
     return lines
 
 
@@ -335,8 +337,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="published throughput and NVLink generation (the paper's BERT-XL run: A100)")
     parser.add_argument("--gpus", nargs="+", type=int, default=list(GPU_COUNTS))
     parser.add_argument("--optimizers", nargs="+", default=None, help="registry names (default: all runnable here)")
-    parser.add_argument("--grad-wire", choices=list(WIRE_DTYPES), default="fp32",
-                        help="DDP optimizers' gradient all-reduce dtype (trainer.grad_allreduce_dtype)")
+    parser.add_argument("--wire", choices=list(WIRE_DTYPES), default="fp16",
+                        help="dtype of every full-precision payload: DDP gradients (trainer.grad_allreduce_dtype), "
+                             "SLAMB's momentum (optim.comm_dtype), the 1-bit family's warm-up "
+                             "(optim.dense_comm_dtype); default fp16, as the BERT runs of the paper and its "
+                             "baselines sent")
     parser.add_argument("--throughput", nargs="*", default=[], metavar="MODEL=SAMPLES_PER_S",
                         help="measured per-GPU training throughput (bert_large, bert_xl, swin_base)")
     parser.add_argument("--throughput-json", help="a JSON object of the same: {\"bert_large\": 600}")
