@@ -181,8 +181,8 @@ def stage_kinds(name: str, repeats: int) -> tuple[dict[str, Any], list[str]]:
 def _timed_rank(rank: int, world_size: int, size: str, name: str, repeats: int) -> dict[str, list[float]]:
     """Seconds per step of optimizer `name` by stage, each step interleaved with one of the reference."""
     from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam
-    from optim.comm import Comm
-    from optim.compressed import average_
+    from optim.comm import Comm, average_tensors_
+    from optim.onebit_adam import DENSE_BUCKET_NUMEL
 
     torch.set_num_threads(1)
     comm = Comm()
@@ -207,7 +207,7 @@ def _timed_rank(rank: int, world_size: int, size: str, name: str, repeats: int) 
     times: dict[str, list[float]] = defaultdict(list)
     seen: set[str] = set()
     for kind in kinds:  # interleaved, so drifting machine load hits both alike
-        allreduce = timed(lambda: average_([p.grad for p in params], comm))
+        allreduce = timed(lambda: average_tensors_([p.grad for p in params], comm, DENSE_BUCKET_NUMEL))
         lamb_alone = timed(reference.step)
         step = timed(optimizer.step)
         if kind == "init" or kind not in seen:  # skip each stage's first, allocating step

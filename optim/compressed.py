@@ -270,32 +270,3 @@ def bucket_layout(group_sizes: Sequence[int], bucketing: str) -> list[list[int]]
     if bucketing == "flat_scaled":
         return [list(range(total))] if total else []
     raise ValueError(f"bucketing={bucketing!r}; must be 'per_tensor', 'per_group' or 'flat_scaled'")
-
-
-def average_(tensors: Sequence[Tensor], comm: Comm, bucket_numel: int = 1 << 24,
-             wire_dtype: torch.dtype = torch.float32) -> None:
-    """Full-precision mean over ranks, in place, flattening the tensors into buckets of <= `bucket_numel`.
-
-    The 1-bit optimizers' warm-up stages need the gradient averaged exactly, as DeepSpeed's engine does
-    before their step; with `grad_sync = "self"` nothing else has averaged it. A 16-bit `wire_dtype` sends
-    half the bytes, as DeepSpeed's fp16 engine does: each rank's share is divided by the world size in fp32
-    before the cast (small gradients do not underflow) and the sum is taken in the wire dtype.
-    """
-    if not comm.distributed:
-        return
-    start = 0
-    while start < len(tensors):
-        end, numel = start, 0
-        while end < len(tensors) and (end == start or numel + tensors[end].numel() <= bucket_numel):
-            numel += tensors[end].numel()
-            end += 1
-        members = [t.view(-1) for t in tensors[start:end]]
-        flat = torch.cat(members)
-        if wire_dtype == flat.dtype:
-            comm.average(flat)
-        else:
-            payload = flat.div_(comm.world_size).to(wire_dtype)
-            comm.all_reduce(payload)
-            flat.copy_(payload)
-        torch._foreach_copy_(members, list(flat.split([m.numel() for m in members])))
-        start = end

@@ -21,7 +21,7 @@ from conf.checks import check_choice, check_non_negative, require
 from optim._math import closure_loss, mask_seed
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options
-from optim.comm import Comm
+from optim.comm import Comm, average_tensors_
 
 _GLOBAL = "jointspar"  # key of the optimizer-wide entry of `self.state`
 BASES = ("sgd", "lars", "lamb")
@@ -272,7 +272,7 @@ class JointSpar(BaseWrapper):
             if p.grad is None:  # not used by this loss: a zero, so that every rank sends the same layout
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
-        self._average(grads)
+        average_tensors_(grads, self.comm)  # one fp32 all-reduce of the sampled gradients
         norms = self._layer_norms(owner, grads)  # the step's one host read
 
         inverse = (1.0 / probabilities).tolist()
@@ -303,16 +303,6 @@ class JointSpar(BaseWrapper):
         self._sampled = None
         self._all_layers_on()
         return loss
-
-    def _average(self, grads: list[Tensor]) -> None:
-        """Mean over the ranks of the sampled gradients: one fp32 all-reduce of their concatenation."""
-        if not self.comm.distributed or not grads:
-            return
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        self.comm.all_reduce(flat)
-        flat.div_(self.comm.world_size)
-        torch._foreach_copy_(grads, [v.view_as(g) for g, v in zip(grads, flat.split([g.numel() for g in grads]),
-                                                                  strict=True)])
 
     def _layer_norms(self, owner: list[int], grads: list[Tensor]) -> Tensor:
         """Every layer's gradient L2 norm (0 for unsampled ones) as float64 on the host; `owner[j]` is the layer

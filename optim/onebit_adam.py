@@ -17,10 +17,14 @@ from optim._math import (
     foreach_variance_,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
-from optim.comm import WIRE_DTYPES, Comm
-from optim.compressed import CompressedBuckets, average_, bucket_layout
+from optim.comm import WIRE_DTYPES, Comm, average_tensors_
+from optim.compressed import CompressedBuckets, bucket_layout
 
 # Kept in every docstring of the family: where we differ from DeepSpeed 0.19.6.
+# Elements per bucket of the full-precision gradient average (warm-up, variance steps): DeepSpeed's engine averages
+# the whole gradient before the optimizer's step; with `grad_sync = "self"` nothing else has averaged it.
+DENSE_BUCKET_NUMEL = 1 << 24
+
 DIFFERENCES_FROM_DEEPSPEED = """
     Deliberate differences from DeepSpeed 0.19.6:
 
@@ -165,7 +169,7 @@ class OneBitFamily(torch.optim.Optimizer):
         return slices
 
     def _average(self, tensors: Sequence[Tensor]) -> None:
-        average_(tensors, self.comm, wire_dtype=self.dense_wire_dtype)
+        average_tensors_(tensors, self.comm, DENSE_BUCKET_NUMEL, self.dense_wire_dtype)
 
     def _denominators(self) -> list[Tensor]:
         """Per tensor `sqrt(v) + eps` (views of flat buffers), rebuilt only after `v` changed.

@@ -12,7 +12,7 @@ from conf.checks import check_non_negative, check_positive, require
 from optim._math import check_flags, closure_loss
 from optim._registry import OptimSpec, get_optimizer_spec, list_optimizers, register_optimizer, run_check
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options
-from optim.comm import Comm
+from optim.comm import Comm, average_tensors_
 
 _GLOBAL = "slowmo"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
 
@@ -134,7 +134,8 @@ class SlowMo(BaseWrapper):
     def _outer_step(self) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if self.comm.distributed:
-            self._average(params + (self._base_buffers(params) if self.average_buffers else []))
+            average_tensors_(params + (self._base_buffers(params) if self.average_buffers else []), self.comm,
+                             self.bucket_numel)
         for group in self.param_groups:
             slow_momentum_step_(
                 group["params"],
@@ -152,24 +153,6 @@ class SlowMo(BaseWrapper):
                         if key != "step" and torch.is_tensor(value) and value.is_floating_point()
                         and value.shape == p.shape]
         return buffers
-
-    def _average(self, tensors: list[Tensor]) -> None:
-        """Exact fp32 mean over the ranks, in tensor-aligned buckets of at most `bucket_mb`, all in flight at once."""
-        buckets: list[list[Tensor]] = [[]]
-        numel = 0
-        for t in tensors:
-            if buckets[-1] and numel + t.numel() > self.bucket_numel:
-                buckets.append([])
-                numel = 0
-            buckets[-1].append(t)
-            numel += t.numel()
-        flats = [torch.cat([t.detach().reshape(-1).float() for t in bucket]) for bucket in buckets]
-        works = [self.comm.all_reduce(flat, async_op=True) for flat in flats]
-        for bucket, flat, work in zip(buckets, flats, works, strict=True):
-            work.wait()
-            flat.div_(self.comm.world_size)
-            torch._foreach_copy_(bucket, [v.view_as(t) for t, v in zip(bucket, flat.split([t.numel() for t in bucket]),
-                                                                         strict=True)])
 
 
 def slow_momentum_step_(

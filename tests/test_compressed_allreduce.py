@@ -10,10 +10,9 @@ import pytest
 import torch
 from distributed_harness import run_on_ranks
 
-from optim.comm import Comm
+from optim.comm import Comm, average_tensors_
 from optim.compressed import (
     CompressedBuckets,
-    average_,
     bucket_layout,
     compress_,
     compressed_allreduce_,
@@ -166,7 +165,7 @@ def _ranks_buckets(rank, world_size):
     tensors = [t.clone() for t in tensors]
     tail = buckets.flats[0][22:].clone()
     dense = [torch.full((4,), float(rank)), torch.ones(3) * rank]
-    average_(dense, comm, bucket_numel=4)  # two flat buckets
+    average_tensors_(dense, comm, bucket_numel=4)  # two flat buckets
     return tensors, tail, dense, buckets.bytes_per_call(), comm.take_counts()
 
 

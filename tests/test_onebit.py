@@ -16,9 +16,9 @@ from host_reads import count_host_reads
 from torch import nn
 
 from benchmarks.deepspeed_reference import compare_on_rank, deepspeed_available
+from benchmarks.slamb_step import LoopbackComm
 from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, param_groups_weight_decay
-from optim.comm import Comm
-from optim.compressed import average_
+from optim.comm import Comm, average_tensors_
 from optim.zero_one_adam import zero_one_adam_step_kinds
 from train.metrics import read_metrics
 
@@ -96,9 +96,9 @@ def _ranks_optimizers(rank, world_size):
     comm = Comm()
     gradient = torch.randn(1000, generator=torch.Generator().manual_seed(rank)) * 1e-3
     exact, half = gradient.clone(), gradient.clone()
-    average_([exact], comm)
+    average_tensors_([exact], comm)
     comm.take_counts()
-    average_([half], comm, wire_dtype=torch.float16)
+    average_tensors_([half], comm, wire_dtype=torch.float16)
     out = {"fp16_average": dict(bytes=comm.take_counts()["bytes"], exact=exact, half=half)}
     for name in OPTIMIZERS:
         model = _model()
@@ -265,16 +265,13 @@ SYNC_FREE = {**OPTIMIZERS, "lamb": (LAMB, dict(lr=0.01, weight_decay=0.01)),
              "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.01))}
 
 
-class _LoopbackComm(Comm):
+class _LoopbackComm(LoopbackComm):
     """Two pretend ranks whose collectives hand this rank its own data back: the whole multi-rank code path of a
     step (packing, both compressed phases, decoding) runs in one process, with nothing to wait for."""
 
     def __init__(self) -> None:
-        super().__init__(None)
+        super().__init__()
         self.world_size = 2
-
-    def all_reduce(self, tensor, op=None, async_op=False):
-        self._count(tensor)
 
     def all_to_all_single(self, output, tensor):
         self._count(tensor)
