@@ -17,7 +17,7 @@ from benchmarks.plots import PLOTS
 from benchmarks.report import main
 from train.metrics import read_metrics
 from train.run import run
-from train.summary import SUMMARY_FILE
+from train.summary import SUMMARY_FILE, best_values, final_values
 
 SUMMARY_FIELDS = {
     "task", "model", "optimizer", "optimizer_options", "world_size", "global_batch_size", "steps", "max_steps",
@@ -110,6 +110,20 @@ def test_elapsed_is_monotone_and_continues_across_a_resume(runs):
     assert _summary(runs["lamb"])["elapsed_seconds"] > elapsed[2]
 
 
+def test_best_is_the_highest_score_and_the_lowest_loss_and_final_the_last_value():
+    records = [
+        {"step": 1, "time": 1.0, "elapsed": 0.5, "loss": 3.0},
+        {"step": 1, "time": 2.0, "elapsed": 1.0, "eval/top1": 40.0, "eval/ema_top1": 30.0, "eval/loss": 2.0,
+         "eval/crop_pct": 0.875},
+        {"step": 2, "time": 3.0, "elapsed": 1.5, "loss": 2.5},
+        {"step": 2, "time": 4.0, "elapsed": 2.0, "eval/top1": 35.0, "eval/ema_top1": 45.0, "eval/loss": 2.2,
+         "eval/crop_pct": 0.875},
+    ]
+    assert best_values(records) == {"eval/top1": 40.0, "eval/ema_top1": 45.0, "eval/loss": 2.0}
+    assert final_values(records) == {"loss": 2.5, "eval/top1": 35.0, "eval/ema_top1": 45.0, "eval/loss": 2.2,
+                                     "eval/crop_pct": 0.875}
+
+
 def _copy_records(run_dir: Path, to: Path, *, with_summary: bool = True) -> Path:
     """A run's metrics, recorded config and (optionally) summary, without its checkpoints and export."""
     shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(
@@ -122,13 +136,16 @@ def test_report_table_and_plots_equal_the_summaries(runs, tmp_path, capsys):
     for name in ("lamb", "slamb"):
         _copy_records(runs[name], sweep / name)
     _copy_records(runs["lamb"], sweep / "killed", with_summary=False)  # reported from its records and config
+    simulated = _copy_records(runs["slamb"], sweep / "simulated") / SUMMARY_FILE
+    simulated.write_text(json.dumps({**_summary(runs["slamb"]), "simulated_network": {"gbit_per_s": 10}}))
     out = tmp_path / "report"
     main([str(sweep), "--out", str(out)])
 
     table = (out / "table.md").read_text()
     assert table in capsys.readouterr().out
     rows = {row["run"]: row for row in csv.DictReader((out / "table.csv").open())}
-    assert sorted(rows) == ["killed", "lamb", "slamb"]
+    assert sorted(rows) == ["killed", "lamb", "simulated", "slamb"]
+    assert rows["simulated"]["simulated"] == "simulated"
     summaries = {name: _summary(runs[name]) for name in ("lamb", "slamb")}
     target = max(s["final"]["loss"] for s in summaries.values())
     for name, summary in summaries.items():

@@ -84,7 +84,7 @@ class Trainer:
             clock=self.clock,
         )
         self.stop = StopRequest(comm)  # SIGTERM / SIGINT, agreed by the ranks between micro-batches
-        self._first_logged = self._last_logged = None  # (step, metrics) of this invocation, for the summary
+        self._first_logged = self._last_logged = None  # (step, metrics) of this invocation, for the closing line
         self._announce(resumed_from)
 
     # ----------------------------------------------------------------------------------------- set-up
