@@ -84,9 +84,6 @@ class RunTotals:
         """The totals of the steps between `earlier` (a copy taken then) and now: a log window's sums."""
         return RunTotals(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
-    def copy(self) -> RunTotals:
-        return RunTotals(**asdict(self))
-
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -3,6 +3,7 @@ then logging, evaluation and checkpointing, in that order."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -436,7 +437,7 @@ class _Window:
     def _reset(self) -> None:
         self.task_sums: dict[str, torch.Tensor] = {}  # the task's metrics, still on the device
         self.steps = self.skipped = 0
-        self.start = self.totals.copy()
+        self.start = dataclasses.replace(self.totals)  # a copy
 
     def add(self, metrics: dict[str, Any]) -> None:
         self.steps += 1
