@@ -1,4 +1,5 @@
-"""One `log(metrics, step)` interface over the progress bar, a JSONL metrics file, TensorBoard and wandb.
+"""One `log(metrics, step)` interface over the progress bar, a JSONL metrics file, TensorBoard and wandb, and the
+run's clock and totals that every record and the run's summary are stamped from.
 
 Only rank 0 writes; other ranks get a logger whose methods do nothing.
 """
@@ -9,7 +10,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,59 @@ class LoggerConfig:
     wandb: WandbMode = MISSING
     wandb_project: str = MISSING
 
+
+class RunClock:
+    """Seconds of training since the run started, continued across resumes (its state is in the checkpoint).
+
+    A resumed run continues from the elapsed time of the checkpoint it resumes from: the time a killed run spent
+    past its last checkpoint is not counted, just as the steps it took there are redone.
+    """
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    def state_dict(self) -> dict[str, float]:
+        return {"elapsed": self.elapsed()}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self._start = time.monotonic() - state["elapsed"]
+
+
+@dataclass
+class RunTotals:
+    """What the run has done since step 0, continued across resumes (it is in the checkpoint): summed per step, so
+    means over the whole run are exact, not averages of the log windows."""
+
+    iterations: int = 0  # optimizer steps tried, fp16-overflow (skipped) ones included
+    samples: int = 0  # sequences or images, all ranks together
+    bytes: int = 0  # sent by this rank (rank 0's are logged) through optim.comm
+    collectives: int = 0
+    seconds: float = 0.0  # wall time of the training loop (evaluations and checkpoints between steps included)
+    first_step: int = 0  # the step counting began at: 0, or where a checkpoint written before totals existed resumed
+
+    def add(self, counts: dict[str, int], samples: int, seconds: float) -> None:
+        """One optimizer step's `Comm.take_counts()`, its samples and its seconds."""
+        self.iterations += 1
+        self.samples += samples
+        self.bytes += counts["bytes"]
+        self.collectives += counts["collectives"]
+        self.seconds += seconds
+
+    def since(self, earlier: RunTotals) -> RunTotals:
+        """The totals of the steps between `earlier` (a copy taken then) and now: a log window's sums."""
+        return RunTotals(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
 _BAR_KEYS = {"loss": "loss", "lr": "lr", "seq_per_s": "seq/s", "comm_bytes_per_step": "B/step"}
 
 
@@ -63,8 +117,10 @@ class MetricLogger:
         wandb_mode: str,
         wandb_project: str,
         config: dict[str, Any],
+        clock: RunClock | None = None,
     ) -> None:
         self.enabled = enabled
+        self.clock = clock or RunClock()  # stamps every record's `elapsed`
         self.path = Path(run_dir) / METRICS_FILE
         self._bar = self._tb = self._wandb = None
         if not enabled:
@@ -97,7 +153,8 @@ class MetricLogger:
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **metrics}
+        # Wall-clock time and training time, for plots against time and the time to reach a target loss.
+        record = {"step": step, "time": time.time(), "elapsed": self.clock.elapsed(), **metrics}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:

@@ -3,6 +3,7 @@ then logging, evaluation and checkpointing, in that order."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -20,10 +21,11 @@ from train.checkpoint import Checkpointer, reseed_rng, rng_state, set_rng_state
 from train.config import batch_geometry
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
-from train.metrics import MetricLogger
+from train.metrics import MetricLogger, RunClock, RunTotals, read_metrics
 from train.model_io import build_model, export_pretrained
 from train.precision import autocast, make_grad_scaler, set_matmul_precision
 from train.stop import StopRequest
+from train.summary import build_summary, write_summary
 from train.tasks import get_task
 
 FINISHED_FILE = "finished.json"  # in the run directory: the end-of-run evaluation and exports are done
@@ -73,15 +75,17 @@ class Trainer:
         self.step = 0  # optimizer steps taken
         self._saved_step: int | None = None  # the step of this run's newest checkpoint
         self.skipped_steps = 0  # fp16 overflow steps (they do not count towards max_steps)
+        self.clock, self.totals = RunClock(), RunTotals()  # both continue across resumes, for the summary
         resumed_from = self._resume() if tcfg.resume else None  # run() refused resume=false over checkpoints
         self.logger = MetricLogger(
             self.run_dir, enabled=self.is_main, total_steps=self.max_steps, start_step=self.step,
             progress_bar=cfg.logger.progress_bar, tensorboard=cfg.logger.tensorboard,
             wandb_mode=cfg.logger.wandb,
             wandb_project=cfg.logger.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
+            clock=self.clock,
         )
         self.stop = StopRequest(comm)  # SIGTERM / SIGINT, agreed by the ranks between micro-batches
-        self._first_logged = self._last_logged = None  # (step, metrics) of this invocation, for the summary
+        self._first_logged = self._last_logged = None  # (step, metrics) of this invocation, for the closing line
         self._announce(resumed_from)
 
     # ----------------------------------------------------------------------------------------- set-up
@@ -123,7 +127,8 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- loop
     def fit(self) -> None:
-        """Train to `max_steps` (or `steps_this_run`, or a stop signal), checkpointing on the way and at the end.
+        """Train to `max_steps` (or `steps_this_run`, or a stop signal), checkpointing on the way and at the end,
+        then write the run's summary.json.
 
         SIGTERM (a scheduler's notice) and SIGINT (Ctrl-C) both stop the run at the next micro-batch boundary
         (see `train.stop`): a partial step is abandoned and the last completed one saved, with its data position
@@ -136,18 +141,23 @@ class Trainer:
             else:  # killed after its last checkpoint: evaluate and export now
                 self.logger.info(f"run complete at step {self.step} but not evaluated and exported: doing that now")
                 self._finish()
+                self._write_summary()
             return
         stop_at = self.max_steps
         if tcfg.steps_this_run is not None:
             stop_at = min(stop_at, self.step + tcfg.steps_this_run)
-        window = _Window()
+        window = _Window(self.totals)
+        mark = time.perf_counter()
         with self.stop:
             while self.step < stop_at:
                 metrics = self.train_step()
                 stopping = metrics is None
                 stepped = not stopping and not metrics["skipped"]
                 if not stopping:
-                    window.add(metrics, self.geometry.global_batch_size)
+                    now = time.perf_counter()  # a step's time runs to the next step's end: logs, evals included
+                    self.totals.add(metrics, self.geometry.global_batch_size, now - mark)
+                    mark = now
+                    window.add(metrics)
                 if stepped:
                     self.step += 1
                     self._update_ema()
@@ -167,6 +177,7 @@ class Trainer:
             self.save_checkpoint()
             if self.step >= self.max_steps:
                 self._finish()
+        self._write_summary()
 
     @property
     def stop_signal(self) -> str | None:
@@ -231,14 +242,16 @@ class Trainer:
         metrics = dict(zip(keys, values.tolist(), strict=True))
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(self._non_finite(f"non-finite loss at step {self.step}"))
-        bytes_per_step = window["bytes"] / window["steps"]
+        sums: RunTotals = window["sums"]
+        bytes_per_step = sums.bytes / sums.iterations
         metrics.update(
             lr=window["lr"],
             grad_norm=window["grad_norm"],
-            seq_per_s=window["sequences"] / window["seconds"],
+            seq_per_s=sums.samples / sums.seconds,
             comm_bytes_per_step=bytes_per_step,
             comm_bits_per_param=8 * bytes_per_step / self.num_params,
-            comm_collectives_per_step=window["collectives"] / window["steps"],
+            comm_collectives_per_step=sums.collectives / sums.iterations,
+            comm_bytes_total=self.totals.bytes,  # since step 0: the x of loss against data sent
             skipped_steps=self.skipped_steps + window["skipped"],
         )
         self.skipped_steps += window["skipped"]
@@ -255,7 +268,8 @@ class Trainer:
         if self.ema is not None:  # with the model: per rank when the model is
             learner["ema"] = self.ema.module.state_dict()
         shared_learner, own_learner = self.grad_sync.split_state(learner)
-        shared = {"step": self.step, "skipped_steps": self.skipped_steps, "scaler": self.scaler.state_dict()}
+        shared = {"step": self.step, "skipped_steps": self.skipped_steps, "scaler": self.scaler.state_dict(),
+                  "clock": self.clock.state_dict(), "totals": self.totals.state_dict()}
         own = {"rng": rng_state(), "data": self.loader.state_dict()}
         return {**shared, **shared_learner}, {**own, **own_learner}
 
@@ -268,6 +282,9 @@ class Trainer:
         self.scaler.load_state_dict(shared["scaler"])
         self.loader.load_state_dict(own["data"])
         self.step, self.skipped_steps = shared["step"], shared["skipped_steps"]
+        # A checkpoint written before the clock and totals existed: they count from here (the summary says so).
+        self.clock.load_state_dict(shared.get("clock", {"elapsed": 0.0}))
+        self.totals.load_state_dict(shared.get("totals", {"first_step": self.step}))
         # Last: building anything above must not shift the restored streams. A checkpoint of another world size
         # has none for this rank (see train/checkpoint.py): fresh ones, keyed by seed, rank and step.
         if "rng" in own:
@@ -387,6 +404,19 @@ class Trainer:
                 self.logger.info(f"EMA weights exported to {path}")
         self.comm.barrier()
 
+    def _write_summary(self) -> None:
+        """summary.json (rank 0): the run so far, whether it reached max_steps or stopped early."""
+        if not self.is_main:
+            return
+        summary = build_summary(
+            self.cfg, read_metrics(self.run_dir), self.totals, steps=self.step, max_steps=self.max_steps,
+            world_size=self.comm.world_size, global_batch_size=self.geometry.global_batch_size,
+            num_params=self.num_params, device=self.device, samples_unit=f"{self.task.sample_unit}/s",
+            elapsed_seconds=self.clock.elapsed(),
+        )
+        write_summary(self.run_dir, summary)
+        self.logger.info(f"summary: {self.run_dir / 'summary.json'}")
+
     def close(self) -> None:
         if self._first_logged and self._last_logged:
             (first_step, first), (last_step, last) = self._first_logged, self._last_logged
@@ -397,32 +427,29 @@ class Trainer:
 
 
 class _Window:
-    """Sums per-step values between two log records without syncing the device."""
+    """Sums per-step values between two log records without syncing the device; counts and times are the run's
+    totals since the window began."""
 
-    def __init__(self) -> None:
+    def __init__(self, totals: RunTotals) -> None:
+        self.totals = totals
         self._reset()
 
     def _reset(self) -> None:
         self.task_sums: dict[str, torch.Tensor] = {}  # the task's metrics, still on the device
-        self.bytes = self.collectives = 0
-        self.steps = self.skipped = self.sequences = 0
-        self.start = time.perf_counter()
+        self.steps = self.skipped = 0
+        self.start = dataclasses.replace(self.totals)  # a copy
 
-    def add(self, metrics: dict[str, Any], sequences: int) -> None:
+    def add(self, metrics: dict[str, Any]) -> None:
         self.steps += 1
-        self.sequences += sequences
         self.skipped += int(metrics["skipped"])
         for key, value in metrics["task"].items():
             self.task_sums[key] = self.task_sums.get(key, 0.0) + value
-        self.bytes += metrics["bytes"]
-        self.collectives += metrics["collectives"]
         self.last = metrics
 
     def flush(self) -> dict[str, Any]:
         out = dict(
             task={key: value / self.steps for key, value in self.task_sums.items()},
-            bytes=self.bytes, collectives=self.collectives, steps=self.steps,
-            skipped=self.skipped, sequences=self.sequences, seconds=time.perf_counter() - self.start,
+            sums=self.totals.since(self.start), skipped=self.skipped,
             lr=self.last["lr"], grad_norm=float(self.last["grad_norm"]),
         )
         self._reset()

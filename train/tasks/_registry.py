@@ -30,6 +30,7 @@ class Task:
     name: str
     step: StepFn  # a batch -> {"loss": scalar tensor, other metrics as tensors}
     evaluate: EvaluateFn | None = None  # a whole held-out set -> metrics (accuracy, F1, ...)
+    sample_unit: str = "seq"  # what one training sample is, for throughput (seq/s, img/s)
 
 
 _TASKS: dict[str, Task] = {}

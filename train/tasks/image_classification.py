@@ -59,4 +59,4 @@ def evaluate_image_classification(model: nn.Module, data: Any, output_dir: Path)
     }
 
 
-register_task(Task("image_classification", image_classification_step, evaluate_image_classification))
+register_task(Task("image_classification", image_classification_step, evaluate_image_classification, sample_unit="img"))

@@ -1,0 +1,182 @@
+"""`python -m benchmarks.report RUN_DIR...`: the paper-style comparison of training runs, as a table and plots.
+
+    python -m benchmarks.report runs/lamb runs/slamb              # run directories
+    python -m benchmarks.report runs/demo-multirun --out report   # every run under a folder (a Hydra multirun)
+    python -m benchmarks.report 'runs/*' --target-loss 7.5        # globs, quoted or expanded by the shell
+
+A run is a directory holding `metrics.jsonl`. Its `summary.json` (the trainer's, written at the end of every run)
+fills the row; a run without one (killed, or trained before summaries existed) is reported from `metrics.jsonl`
+and `.hydra/config.yaml`, with what those cannot tell left blank. Writes `table.md`, `table.csv` and the plots of
+`benchmarks.plots` to `--out`, and prints the Markdown table.
+
+Time to target is the `elapsed` training time of a run's first record whose loss is at most the target loss; the
+default target is the highest final loss among the runs, so that every run reaches it. Eval columns hold the final
+value of every eval score any run logged (`train.summary.higher_is_better` says which keys are scores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import json
+import os
+import sys
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from conf.checks import USER_ERRORS, UserError, user_error_line
+from data.atomic import atomic_write_text
+from train.metrics import METRICS_FILE, read_metrics
+from train.summary import SUMMARY_FILE, best_values, config_fields, final_values, higher_is_better
+
+
+@dataclass
+class Run:
+    name: str  # its path relative to the folder all reported runs share
+    path: Path
+    summary: dict[str, Any]  # summary.json, or what metrics.jsonl and the recorded config tell of it
+    records: list[dict[str, Any]]  # metrics.jsonl
+
+    @property
+    def train_records(self) -> list[dict[str, Any]]:
+        """The training records (eval records carry eval/* keys only)."""
+        return [r for r in self.records if "loss" in r]
+
+
+def find_runs(paths: list[str]) -> list[Path]:
+    """The run directories named by `paths`: run directories, globs, or folders searched for runs."""
+    found: list[Path] = []
+    for arg in paths:
+        matches = sorted(glob.glob(arg)) if glob.has_magic(arg) else [arg]
+        if not matches:
+            raise UserError(f"{arg} matches nothing")
+        for match in map(Path, matches):
+            if not match.exists():
+                raise UserError(f"{match} does not exist")
+            runs = [match] if (match / METRICS_FILE).is_file() else sorted(
+                p.parent for p in match.rglob(METRICS_FILE))
+            found += [run for run in runs if run not in found]
+    if not found:
+        raise UserError(f"no runs (directories with {METRICS_FILE}) in {' '.join(paths)}")
+    return found
+
+
+def load_runs(paths: list[Path]) -> list[Run]:
+    common = Path(os.path.commonpath([p.resolve() for p in paths]))
+    return [Run(name=p.name if len(paths) == 1 else str(p.resolve().relative_to(common)), path=p,
+                summary=_summary(p), records=read_metrics(p)) for p in paths]
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    summary_file = run_dir / SUMMARY_FILE
+    if summary_file.is_file():
+        return json.loads(summary_file.read_text())
+    return summary_from_records(run_dir)
+
+
+def summary_from_records(run_dir: Path) -> dict[str, Any]:
+    """The summary fields a run's records and recorded config tell, for a run that wrote no summary.json."""
+    from train.run import RECORDED_CONFIG_DIR  # here: train.run loads the model libraries, seconds of imports
+
+    config_file = run_dir / RECORDED_CONFIG_DIR / "config.yaml"
+    summary = config_fields(OmegaConf.load(config_file)) if config_file.is_file() else {}
+    records = read_metrics(run_dir)
+    train = [r for r in records if "loss" in r]
+    if not train:
+        return summary
+    steps = train[-1]["step"]
+    # Each record's per-step bits stand for the steps since the previous record (exact without fp16 skips).
+    bits = sum((r["step"] - p["step"]) * r["comm_bits_per_param"] for p, r in pairwise([{"step": 0}, *train]))
+    return {**summary, "steps": steps, "final": final_values(records), "best": best_values(records),
+            "bits_per_param_per_step": bits / steps, "bytes_total": train[-1].get("comm_bytes_total"),
+            "elapsed_seconds": records[-1].get("elapsed")}
+
+
+def default_target_loss(runs: list[Run]) -> float | None:
+    """The highest final loss among the runs: a loss every run reached."""
+    finals = [run.summary["final"]["loss"] for run in runs if "loss" in run.summary.get("final", {})]
+    return max(finals, default=None)
+
+
+def time_to_loss(run: Run, target: float) -> float | None:
+    """The training time of the run's first record at or below `target` (None: never, or no times recorded)."""
+    return next((r.get("elapsed") for r in run.train_records if r["loss"] <= target), None)
+
+
+def table_rows(runs: list[Run], target: float | None) -> list[dict[str, Any]]:
+    """One row per run; None where the run cannot tell."""
+    eval_keys = sorted({key for run in runs for key in run.summary.get("final", {})
+                        if key.startswith("eval/") and higher_is_better(key) is not None})
+    rows = []
+    for run in runs:
+        s, final = run.summary, run.summary.get("final", {})
+        rows.append({
+            "run": run.name,
+            "optimizer": s.get("optimizer"),
+            "world_size": s.get("world_size"),
+            "steps": s.get("steps"),
+            "final_loss": final.get("loss"),
+            **{key: final.get(key) for key in eval_keys},
+            "bits_per_param_per_step": s.get("bits_per_param_per_step"),
+            "bytes_total": s.get("bytes_total"),
+            "mean_step_seconds": s.get("mean_step_seconds"),
+            "samples_per_second": s.get("samples_per_second"),
+            "samples_unit": s.get("samples_unit"),
+            "target_loss": target,
+            "time_to_target_s": time_to_loss(run, target) if target is not None else None,
+            "simulated": "simulated" if s.get("simulated_network") else "",
+        })
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        return "" if value is None else f"{value:.5g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(cell(v) for v in row.values()) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def csv_table(rows: list[dict[str, Any]]) -> str:
+    """Full-precision values (floats as their repr, which parses back exactly); blanks for None."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="+", metavar="RUN_DIR", help="run directories, globs or folders of runs")
+    parser.add_argument("--out", type=Path, default=Path("report"), help="output folder (default: report/)")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="loss for the time-to-target column (default: the highest final loss among the runs)")
+    args = parser.parse_args(argv)
+    try:
+        runs = load_runs(find_runs(args.paths))
+    except USER_ERRORS as err:
+        print(user_error_line(err), file=sys.stderr)
+        sys.exit(2)
+    from benchmarks.plots import write_plots  # matplotlib only once there is something to draw
+
+    target = args.target_loss if args.target_loss is not None else default_target_loss(runs)
+    rows = table_rows(runs, target)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows)
+    atomic_write_text(args.out / "table.md", table)
+    atomic_write_text(args.out / "table.csv", csv_table(rows))
+    plots = write_plots(runs, args.out)
+    print(table)
+    print(f"{len(runs)} run(s); wrote table.md, table.csv, {', '.join(p.name for p in plots)} to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Run records for reporting: time stamps, summary.json, and `python -m benchmarks.report` over real tiny runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, compose, run_train
+from omegaconf import OmegaConf
+
+from benchmarks.plots import PLOTS
+from benchmarks.report import main
+from train.metrics import read_metrics
+from train.run import run
+from train.summary import SUMMARY_FILE, best_values, final_values
+
+SUMMARY_FIELDS = {
+    "task", "model", "optimizer", "optimizer_options", "world_size", "global_batch_size", "steps", "max_steps",
+    "finished", "num_params", "final", "best", "bits_per_param_per_step", "bytes_total", "collectives_per_step",
+    "mean_step_seconds", "samples_per_second", "samples_unit", "elapsed_seconds", "device", "precision",
+    "simulated_network", "torch_version",
+}
+SMALL = [*TINY, "trainer.micro_batch_size=8"]  # one micro-batch per step: the quickest steps
+RESUMED_ELAPSED = 1000.0  # written into the stopped run's checkpoint: the resumed run must count on from it
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / SUMMARY_FILE).read_text())
+
+
+def _bytes_from_records(records: list[dict]) -> float:
+    """Bytes sent since step 0, from the per-step means of the training records (each covers the steps since the
+    record before it; exact without fp16-skipped steps)."""
+    steps = [0] + [r["step"] for r in records]
+    return sum((steps[i + 1] - steps[i]) * r["comm_bytes_per_step"] for i, r in enumerate(records))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """A LAMB run stopped after 2 of 3 steps and resumed (its checkpoint's clock set to 1000 s in between), and a
+    SLAMB run of 2 steps."""
+    root = tmp_path_factory.mktemp("runs")
+    lamb, slamb = root / "lamb", root / "slamb"
+    run(compose([*SMALL, "trainer.max_steps=3", "trainer.steps_this_run=2"]), lamb)
+    stopped = {"summary": _summary(lamb), "records": read_metrics(lamb)}
+    shared = lamb / "checkpoints" / "step_00000002" / "shared.pt"
+    state = torch.load(shared, weights_only=False)
+    stopped["checkpoint_elapsed"] = state["clock"]["elapsed"]
+    state["clock"]["elapsed"] = RESUMED_ELAPSED
+    torch.save(state, shared)
+    resumed_at = time.time()
+    run(compose([*SMALL, "trainer.max_steps=3"]), lamb)
+    run(compose([*SMALL, "optim=slamb", "trainer.max_steps=2"]), slamb)
+    return {"lamb": lamb, "slamb": slamb, "stopped": stopped, "resumed_at": resumed_at}
+
+
+def _check_summary_against_records(summary: dict, records: list[dict]) -> None:
+    train = [r for r in records if "loss" in r]
+    assert set(summary) == SUMMARY_FIELDS
+    assert summary["steps"] == train[-1]["step"]
+    assert summary["final"]["loss"] == train[-1]["loss"]
+    assert summary["final"] == {k: v for k, v in train[-1].items() if k not in ("step", "time", "elapsed")}
+    assert summary["bytes_total"] == _bytes_from_records(train) == train[-1]["comm_bytes_total"]
+    bits = 8 * summary["bytes_total"] / summary["steps"] / summary["num_params"]
+    assert summary["bits_per_param_per_step"] == pytest.approx(bits)
+    # Both means come from the same totals: their product is the samples of one step.
+    assert summary["samples_per_second"] * summary["mean_step_seconds"] == pytest.approx(
+        summary["global_batch_size"])
+    assert summary["elapsed_seconds"] >= train[-1]["elapsed"]
+
+
+@pytest.mark.parametrize(("name", "steps"), [("lamb", 3), ("slamb", 2)])
+def test_summary_fields_equal_the_metrics(runs, name, steps):
+    summary = _summary(runs[name])
+    _check_summary_against_records(summary, read_metrics(runs[name]))
+    cfg = compose([*SMALL, f"optim={name}"])
+    assert summary["optimizer"] == name
+    assert summary["optimizer_options"] == {k: v for k, v in OmegaConf.to_container(cfg.optim).items()
+                                            if k != "name"}
+    assert (summary["task"], summary["model"]) == ("bert_pretraining", cfg.model.name)
+    assert (summary["steps"], summary["max_steps"], summary["finished"]) == (steps, steps, True)
+    assert (summary["world_size"], summary["global_batch_size"]) == (1, 8)
+    assert (summary["samples_unit"], summary["device"], summary["precision"]) == ("seq/s", "cpu", "fp32")
+    assert summary["simulated_network"] is None
+    assert summary["torch_version"] == torch.__version__
+    assert summary["best"] == {}  # pre-training logs no eval scores
+
+
+def test_a_run_stopped_early_summarises_what_it_did(runs):
+    summary, records = runs["stopped"]["summary"], runs["stopped"]["records"]
+    _check_summary_against_records(summary, records)
+    assert (summary["steps"], summary["max_steps"], summary["finished"]) == (2, 3, False)
+
+
+def test_elapsed_is_monotone_and_continues_across_a_resume(runs):
+    records = read_metrics(runs["lamb"])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[:2] == runs["stopped"]["records"]  # the first invocation's records are kept as they were
+    assert runs["stopped"]["checkpoint_elapsed"] >= records[1]["elapsed"]  # the checkpoint holds the clock
+    elapsed = [r["elapsed"] for r in records]
+    assert elapsed == sorted(elapsed) and len(set(elapsed)) == 3
+    # The resumed run counts on from the checkpoint's elapsed time, by no more than the wall time it ran.
+    assert RESUMED_ELAPSED < elapsed[2] < RESUMED_ELAPSED + records[2]["time"] - runs["resumed_at"]
+    assert [r["time"] for r in records] == sorted(r["time"] for r in records)
+    assert _summary(runs["lamb"])["elapsed_seconds"] > elapsed[2]
+
+
+def test_best_is_the_highest_score_and_the_lowest_loss_and_final_the_last_value():
+    records = [
+        {"step": 1, "time": 1.0, "elapsed": 0.5, "loss": 3.0},
+        {"step": 1, "time": 2.0, "elapsed": 1.0, "eval/top1": 40.0, "eval/ema_top1": 30.0, "eval/loss": 2.0,
+         "eval/crop_pct": 0.875},
+        {"step": 2, "time": 3.0, "elapsed": 1.5, "loss": 2.5},
+        {"step": 2, "time": 4.0, "elapsed": 2.0, "eval/top1": 35.0, "eval/ema_top1": 45.0, "eval/loss": 2.2,
+         "eval/crop_pct": 0.875},
+    ]
+    assert best_values(records) == {"eval/top1": 40.0, "eval/ema_top1": 45.0, "eval/loss": 2.0}
+    assert final_values(records) == {"loss": 2.5, "eval/top1": 35.0, "eval/ema_top1": 45.0, "eval/loss": 2.2,
+                                     "eval/crop_pct": 0.875}
+
+
+def _copy_records(run_dir: Path, to: Path, *, with_summary: bool = True) -> Path:
+    """A run's metrics, recorded config and (optionally) summary, without its checkpoints and export."""
+    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(
+        "checkpoints", "hf_model", *(() if with_summary else (SUMMARY_FILE,))))
+    return to
+
+
+def test_report_table_and_plots_equal_the_summaries(runs, tmp_path, capsys):
+    sweep = tmp_path / "sweep"  # a folder of runs, as a Hydra multirun leaves them
+    for name in ("lamb", "slamb"):
+        _copy_records(runs[name], sweep / name)
+    _copy_records(runs["lamb"], sweep / "killed", with_summary=False)  # reported from its records and config
+    simulated = _copy_records(runs["slamb"], sweep / "simulated") / SUMMARY_FILE
+    simulated.write_text(json.dumps({**_summary(runs["slamb"]), "simulated_network": {"gbit_per_s": 10}}))
+    out = tmp_path / "report"
+    main([str(sweep), "--out", str(out)])
+
+    table = (out / "table.md").read_text()
+    assert table in capsys.readouterr().out
+    rows = {row["run"]: row for row in csv.DictReader((out / "table.csv").open())}
+    assert sorted(rows) == ["killed", "lamb", "simulated", "slamb"]
+    assert rows["simulated"]["simulated"] == "simulated"
+    summaries = {name: _summary(runs[name]) for name in ("lamb", "slamb")}
+    target = max(s["final"]["loss"] for s in summaries.values())
+    for name, summary in summaries.items():
+        row = rows[name]
+        assert (row["optimizer"], int(row["world_size"]), int(row["steps"])) == (name, 1, summary["steps"])
+        for column, field in [("bits_per_param_per_step", "bits_per_param_per_step"), ("bytes_total", "bytes_total"),
+                              ("mean_step_seconds", "mean_step_seconds"), ("samples_per_second", "samples_per_second")]:
+            assert float(row[column]) == summary[field], column
+        assert float(row["final_loss"]) == summary["final"]["loss"]
+        assert float(row["target_loss"]) == target
+        first = next(r for r in read_metrics(runs[name]) if r["loss"] <= target)
+        assert float(row["time_to_target_s"]) == first["elapsed"]
+        assert row["simulated"] == ""
+    killed = rows["killed"]
+    assert (killed["optimizer"], killed["steps"], float(killed["final_loss"])) == (
+        "lamb", "3", summaries["lamb"]["final"]["loss"])
+    assert float(killed["bits_per_param_per_step"]) == summaries["lamb"]["bits_per_param_per_step"]
+    assert killed["world_size"] == killed["mean_step_seconds"] == ""  # what only a summary can tell
+    for plot in PLOTS:
+        data = (out / plot).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000, plot
+
+
+@pytest.mark.parametrize(("path", "error"), [
+    ("nowhere", "error: {tmp}/nowhere does not exist"),
+    ("nowhere*", "error: {tmp}/nowhere* matches nothing"),
+    (".", "error: no runs (directories with metrics.jsonl) in {tmp}/."),
+])
+def test_bad_paths_exit_2_with_one_line(tmp_path, capsys, path, error):
+    with pytest.raises(SystemExit) as exit_info:
+        main([f"{tmp_path}/{path}", "--out", str(tmp_path / "report")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr() == ("", error.format(tmp=tmp_path) + "\n")
+    assert not (tmp_path / "report").exists()
+
+
+@pytest.mark.slow
+def test_two_rank_summary_counts_the_bytes_the_records_show(tmp_path):
+    result = run_train([*TINY, "optim=slamb", "trainer.nproc_per_node=2", "trainer.max_steps=4",
+                        "trainer.log_every=3", "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary, records = _summary(tmp_path), read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [3, 4]  # a window of 3 steps, then the last one
+    _check_summary_against_records(summary, records)
+    assert summary["world_size"] == 2 and summary["bytes_total"] > 0
+    assert 0 < summary["bits_per_param_per_step"] < 32

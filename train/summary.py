@@ -1,0 +1,107 @@
+"""`summary.json`: one record of what a run did (config, final and best metrics, data sent, speed), for reports.
+
+Rank 0 writes it at the end of every run, a run stopped early included (`"finished": false`); `python -m
+benchmarks.report` turns summaries into tables and plots, and rebuilds what it can of one from `metrics.jsonl`
+and the recorded config for a run that has none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from data.atomic import atomic_write_json
+from train.metrics import RunTotals
+
+SUMMARY_FILE = "summary.json"
+_STAMPS = ("step", "time", "elapsed")  # what every record carries besides its metrics
+
+
+def higher_is_better(key: str) -> bool | None:
+    """Which end of a metric is its best, decided by name: losses (any name holding `loss`) lowest; accuracies
+    (`top1`, `top5`, `accuracy`, `span_accuracy`, ...), `f1` and `exact_match` highest; None for the rest, which
+    are not scores (SQuAD's question count, the image eval's resize and crop). An `ema_` prefix is ignored."""
+    name = key.rsplit("/", 1)[-1].removeprefix("ema_")
+    if "loss" in name:
+        return False
+    if name.startswith("top") or "acc" in name or name in ("f1", "exact_match"):
+        return True
+    return None
+
+
+def final_values(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The last logged value of every metric (an eval metric's from the last evaluation)."""
+    return {key: value for record in records for key, value in record.items() if key not in _STAMPS}
+
+
+def best_values(records: list[dict[str, Any]]) -> dict[str, float]:
+    """For each eval/* score, its best logged value (see `higher_is_better`)."""
+    best: dict[str, float] = {}
+    for record in records:
+        for key, value in record.items():
+            higher = higher_is_better(key) if key.startswith("eval/") else None
+            if higher is None:
+                continue
+            if key not in best or (value > best[key] if higher else value < best[key]):
+                best[key] = value
+    return best
+
+
+def config_fields(cfg: DictConfig) -> dict[str, Any]:
+    """The summary's fields that the recorded config alone answers."""
+    options = OmegaConf.to_container(cfg.optim, resolve=True, enum_to_str=True)
+    network = OmegaConf.select(cfg, "trainer.simulated_network", default=None)
+    return {
+        "task": cfg.task.name,
+        "model": cfg.model.name,
+        "optimizer": options.pop("name"),
+        "optimizer_options": options,
+        "precision": str(cfg.precision.dtype),
+        # Set when collectives take a modelled network's time instead of the real one's; null for real runs.
+        "simulated_network": OmegaConf.to_container(network, resolve=True) if OmegaConf.is_config(network) else network,
+    }
+
+
+def build_summary(
+    cfg: DictConfig,
+    records: list[dict[str, Any]],
+    totals: RunTotals,
+    *,
+    steps: int,
+    max_steps: int,
+    world_size: int,
+    global_batch_size: int,
+    num_params: int,
+    device: torch.device,
+    samples_unit: str,
+    elapsed_seconds: float,
+) -> dict[str, Any]:
+    """The whole summary of a run that has done `steps` of `max_steps`; `records` are its metrics.jsonl."""
+    counted = steps - totals.first_step  # every step, unless the run resumed from a checkpoint without totals
+    return {
+        **config_fields(cfg),
+        "world_size": world_size,
+        "global_batch_size": global_batch_size,
+        "steps": steps,
+        "max_steps": max_steps,
+        "finished": steps >= max_steps,
+        "num_params": num_params,
+        "final": final_values(records),
+        "best": best_values(records),
+        "bits_per_param_per_step": 8 * totals.bytes / counted / num_params if counted else None,
+        "bytes_total": totals.bytes,
+        "collectives_per_step": totals.collectives / counted if counted else None,
+        "mean_step_seconds": totals.seconds / counted if counted else None,
+        "samples_per_second": totals.samples / totals.seconds if totals.seconds else None,
+        "samples_unit": samples_unit,
+        "elapsed_seconds": elapsed_seconds,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "torch_version": torch.__version__,
+    }
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    atomic_write_json(Path(run_dir) / SUMMARY_FILE, summary, indent=2)
