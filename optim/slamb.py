@@ -28,6 +28,7 @@ from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FRESHNESS_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 _MASKS = ("stratified", "bernoulli", "cyclic")
 _RESCALES = ("sum_of_products", "product_of_interpolations")
 _BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
@@ -70,12 +71,12 @@ class _Slot:
         else:
             target.view(-1, self.block).index_copy_(0, rows, values.view(-1, self.block))
 
-    def fill_one(self, target: Tensor, rows: Tensor, one: Tensor) -> None:
-        """The selected rows of `target` <- 1 (`one` is a 1-element tensor of 1)."""
+    def fill(self, target: Tensor, rows: Tensor, value: float) -> None:
+        """The selected rows of `target` <- `value`."""
         if self.block == 1:
-            target.scatter_(0, rows, one.expand(rows.numel()))
+            target.scatter_(0, rows, value)
         else:
-            target.view(-1, self.block).index_fill_(0, rows, 1.0)
+            target.view(-1, self.block).index_fill_(0, rows, value)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,7 @@ class SLAMB(torch.optim.Optimizer):
         stale_ratio_fallback: float = 0.0,
         clamp_1d: bool = True,
         comm_dtype: str = "fp32",
+        freshness_dtype: str = "fp16",
         sync_offset: int = 1,
         bucket_mb: float = 64.0,
         seed: int = 0,
@@ -233,7 +235,7 @@ class SLAMB(torch.optim.Optimizer):
             trust_ratio_bounds=trust_ratio_bounds, mask=mask, rescale=rescale,
             bias_correction_form=bias_correction_form, wd_in_trust_ratio=wd_in_trust_ratio,
             stale_ratio_fallback=stale_ratio_fallback, clamp_1d=clamp_1d, comm_dtype=comm_dtype,
-            sync_offset=sync_offset, bucket_mb=bucket_mb, seed=seed,
+            freshness_dtype=freshness_dtype, sync_offset=sync_offset, bucket_mb=bucket_mb, seed=seed,
         ))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.compress_ratio = float(compress_ratio)
@@ -245,6 +247,7 @@ class SLAMB(torch.optim.Optimizer):
         self.wd_in_trust_ratio, self.clamp_1d = bool(wd_in_trust_ratio), bool(clamp_1d)
         self.stale_ratio_fallback = float(stale_ratio_fallback)
         self.comm_dtype = _COMM_DTYPES[comm_dtype]
+        self.freshness_dtype = _FRESHNESS_DTYPES[freshness_dtype]
         self.sync_offset = int(sync_offset)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.comm = comm if comm is not None else Comm()
@@ -325,10 +328,15 @@ class SLAMB(torch.optim.Optimizer):
         `compact` is the chunk's part of the compact vector, free again once the averaged momenta are back in m.
         """
         start, end = chunk.start, chunk.end
-        freshness = layout.freshness[start:end]
-        freshness[chunk.split - start:].mul_(self.beta3)
+        scaled = layout.scaled_freshness[start:end]
+        phase = step % layout.rebase_interval
+        if phase == 0:  # a new epoch E = t: q <- q beta3^R keeps r = beta3^(t - E) q (one pass every R steps)
+            scaled[chunk.split - start:].mul_(self.beta3 ** layout.rebase_interval)
+        synced = self.beta3 ** -phase  # q at a coordinate synced now (r = 1)
+        scaled[:chunk.split - start].fill_(synced)
         for slot, rows in zip(chunk.masked, mask.positions, strict=True):
-            slot.fill_one(slot.flat(freshness, start), rows, layout.one)
+            slot.fill(slot.flat(scaled, start), rows, synced)
+        to_freshness = self.beta3 ** phase  # r = to_freshness * q, folded into the coefficients
 
         group = self.param_groups[chunk.group]
         beta1, beta2 = group["betas"]
@@ -369,43 +377,45 @@ class SLAMB(torch.optim.Optimizer):
                                     [coefs[i] for i in always])
         if self.rescale == "sum_of_products":  # coef = -[lr_stale phi_U + r (lr_fresh phi_F - lr_stale phi_U)]
             stale_coef = stale_clamped * -lr_stale
-            bases, slopes = stale_coef.unbind(), (fresh_coef - stale_coef).unbind()
+            bases, slopes = stale_coef.unbind(), ((fresh_coef - stale_coef) * to_freshness).unbind()
         else:  # naive: coef = -clamp(phi_U + r (phi_F - phi_U)) (lr_stale + r (lr_fresh - lr_stale))
-            bases, slopes = stale.unbind(), (fresh - stale).unbind()
+            bases, slopes = stale.unbind(), ((fresh - stale) * to_freshness).unbind()
         for i in active:
             slot = chunk.slots[i]
             if not slot.always:
-                self._apply(layout, params[i], slot.flat(direction, start), slot.flat(freshness, start),
-                            bases[i], slopes[i], lr_fresh, lr_stale)
+                self._apply(layout, params[i], slot.flat(direction, start), slot.flat(scaled, start),
+                            bases[i], slopes[i], (lr_stale - lr_fresh) * to_freshness, lr_stale)
 
-    def _apply(self, layout: _Layout, param: Tensor, update: Tensor, freshness: Tensor, base: Tensor,
-               slope: Tensor, lr_fresh: float, lr_stale: float) -> None:
+    def _apply(self, layout: _Layout, param: Tensor, update: Tensor, scaled: Tensor, base: Tensor,
+               slope: Tensor, lr_slope: float, lr_stale: float) -> None:
         """w -= coef * u with the per-element coef of the rescale form, piece by piece through a small buffer.
 
-        Pieces of at most `_APPLY_NUMEL` elements keep the coefficient in cache between the two passes that
-        form and use it, and the buffer small (no full-size ratio tensor per masked tensor).
+        Pieces of at most `_APPLY_NUMEL` elements keep the coefficient in cache between the passes that form and
+        use it, and the buffer small (no full-size ratio tensor per masked tensor). `slope` and `lr_slope` are
+        per unit of the scaled freshness q (see `_Layout`).
         """
         flat = param.view(-1) if param.is_contiguous() else None
-        if flat is None:  # a strided parameter: one piece, through a temporary
-            coef = torch.empty_like(freshness)
-            self._coefficients(freshness, base, slope, lr_fresh, lr_stale, coef, torch.empty_like(coef))
+        if flat is None:  # a strided parameter: one piece, through temporaries
+            coef = torch.empty(scaled.shape, device=scaled.device)
+            self._coefficients(scaled, base, slope, lr_slope, lr_stale, coef, torch.empty_like(coef))
             param.addcmul_(update.view_as(param), coef.view_as(param))
             return
         for a in range(0, flat.numel(), _APPLY_NUMEL):
             b = min(a + _APPLY_NUMEL, flat.numel())
             coef = layout.coef[:b - a]
-            self._coefficients(freshness[a:b], base, slope, lr_fresh, lr_stale, coef, layout.spare[:b - a])
+            self._coefficients(scaled[a:b], base, slope, lr_slope, lr_stale, coef, layout.spare[:b - a])
             flat[a:b].addcmul_(update[a:b], coef)
 
-    def _coefficients(self, freshness: Tensor, base: Tensor, slope: Tensor, lr_fresh: float, lr_stale: float,
+    def _coefficients(self, scaled: Tensor, base: Tensor, slope: Tensor, lr_slope: float, lr_stale: float,
                       out: Tensor, spare: Tensor) -> None:
-        """out <- the (negative) step per unit direction at each coordinate, from its freshness r."""
-        torch.mul(freshness, slope, out=out).add_(base)  # twice as fast as one addcmul with 0-d operands on a CPU
+        """out <- the (negative) step per unit direction at each coordinate, from its scaled freshness q."""
+        out.copy_(scaled)  # to fp32 first: a product with a 0-d fp32 tensor would be computed in fp16
+        out.mul_(slope).add_(base)  # twice as fast as one addcmul with 0-d operands on a CPU
         if self.rescale == "product_of_interpolations":  # interpolate the raw ratios, clamp, times the mixed lr
             out.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
             # ratio (-lr_stale - r (lr_fresh - lr_stale)), in two passes through the second buffer
             torch.mul(out, -lr_stale, out=spare)
-            torch.addcmul(spare, out, freshness, value=lr_stale - lr_fresh, out=out)
+            torch.addcmul(spare, out, scaled, value=lr_slope, out=out)
 
     def _trust_ratios(
         self, layout: _Layout, chunk: _Chunk, mask: _Mask, direction: Tensor, compact: Tensor, scale: float
@@ -505,17 +515,25 @@ class SLAMB(torch.optim.Optimizer):
                 slot.flat(flat).view(-1, slot.block)[selected] = True
         return [flat[s.offset:s.offset + s.numel].view_as(s.param) for s in layout.slots_in_group_order]
 
+    def freshness(self) -> list[Tensor]:
+        """The freshness r = beta3^staleness of every parameter (param_groups order), in fp32; for tests and analysis."""
+        layout = self._ensure_layout()
+        to_freshness = self.beta3 ** (self.state[_GLOBAL]["step"] % layout.rebase_interval)
+        return [self.state[s.param]["scaled_freshness"].float() * to_freshness for s in layout.slots_in_group_order]
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the optimizer's persistent tensors: `state` (m, v, freshness) and `scratch` (work buffers)."""
         layout = self._ensure_layout()
-        state = sum(t.numel() * t.element_size() for t in (layout.exp_avg, layout.exp_avg_sq, layout.freshness))
+        state = sum(t.numel() * t.element_size()
+                    for t in (layout.exp_avg, layout.exp_avg_sq, layout.scaled_freshness))
         return {"state": state, "scratch": layout.scratch_bytes()}
 
     # ------------------------------------------------------------------------------------------ layout
     def _ensure_layout(self) -> _Layout:
         if self._layout is None:
             self._layout = _Layout(self.param_groups, self.state, self.min_compress_numel, self.mask,
-                                   self.compress_ratio)
+                                   self.compress_ratio, self.beta3, self.freshness_dtype,
+                                   self.state[_GLOBAL]["step"])
         return self._layout
 
 
@@ -537,6 +555,7 @@ def check_slamb_options(options: dict[str, Any]) -> None:
     check_flags(o, "wd_in_trust_ratio", "clamp_1d")
     check_choice("stale_ratio_fallback", o["stale_ratio_fallback"], (0, 1))
     check_choice("comm_dtype", o["comm_dtype"], _COMM_DTYPES)
+    check_choice("freshness_dtype", o["freshness_dtype"], _FRESHNESS_DTYPES)
     check_choice("sync_offset", o["sync_offset"], (0, 1))
     check_positive("bucket_mb", o["bucket_mb"])
     require(isinstance(o["seed"], int), "seed", o["seed"], "must be an integer")
@@ -609,7 +628,7 @@ class _Layout:
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], state: dict, min_compress_numel: int, mask: str,
-                 k: float) -> None:
+                 k: float, beta3: float, freshness_dtype: torch.dtype, step: int) -> None:
         params = [p for g in param_groups for p in g["params"]]
         devices = {p.device for p in params}
         if len(devices) != 1:
@@ -639,7 +658,10 @@ class _Layout:
 
         self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(offset, dtype=torch.float32, device=device)
-        self.freshness = torch.ones(offset, dtype=torch.float32, device=device)
+        # r = beta3^(t mod R) q: q is rescaled once every R steps instead of r decaying every step (one pass
+        # saved), and q is exact to fp16's 2^-11 at each write, with no error carried from step to step.
+        self.rebase_interval = _rebase_interval(beta3)
+        self.scaled_freshness = torch.ones(offset, dtype=freshness_dtype, device=device)
         # Work buffers, kept between steps (a fresh allocation would be page-faulted in again every step).
         masked = [s for s in self.slots if not s.always]
         self.scratch = torch.empty(max((c.end - c.start for c in self.chunks), default=0), device=device)
@@ -649,13 +671,14 @@ class _Layout:
         self.gathered_weights = torch.empty(max(per_chunk, default=0), device=device)
         self.coef = torch.empty(min(_APPLY_NUMEL, max((s.numel for s in masked), default=0)), device=device)
         self.spare = torch.empty_like(self.coef)  # the product form's second factor
-        self.one = torch.ones(1, device=device)
         self.generator = torch.Generator(device=device)
         self.cyclic: list[list[tuple[Tensor, ...]]] | None = None  # per chunk, per phase, per masked slot
         for slot in self.slots:  # adopt loaded state, then point the state at the flat buffers
             entry = state[slot.param]
+            if "freshness" in entry:  # written before q: fp32 r, which is beta3^(t mod R) q
+                entry["scaled_freshness"] = entry.pop("freshness") * beta3 ** -(step % self.rebase_interval)
             for key, buffer in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq),
-                                ("freshness", self.freshness)):
+                                ("scaled_freshness", self.scaled_freshness)):
                 view = self.view(buffer, slot)
                 if key in entry:
                     if entry[key].shape != view.shape:
@@ -721,6 +744,16 @@ class _Layout:
         for chunk_phases in self.cyclic or []:
             total += sum(t.numel() * t.element_size() for phase in chunk_phases for t in phase)
         return total
+
+
+def _rebase_interval(beta3: float) -> int:
+    """R, the steps between rescalings of the scaled freshness q: the largest with beta3^-(R-1) <= 2^15, so that
+    q (at most beta3^-(t mod R)) stays in fp16's range; 1 for beta3 = 0 (then r = q), at most 2^16."""
+    if beta3 <= 0.0:
+        return 1
+    if beta3 >= 1.0:
+        return 1 << 16
+    return min(1 << 16, int(15 * math.log(2.0) / -math.log(beta3)) + 1)
 
 
 def _always(p: Tensor, min_compress_numel: int) -> bool:
