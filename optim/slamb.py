@@ -285,10 +285,10 @@ class SLAMB(torch.optim.Optimizer):
                 _gather(layout, chunk, mask, layout.compact[a:b])
         if distributed and spans:
             self._all_reduce_mean(layout.compact[:spans[-1][1]])
-        for chunk, mask, (a, b) in zip(layout.chunks, masks, spans, strict=True):
-            if distributed:
+            for chunk, mask, (a, b) in zip(layout.chunks, masks, spans, strict=True):
                 _scatter(layout, chunk, mask, layout.compact[a:b])
-            self._update_chunk(layout, chunk, mask, layout.compact[a:b], step)
+        for chunk, mask in zip(layout.chunks, masks, strict=True):  # the compact vector is free: work space
+            self._update_chunk(layout, chunk, mask, step)
         if distributed and (step - self.sync_offset) % self.sync_interval == 0:
             self._average_parameters(layout)
         return loss
@@ -322,11 +322,8 @@ class SLAMB(torch.optim.Optimizer):
         else:
             compact.copy_(payload)
 
-    def _update_chunk(self, layout: _Layout, chunk: _Chunk, mask: _Mask, compact: Tensor, step: int) -> None:
-        """Freshness, Adam direction, fresh/stale trust ratios and the rescaled update of one chunk.
-
-        `compact` is the chunk's part of the compact vector, free again once the averaged momenta are back in m.
-        """
+    def _update_chunk(self, layout: _Layout, chunk: _Chunk, mask: _Mask, step: int) -> None:
+        """Freshness, Adam direction, fresh/stale trust ratios and the rescaled update of one chunk."""
         start, end = chunk.start, chunk.end
         scaled = layout.scaled_freshness[start:end]
         phase = step % layout.rebase_interval
@@ -349,7 +346,7 @@ class SLAMB(torch.optim.Optimizer):
         # computed for the whole chunk at once); only slots with a gradient are updated.
         scale = math.sqrt(bc2) / bc1
         eps = group["eps"] * (math.sqrt(bc2) if self.bias_correction_form == "full" else 1.0)
-        direction = layout.scratch[:end - start]
+        direction = layout.work[:end - start]
         torch.sqrt(layout.exp_avg_sq[start:end], out=direction)
         direction.add_(eps)
         params = [s.param for s in chunk.slots]
@@ -362,7 +359,7 @@ class SLAMB(torch.optim.Optimizer):
         else:
             torch.div(layout.exp_avg[start:end], direction, out=direction)
             unit = scale
-        fresh, stale = self._trust_ratios(layout, chunk, mask, direction, compact, unit)
+        fresh, stale = self._trust_ratios(layout, chunk, mask, direction, unit)
         if weight_decay != 0 and not decay_in_norms:
             torch._foreach_add_(updates, params, alpha=weight_decay / scale)
 
@@ -418,7 +415,7 @@ class SLAMB(torch.optim.Optimizer):
             torch.addcmul(spare, out, scaled, value=lr_slope, out=out)
 
     def _trust_ratios(
-        self, layout: _Layout, chunk: _Chunk, mask: _Mask, direction: Tensor, compact: Tensor, scale: float
+        self, layout: _Layout, chunk: _Chunk, mask: _Mask, direction: Tensor, scale: float
     ) -> tuple[Tensor, Tensor]:
         """Per slot the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
         their fallbacks for zero norms.
@@ -433,7 +430,7 @@ class SLAMB(torch.optim.Optimizer):
         w_total, u_total = torch.stack(w_norms), torch.stack(u_norms)
         masked = [i for i, s in enumerate(chunk.slots) if not s.always]
         if masked:
-            u_parts, w_parts = layout.gathered(chunk, mask, direction, compact)
+            u_parts, w_parts = layout.gathered(chunk, mask, direction)
             if mask.valid is not None:  # padding duplicates a selected coordinate: count it once
                 torch._foreach_mul_(u_parts, list(mask.valid))
                 torch._foreach_mul_(w_parts, list(mask.valid))
@@ -516,7 +513,7 @@ class SLAMB(torch.optim.Optimizer):
         return [flat[s.offset:s.offset + s.numel].view_as(s.param) for s in layout.slots_in_group_order]
 
     def freshness(self) -> list[Tensor]:
-        """The freshness r = beta3^staleness of every parameter (param_groups order), in fp32; for tests and analysis."""
+        """The freshness r = beta3^staleness of every parameter (param_groups order), in fp32: for tests, analysis."""
         layout = self._ensure_layout()
         to_freshness = self.beta3 ** (self.state[_GLOBAL]["step"] % layout.rebase_interval)
         return [self.state[s.param]["scaled_freshness"].float() * to_freshness for s in layout.slots_in_group_order]
@@ -664,11 +661,14 @@ class _Layout:
         self.scaled_freshness = torch.ones(offset, dtype=freshness_dtype, device=device)
         # Work buffers, kept between steps (a fresh allocation would be page-faulted in again every step).
         masked = [s for s in self.slots if not s.always]
-        self.scratch = torch.empty(max((c.end - c.start for c in self.chunks), default=0), device=device)
-        self.compact = torch.empty(sum(c.split - c.start for c in self.chunks)
-                                   + sum(_mask_size(mask, s, k) for s in masked), device=device)
-        per_chunk = [sum(_mask_size(mask, s, k) for s in c.masked) for c in self.chunks]
-        self.gathered_weights = torch.empty(max(per_chunk, default=0), device=device)
+        # One buffer serves, in turn, as the compact vector (about k d: the momenta that are all-reduced) and,
+        # once they are back in m, as each chunk's work space: its direction, then the direction and the weights
+        # gathered at its selected coordinates.
+        compact = sum(c.split - c.start for c in self.chunks) + sum(_mask_size(mask, s, k) for s in masked)
+        work = max((c.end - c.start + 2 * sum(_mask_size(mask, s, k) for s in c.masked) for c in self.chunks),
+                   default=0)
+        self.work = torch.empty(max(compact, work), device=device)
+        self.compact = self.work[:compact]
         self.coef = torch.empty(min(_APPLY_NUMEL, max((s.numel for s in masked), default=0)), device=device)
         self.spare = torch.empty_like(self.coef)  # the product form's second factor
         self.generator = torch.Generator(device=device)
@@ -700,12 +700,12 @@ class _Layout:
         return slot.flat(buffer).view_as(slot.param)
 
     def gathered(
-        self, chunk: _Chunk, mask: _Mask, direction: Tensor, compact: Tensor
+        self, chunk: _Chunk, mask: _Mask, direction: Tensor
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """The direction and the weights at each masked slot's positions, in `compact` (the chunk's part of the
-        compact vector, free once its momenta are back in m) and in the gathered-weights buffer."""
-        u_parts = list(_parts(compact[chunk.split - chunk.start:], mask))
-        w_parts = list(_parts(self.gathered_weights, mask))
+        """The direction and the weights at each masked slot's positions, in the work space after the direction."""
+        numel, selected = chunk.end - chunk.start, sum(mask.sizes)
+        u_parts = list(_parts(self.work[numel:numel + selected], mask))
+        w_parts = list(_parts(self.work[numel + selected:numel + 2 * selected], mask))
         for slot, rows, u, w in zip(chunk.masked, mask.positions, u_parts, w_parts, strict=True):
             slot.select(slot.flat(direction, chunk.start), rows, u)
             flat = slot.param.reshape(-1)
@@ -739,7 +739,7 @@ class _Layout:
                 for pieces, chunk in zip(self.cyclic, self.chunks, strict=True)]
 
     def scratch_bytes(self) -> int:
-        buffers = [self.scratch, self.compact, self.gathered_weights, self.coef, self.spare]
+        buffers = [self.work, self.coef, self.spare]
         total = sum(t.numel() * t.element_size() for t in buffers)
         for chunk_phases in self.cyclic or []:
             total += sum(t.numel() * t.element_size() for phase in chunk_phases for t in phase)
