@@ -189,6 +189,14 @@ class SLAMB(torch.optim.Optimizer):
             range), the backend sums half-precision values (partial sums rounded to the wire dtype, not fp32),
             and the mean is cast back into the fp32 momentum; the bytes counted are the half-precision
             payload's, 2 per synced coordinate.
+        freshness_dtype: storage of the freshness, ``"fp16"`` (2 bytes per parameter; r within a relative
+            :math:`2^{-11}` of :math:`\beta_3^j`, plus one such rounding per rescaling below, with no error
+            carried from step to step) or ``"fp32"`` (4 bytes; the parity preset, within 1e-5 of the official
+            transcriptions). Either way the state holds :math:`q = r / \beta_3^{t \bmod R}` and multiplies q by
+            :math:`\beta_3^R` once every R steps (R: the largest with :math:`\beta_3^{-(R-1)} \le 2^{15}`, 1035
+            for 0.99, 10393 for 0.999) instead of multiplying r by :math:`\beta_3` every step: a synced coordinate
+            gets :math:`q = \beta_3^{-(t \bmod R)}`, and :math:`\beta_3^{t \bmod R}` is folded into the per-tensor
+            coefficients of the update.
         sync_offset: dense sync when :math:`(t - \text{sync\_offset}) \bmod H = 0`; 1 as in [code].
         bucket_mb: the compacted momentum and the dense parameter average go out in all-reduces of at most
             this many MB (one per bucket, never one per tensor).
@@ -196,12 +204,14 @@ class SLAMB(torch.optim.Optimizer):
         comm: the communication layer (`optim.comm.Comm`); None builds one over the default process group,
             or a world of one when there is none.
 
-    State: per parameter ``exp_avg``, ``exp_avg_sq`` and ``freshness`` (fp32 views of flat buffers), and under
-    the key ``"slamb"`` the step and the mask seed, all in `state_dict()`; masks are pure functions of (seed,
-    step), so nothing else is needed to resume exactly. Moments and, between dense syncs, parameters differ
-    across ranks, so checkpoints are per rank (the trainer does this for ``grad_sync="self"``). Work buffers,
-    kept between steps: the direction of the largest chunk, the compact vector (about :math:`k d`), the
-    gathered weights of one chunk and a small coefficient buffer (`memory_bytes`).
+    State: per parameter ``exp_avg``, ``exp_avg_sq`` (fp32) and ``scaled_freshness`` (q, ``freshness_dtype``),
+    views of flat buffers, and under the key ``"slamb"`` the step and the mask seed, all in `state_dict()`; masks
+    are pure functions of (seed, step) and R of beta3, so nothing else is needed to resume exactly (`freshness`
+    gives r; a state_dict with the fp32 ``freshness`` of earlier versions is converted on load). Moments and,
+    between dense syncs, parameters differ across ranks, so checkpoints are per rank (the trainer does this for
+    ``grad_sync="self"``). Work buffers, kept between steps (`memory_bytes`): one buffer that holds the compact
+    vector (about :math:`k d`) and then, chunk by chunk, the chunk's direction with its gathered fresh direction
+    and weights; and two small coefficient buffers.
     """
 
     def __init__(
@@ -629,7 +639,7 @@ def _parts(buffer: Tensor, mask: _Mask) -> tuple[Tensor, ...]:
 
 
 class _Layout:
-    """Flat fp32 buffers for m, v and freshness, with every parameter's state a view into them, and work buffers.
+    """Flat buffers for m, v (fp32) and the scaled freshness, each parameter's state a view into them; work buffers.
 
     Order: param group by param group, always-synced tensors first, so that each chunk's always-synced
     coordinates are one slice and its masked ones another.
