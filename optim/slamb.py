@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -350,11 +351,11 @@ class SLAMB(torch.optim.Optimizer):
         phase = step % layout.rebase_interval
         if phase == 0:  # a new epoch E = t: q <- q beta3^R keeps r = beta3^(t - E) q (one pass every R steps)
             scaled[chunk.split - start:].mul_(self.beta3 ** layout.rebase_interval)
-        synced = self.beta3 ** -phase  # q at a coordinate synced now (r = 1)
+        synced = layout.synced_value(self.beta3, step)  # q at a coordinate synced now (r = 1)
         scaled[:chunk.split - start].fill_(synced)
         for slot, rows in zip(chunk.masked, mask.positions, strict=True):
             slot.fill(slot.flat(scaled, start), rows, synced)
-        to_freshness = self.beta3 ** phase  # r = to_freshness * q, folded into the coefficients
+        to_freshness = 1.0 / synced  # r = q / synced (1 to fp32 rounding where synced now), in the coefficients
 
         group = self.param_groups[chunk.group]
         beta1, beta2 = group["betas"]
@@ -536,7 +537,7 @@ class SLAMB(torch.optim.Optimizer):
     def freshness(self) -> list[Tensor]:
         """The freshness r = beta3^staleness of every parameter (param_groups order), in fp32: for tests, analysis."""
         layout = self._ensure_layout()
-        to_freshness = self.beta3 ** (self.state[_GLOBAL]["step"] % layout.rebase_interval)
+        to_freshness = 1.0 / layout.synced_value(self.beta3, self.state[_GLOBAL]["step"])
         return [self.state[s.param]["scaled_freshness"].float() * to_freshness for s in layout.slots_in_group_order]
 
     def memory_bytes(self) -> dict[str, int]:
@@ -696,8 +697,8 @@ class _Layout:
         self.cyclic: list[list[tuple[Tensor, ...]]] | None = None  # per chunk, per phase, per masked slot
         for slot in self.slots:  # adopt loaded state, then point the state at the flat buffers
             entry = state[slot.param]
-            if "freshness" in entry:  # written before q: fp32 r, which is beta3^(t mod R) q
-                entry["scaled_freshness"] = entry.pop("freshness") * beta3 ** -(step % self.rebase_interval)
+            if "freshness" in entry:  # written before q: fp32 r = q / synced_value
+                entry["scaled_freshness"] = entry.pop("freshness") * self.synced_value(beta3, step)
             for key, buffer in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq),
                                 ("scaled_freshness", self.scaled_freshness)):
                 view = self.view(buffer, slot)
@@ -715,6 +716,11 @@ class _Layout:
         masked = tuple(s for s in slots if not s.always)
         self.chunks.append(_Chunk(group, slots[0].offset, split, end, tuple(slots), masked, one_d))
         self.slots.extend(slots)
+
+    def synced_value(self, beta3: float, step: int) -> float:
+        """q of a coordinate synced at `step`: beta3^-(step mod R) as stored (rounded to the buffer's dtype)."""
+        code = "e" if self.scaled_freshness.dtype == torch.float16 else "f"
+        return struct.unpack(code, struct.pack(code, beta3 ** -(step % self.rebase_interval)))[0]
 
     @staticmethod
     def view(buffer: Tensor, slot: _Slot) -> Tensor:

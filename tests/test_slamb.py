@@ -128,7 +128,8 @@ def test_cyclic_mask_syncs_every_coordinate_once_per_cycle():
     assert masks[0].float().mean().item() == pytest.approx(1 / 3, abs=1e-3)
 
 
-# r is stored as fp16 q = r / beta3^(t mod R): one rounding (2^-11 relative) when written, one more per rescaling
+# r is q / q_t with q stored in fp16 (q_t: the stored value of a coordinate synced at t, so r = 1 exactly there):
+# one rounding (2^-11 relative) when written, one in q_t, one more per rescaling
 # every R steps (fp16 subnormals below 2^-14: an absolute error of at most 2^-25, times beta3^(t mod R) <= 1).
 FP16_ROUNDING = 2.0**-11
 
@@ -143,7 +144,8 @@ def test_freshness_is_beta3_to_the_staleness(beta3, steps):
         rescalings = step // optimizer._layout.rebase_interval
         for r, j, mask in zip(optimizer.freshness(), staleness, optimizer.sync_masks(step), strict=True):
             j.add_(1).masked_fill_(mask, 0)
-            torch.testing.assert_close(r, beta3**j, rtol=(1 + rescalings) * FP16_ROUNDING, atol=2.0**-25)
+            torch.testing.assert_close(r, beta3**j, rtol=(2 + rescalings) * FP16_ROUNDING, atol=2.0**-24)
+            torch.testing.assert_close(r[mask], torch.ones_like(r[mask]), rtol=2.0**-23, atol=0)  # 1 where synced
 
 
 def test_freshness_from_a_checkpoint_with_fp32_freshness_is_adopted():
@@ -160,7 +162,7 @@ def test_freshness_from_a_checkpoint_with_fp32_freshness_is_adopted():
     resumed = _slamb(model, beta3=0.93)
     resumed.load_state_dict(saved)
     for got, want in zip(resumed.freshness(), freshness, strict=True):
-        torch.testing.assert_close(got, want, rtol=FP16_ROUNDING, atol=0)
+        torch.testing.assert_close(got, want, rtol=3 * FP16_ROUNDING, atol=0)
 
 
 @pytest.mark.parametrize("mask", ["bernoulli", "cyclic"])
@@ -534,7 +536,7 @@ def _check_properties(ranks: list[list[dict]], world_size: int, element_size: in
                 torch.testing.assert_close(m, local_m[r][i], **tol)
             staleness[i].add_(1).masked_fill_(masks[i], 0)
             for record in records:  # T5
-                torch.testing.assert_close(record["r"][i], BETA3**staleness[i], rtol=FP16_ROUNDING, atol=0)
+                torch.testing.assert_close(record["r"][i], BETA3**staleness[i], rtol=2 * FP16_ROUNDING, atol=0)
         assert all(masks[i].all() for i, s in enumerate(SHAPES) if len(s) == 1 or math.prod(s) < MIN_NUMEL)
 
         # T6: bytes = |S_t| (always-synced included) x payload size, plus 4 d on a dense-sync step.
