@@ -13,7 +13,8 @@ reports its best and its median step after warm-up, as ratios to LAMB's best and
 the best is the least disturbed step, the median shows whether a shared machine moved the ratio.
 Variants: SLAMB with each other mask (Slamb_V2's Bernoulli draw, the naive cyclic partition), with the naive
 product-form rescale, and the slamb_v2_official preset. Memory is the bytes of the optimizer's
-persistent tensors: LAMB's m and v; SLAMB's m, v and freshness (state) plus its work buffers (scratch).
+persistent tensors: LAMB's m and v (8 bytes per parameter); SLAMB's m, v and freshness (state: 10 bytes, 12 in
+the parity preset, whose freshness is fp32) plus its work buffers (scratch), as a ratio to LAMB's.
 """
 
 from __future__ import annotations

@@ -213,6 +213,7 @@ OWN_OPTIONS = [
     ("slamb", "stale_ratio_fallback", 0.5),
     ("slamb", "clamp_1d", 1.5),
     ("slamb", "comm_dtype", "int8"),
+    ("slamb", "freshness_dtype", "bf16"),
     ("slamb", "sync_offset", 2),
     ("slamb", "bucket_mb", 0),
     ("slamb", "seed", "x"),

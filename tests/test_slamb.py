@@ -128,15 +128,41 @@ def test_cyclic_mask_syncs_every_coordinate_once_per_cycle():
     assert masks[0].float().mean().item() == pytest.approx(1 / 3, abs=1e-3)
 
 
-def test_freshness_is_beta3_to_the_staleness():
+# r is q / q_t with q stored in fp16 (q_t: the stored value of a coordinate synced at t, so r = 1 exactly there):
+# one rounding (2^-11 relative) when written, one in q_t, one more per rescaling
+# every R steps (fp16 subnormals below 2^-14: an absolute error of at most 2^-25, times beta3^(t mod R) <= 1).
+FP16_ROUNDING = 2.0**-11
+
+
+@pytest.mark.parametrize(("beta3", "steps"), [(0.93, 15), (0.7, 100)])  # 0.7: R = 30, three rescalings
+def test_freshness_is_beta3_to_the_staleness(beta3, steps):
+    model = _small_model()
+    optimizer = _slamb(model, beta3=beta3)
+    staleness = [torch.zeros_like(p) for p in _params(optimizer)]
+    for step in range(1, steps + 1):
+        _steps(model, optimizer, range(step, step + 1))
+        rescalings = step // optimizer._layout.rebase_interval
+        for r, j, mask in zip(optimizer.freshness(), staleness, optimizer.sync_masks(step), strict=True):
+            j.add_(1).masked_fill_(mask, 0)
+            torch.testing.assert_close(r, beta3**j, rtol=(2 + rescalings) * FP16_ROUNDING, atol=2.0**-24)
+            torch.testing.assert_close(r[mask], torch.ones_like(r[mask]), rtol=2.0**-23, atol=0)  # 1 where synced
+
+
+def test_freshness_from_a_checkpoint_with_fp32_freshness_is_adopted():
+    """A state_dict written when SLAMB stored r in fp32 (key "freshness") loads as the same r to fp16 rounding."""
     model = _small_model()
     optimizer = _slamb(model, beta3=0.93)
-    staleness = [torch.zeros_like(p) for p in _params(optimizer)]
-    for step in range(1, 16):
-        _steps(model, optimizer, range(step, step + 1))
-        for p, j, mask in zip(_params(optimizer), staleness, optimizer.sync_masks(step), strict=True):
-            j.add_(1).masked_fill_(mask, 0)
-            torch.testing.assert_close(optimizer.state[p]["freshness"], 0.93**j, rtol=1e-5, atol=0)
+    _steps(model, optimizer, range(7))
+    freshness = optimizer.freshness()
+    assert any(bool((r < 1).any()) for r in freshness)
+    saved = optimizer.state_dict()
+    for index, r in enumerate(freshness):  # state_dict numbers the parameters in param_groups order
+        del saved["state"][index]["scaled_freshness"]
+        saved["state"][index]["freshness"] = r.clone()
+    resumed = _slamb(model, beta3=0.93)
+    resumed.load_state_dict(saved)
+    for got, want in zip(resumed.freshness(), freshness, strict=True):
+        torch.testing.assert_close(got, want, rtol=3 * FP16_ROUNDING, atol=0)
 
 
 @pytest.mark.parametrize("mask", ["bernoulli", "cyclic"])
@@ -155,12 +181,12 @@ def test_state_dict_round_trip_continues_exactly(mask):
     resumed_optimizer = _slamb(resumed, mask=mask, seed=0)  # the seed comes from the checkpoint
     resumed_optimizer.load_state_dict(saved["optimizer"])
     assert resumed_optimizer.state["slamb"] == {"step": 5, "seed": 5}
-    assert set(resumed_optimizer.state[resumed[0].weight]) == {"exp_avg", "exp_avg_sq", "freshness"}
+    assert set(resumed_optimizer.state[resumed[0].weight]) == {"exp_avg", "exp_avg_sq", "scaled_freshness"}
     _steps(resumed, resumed_optimizer, range(5, 10))
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
-        for key in ("exp_avg", "exp_avg_sq", "freshness"):
+        for key in ("exp_avg", "exp_avg_sq", "scaled_freshness"):
             assert torch.equal(optimizer.state[p][key], resumed_optimizer.state[q][key])
 
 
@@ -327,7 +353,8 @@ def test_v2_official_preset_equals_the_official_slamb_v2_step(world_size):
 
 
 NAIVE = dict(mask="cyclic", rescale="product_of_interpolations", bias_correction_form="full",
-             stale_ratio_fallback=1, clamp_1d=False, wd_in_trust_ratio=True)
+             stale_ratio_fallback=1, clamp_1d=False, wd_in_trust_ratio=True,
+             freshness_dtype="fp32")  # the naive Slamb counts staleness exactly; fp16 r is within 2^-11 of it
 
 
 @pytest.mark.parametrize("shrink_fresh", [False, True])
@@ -462,7 +489,7 @@ def _property_worker(rank: int, world_size: int, scenarios: list[str]) -> dict[s
             records.append(dict(
                 rng_unchanged=torch.equal(rng, torch.get_rng_state()),
                 m=[optimizer.state[p]["exp_avg"].clone() for p in params],
-                r=[optimizer.state[p]["freshness"].clone() for p in params],
+                r=optimizer.freshness(),
                 masks=optimizer.sync_masks(step),
                 params=[p.detach().clone() for p in params],
                 bytes=counts["bytes"], collectives=counts["collectives"],
@@ -509,7 +536,7 @@ def _check_properties(ranks: list[list[dict]], world_size: int, element_size: in
                 torch.testing.assert_close(m, local_m[r][i], **tol)
             staleness[i].add_(1).masked_fill_(masks[i], 0)
             for record in records:  # T5
-                torch.testing.assert_close(record["r"][i], BETA3**staleness[i], rtol=1e-5, atol=0)
+                torch.testing.assert_close(record["r"][i], BETA3**staleness[i], rtol=2 * FP16_ROUNDING, atol=0)
         assert all(masks[i].all() for i, s in enumerate(SHAPES) if len(s) == 1 or math.prod(s) < MIN_NUMEL)
 
         # T6: bytes = |S_t| (always-synced included) x payload size, plus 4 d on a dense-sync step.
