@@ -26,7 +26,7 @@ from optim._math import (
     trust_ratio,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
-from optim.comm import Comm
+from optim.comm import Comm, average_tensors_
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _FRESHNESS_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
@@ -301,7 +301,8 @@ class SLAMB(torch.optim.Optimizer):
         for chunk, mask in zip(layout.chunks, masks, strict=True):  # the compact vector is free: work space
             self._update_chunk(layout, chunk, mask, step)
         if distributed and (step - self.sync_offset) % self.sync_interval == 0:
-            self._average_parameters(layout)
+            # the dense fp32 average of every parameter, in tensor-aligned buckets of at most bucket_mb
+            average_tensors_([slot.param for slot in layout.slots], self.comm, max(1, self.bucket_bytes // 4))
         return loss
 
     def _local_moments(self, layout: _Layout, chunk: _Chunk) -> None:
@@ -476,26 +477,6 @@ class SLAMB(torch.optim.Optimizer):
             fresh_clamped = torch.where(chunk.one_d, fresh, fresh_clamped)
             stale_clamped = torch.where(chunk.one_d, stale, stale_clamped)
         return fresh_clamped, stale_clamped
-
-    def _average_parameters(self, layout: _Layout) -> None:
-        """Dense fp32 average of every parameter, in tensor-aligned buckets of at most bucket_mb."""
-        bucket: list[Tensor] = []
-        numel = 0
-        for slot in layout.slots:
-            if bucket and 4 * (numel + slot.numel) > self.bucket_bytes:
-                self._average_bucket(bucket)
-                bucket, numel = [], 0
-            bucket.append(slot.param)
-            numel += slot.numel
-        if bucket:
-            self._average_bucket(bucket)
-
-    def _average_bucket(self, params: list[Tensor]) -> None:
-        flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-        self.comm.all_reduce(flat)
-        flat.div_(self.world_size)
-        for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.copy_(value.view_as(p))
 
     # ------------------------------------------------------------------------------------------ masks
     def _masks(self, layout: _Layout, step: int) -> list[_Mask]:
