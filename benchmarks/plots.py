@@ -97,3 +97,24 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def write_scaling_plot(rows: list[dict], path: Path) -> Path:
+    """`benchmarks.scaling`'s rows as one panel per model: scaling efficiency against GPUs, a line per optimizer."""
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    optimizers = list(dict.fromkeys(row["optimizer"] for row in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.5), squeeze=False, sharey=True)
+    for ax, model in zip(axes[0], models, strict=True):
+        for index, optimizer in enumerate(optimizers):
+            points = [(r["gpus"], 100 * r["efficiency"]) for r in rows
+                      if r["model"] == model and r["optimizer"] == optimizer]
+            ax.plot(*zip(*points, strict=True), marker=".", color=_colour(index), label=optimizer)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{model} ({rows[0]['network']})")
+        ax.set_xlabel("GPUs")
+    axes[0][0].set_ylabel("scaling efficiency (%)")
+    axes[0][-1].legend(fontsize="small")
+    fig.tight_layout()
+    atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=120))
+    plt.close(fig)
+    return path

@@ -1,7 +1,7 @@
 """Throughput and scaling efficiency of every optimizer from 8 to 1,024 GPUs, from an alpha-beta network model.
 
     python -m benchmarks.scaling                                   # ib100 between nodes of 8 A100s (NVLink3)
-    python -m benchmarks.scaling --network 10gbe --gpu v100 --csv scaling.csv --json scaling.json
+    python -m benchmarks.scaling --network 10gbe --gpu v100 --csv scaling.csv --json scaling.json --png scaling.png
     python -m benchmarks.scaling --throughput bert_large=600 --runs runs/slamb runs/lamb
 
 Communication profile (measured, then scaled): each optimizer, built from its conf/optim YAML, steps a tiny BERT
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
 import sys
@@ -46,6 +47,7 @@ from benchmarks.onebit_step import phase1_schedules, stage_kinds
 from benchmarks.optim_step import bert_parameters
 from benchmarks.optimizers import _stepper, runnable_optimizers
 from benchmarks.slamb_step import LoopbackComm, config_kwargs
+from data.atomic import atomic_write_text
 from optim import build_optimizer, get_optimizer_spec
 from optim.comm import WIRE_DTYPES
 from optim.network import LINKS, NETWORKS, NVLINKS, Cluster, collective_seconds
@@ -348,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", nargs="*", default=[], type=Path, help="run directories with a summary.json")
     parser.add_argument("--csv", type=Path)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--png", type=Path, help="scaling efficiency against GPUs, a panel per model")
     args = parser.parse_args(argv)
     args.nvlink = args.nvlink or {"a100": "nvlink3", "v100": "nvlink2"}[args.gpu]
     args.throughput = _throughputs(args.throughput, args.throughput_json)
@@ -356,12 +359,17 @@ def main(argv: list[str] | None = None) -> None:
     rows, lines = study(args)
     sys.stdout.write("\n".join(lines) + "\n")
     if args.csv:
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        table = io.StringIO()
+        writer = csv.DictWriter(table, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(args.csv, table.getvalue())
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        atomic_write_text(args.json, json.dumps(rows, indent=1))
+    if args.png:
+        from benchmarks.plots import write_scaling_plot  # matplotlib only when a plot is asked for
+
+        write_scaling_plot(rows, args.png)
 
 
 if __name__ == "__main__":

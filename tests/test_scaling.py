@@ -127,3 +127,12 @@ def test_measured_onebit_lamb_profile_is_one_bit_plus_the_gathered_share():
     assert bits[0] == pytest.approx(1.0, rel=1e-3) and bits[1] == pytest.approx(1.0, rel=1e-3)  # gathered: 1 bit
     assert [8 * b for _, b in profile.steps["dense"][0]] == [pytest.approx(32.0)]  # warm-up: fp32 momenta
     assert set(profile.steady) == {"compressed"} and MEASURE_WORLD == 8
+
+
+def test_scaling_plot_is_a_png_with_a_panel_per_model(tmp_path):
+    from benchmarks.plots import write_scaling_plot
+
+    rows = [dict(model=model, optimizer=opt, gpus=g, network="10gbe", efficiency=1 / (1 + g / 64))
+            for model in ("bert_large", "swin_base") for opt in ("lamb", "slamb") for g in (8, 64, 1024)]
+    path = write_scaling_plot(rows, tmp_path / "scaling.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
