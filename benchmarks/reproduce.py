@@ -118,7 +118,8 @@ class Study:
     def swin_command(self, name: str) -> list[str]:
         lr = [f"optim.lr={SWIN_LR[name]}"] if name in SWIN_LR else []
         return ["experiment=swin_demo", f"optim={name}", *lr, f"name=reproduce_swin_{name}",
-                f"trainer.epochs={self.args.swin_epochs}", *self.parallel, f"hydra.run.dir={self.swin_dir(name)}"]
+                f"trainer.epochs={self.args.swin_epochs}", "trainer.micro_batch_size=null", *self.parallel,
+                f"hydra.run.dir={self.swin_dir(name)}"]
 
 
 def train(label: str, overrides: list[str], run_dir: Path) -> None:
