@@ -40,13 +40,13 @@ def test_every_command_of_a_study_composes_and_validates(tmp_path):
         command = study.bert_command(name)
         cfg = compose([o for o in command if not o.startswith("hydra.")])
         validate(cfg)
-        assert cfg.optim.name == name and cfg.trainer.nproc_per_node == 4 and cfg.trainer.max_steps == 100
+        assert cfg.optim.name == name and cfg.trainer.nproc_per_node == 4 and cfg.trainer.max_steps == 60
         assert cfg.trainer.simulated_network == "10gbe"
     squad = compose([o for o in study.squad_command("lamb") if not o.startswith("hydra.")])  # weights: not yet
     assert squad.trainer.init_from == str(tmp_path / "bert" / "lamb" / "hf_model")
     swin = compose([o for o in study.swin_command("slamb") if not o.startswith("hydra.")])
     validate(swin)
-    assert swin.optim.name == "slamb" and swin.trainer.epochs == 20 and swin.trainer.nproc_per_node == 4
+    assert swin.optim.name == "slamb" and swin.trainer.epochs == 15 and swin.trainer.nproc_per_node == 4
 
 
 def test_bad_arguments_are_one_line_user_errors(capsys):
