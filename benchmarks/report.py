@@ -22,7 +22,6 @@ import glob
 import io
 import json
 import os
-import sys
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from conf.checks import USER_ERRORS, UserError, user_error_line
+from conf.checks import UserError, user_errors_exit
 from data.atomic import atomic_write_text
 from train.metrics import METRICS_FILE, read_metrics
 from train.summary import SUMMARY_FILE, best_values, config_fields, final_values, higher_is_better
@@ -160,11 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target-loss", type=float, default=None,
                         help="loss for the time-to-target column (default: the highest final loss among the runs)")
     args = parser.parse_args(argv)
-    try:
+    with user_errors_exit():
         runs = load_runs(find_runs(args.paths))
-    except USER_ERRORS as err:
-        print(user_error_line(err), file=sys.stderr)
-        sys.exit(2)
     from benchmarks.plots import write_plots  # matplotlib only once there is something to draw
 
     target = args.target_loss if args.target_loss is not None else default_target_loss(runs)

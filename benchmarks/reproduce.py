@@ -38,17 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.optimizers import runnable_optimizers
+from conf.checks import UserError, user_errors_exit
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON_DOCS = REPO / "data" / "prepared" / "python_docs"
 SWIN_LR = {"lamb": 1.0e-2, "slamb": 1.0e-2, "slamb_v2_official": 1.0e-2}  # swin_demo's AdamW LR is 3e-3
 SUMMARY = "summary.json"
-
-
-def user_error(message: str) -> SystemExit:
-    """One line for the user and exit code 2, as `python -m train` does for its own user errors."""
-    print(f"error: {message}", file=sys.stderr)
-    return SystemExit(2)
 
 
 def schedule_overrides(name: str, steps: int) -> list[str]:
@@ -152,14 +147,14 @@ def prepare_corpus(path: Path) -> None:
                             cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         print(result.stderr.strip()[-2000:], file=sys.stderr)
-        raise user_error(f"could not prepare the python_docs corpus into {path} (it downloads Debian's "
+        raise UserError(f"could not prepare the python_docs corpus into {path} (it downloads Debian's "
                          "python3.11-doc once); rerun with --corpus demo to use the embedded corpus")
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
     path = run_dir / SUMMARY
     if not path.exists():
-        raise user_error(f"{path} is missing: the run did not finish; rerun the same command to resume it")
+        raise UserError(f"{path} is missing: the run did not finish; rerun the same command to resume it")
     return json.loads(path.read_text())
 
 
@@ -230,41 +225,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, names in (("--optimizers", args.optimizers), ("--swin-optimizers", args.swin_optimizers)):
         unknown = [n for n in names if n not in runnable]
         if unknown:
-            raise user_error(f"{flag} {' '.join(unknown)}: not runnable here; choose from {', '.join(runnable)}")
+            raise UserError(f"{flag} {' '.join(unknown)}: not runnable here; choose from {', '.join(runnable)}")
     for flag in ("steps", "ranks"):
         if getattr(args, flag) < 1:
-            raise user_error(f"--{flag} {getattr(args, flag)}: must be >= 1")
+            raise UserError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    study = Study(args)
+    with user_errors_exit():
+        run_study(parse_args(argv))
+
+
+def run_study(args: argparse.Namespace) -> None:
+    """Every run of the study in turn (each resumed or skipped when done), then its table and plots."""
+    plan = Study(args)
     if args.corpus == "python_docs" and args.optimizers:
         prepare_corpus(args.corpus_path)
     workers = f"{args.gpus} GPU(s)" if args.gpus else f"{args.ranks} CPU rank(s)"
-    print(f"study in {study.out}: BERT-{args.size}, {args.steps} steps, {args.corpus}, {workers}; "
+    print(f"study in {plan.out}: BERT-{args.size}, {args.steps} steps, {args.corpus}, {workers}; "
           f"{len(args.optimizers)} optimizers; SQuAD {args.squad_epochs} epochs; Swin: "
           f"{', '.join(args.swin_optimizers) or 'none'}", flush=True)
     start = time.perf_counter()
     for name in args.optimizers:
-        train(f"bert  {name}", study.bert_command(name), study.bert_dir(name))
+        train(f"bert  {name}", plan.bert_command(name), plan.bert_dir(name))
     if args.squad_epochs:
         for name in args.optimizers:
-            train(f"squad {name}", study.squad_command(name), study.squad_dir(name))
+            train(f"squad {name}", plan.squad_command(name), plan.squad_dir(name))
     for name in args.swin_optimizers:
-        train(f"swin  {name}", study.swin_command(name), study.swin_dir(name))
-    rows = comparison_rows(study, args.optimizers, args.squad_epochs > 0, args.swin_optimizers)
+        train(f"swin  {name}", plan.swin_command(name), plan.swin_dir(name))
+    rows = comparison_rows(plan, args.optimizers, args.squad_epochs > 0, args.swin_optimizers)
     simulated = f", simulated network {args.simulated_network}" if args.simulated_network else ""
     title = (f"BERT-{args.size}, {args.steps} steps on {args.corpus} with {workers}{simulated}; SQuAD: fine-tuned "
              f"{args.squad_epochs} epochs on the shipped file; Swin: digits, {args.swin_epochs} epochs")
-    print("\n" + write_comparison(rows, study.out, title))
+    print("\n" + write_comparison(rows, plan.out, title))
     if args.optimizers:
         from benchmarks import report
 
-        report.main([str(study.bert_dir(name)) for name in args.optimizers] + ["--out", str(study.out / "report")])
-    print(f"done in {(time.perf_counter() - start) / 60:.1f} min: {study.out / 'comparison.md'}, "
-          f"{study.out / 'report'}")
+        report.main([str(plan.bert_dir(name)) for name in args.optimizers] + ["--out", str(plan.out / "report")])
+    print(f"done in {(time.perf_counter() - start) / 60:.1f} min: {plan.out / 'comparison.md'}, "
+          f"{plan.out / 'report'}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,16 @@ def user_error_line(error: BaseException) -> str:
     return f"{'config error' if isinstance(error, ConfigError) else 'error'}: {error}"
 
 
+@contextlib.contextmanager
+def user_errors_exit() -> Iterator[None]:
+    """Around a command's body: a user error becomes its one line on stderr and exit code 2, not a traceback."""
+    try:
+        yield
+    except USER_ERRORS as err:
+        print(user_error_line(err), file=sys.stderr)
+        sys.exit(2)
+
+
 class InvalidOption(ConfigError):
     """An option a component rejected, named relative to the component (`lr`); `within` adds the group."""
 

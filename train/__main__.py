@@ -8,7 +8,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from conf.checks import USER_ERRORS, user_error_line
+from conf.checks import user_errors_exit
 from train.config import register_configs
 from train.run import run
 
@@ -17,13 +17,9 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
+    with user_errors_exit():  # a bad value, data file or run directory: one line naming what to fix
         hydra_cfg = HydraConfig.get()
         run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
-    except USER_ERRORS as err:
-        # A user error (a value, a data file, a run directory) is one line naming what to fix, not a traceback.
-        print(user_error_line(err), file=sys.stderr)
-        sys.exit(2)
 
 
 def accept_appended_experiment(argv: list[str]) -> list[str]:
