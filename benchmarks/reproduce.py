@@ -50,15 +50,16 @@ def schedule_overrides(name: str, steps: int) -> list[str]:
     """Settings counted in steps, scaled so that every stage of optimizer `name` happens within `steps`.
 
     1-bit Adam / LAMB: the full-precision warm-up ends at 20 % of the run (the tutorials' 15-25 %); 0/1 Adam:
-    the variance freezes there, its refresh interval doubles every 1/8 of that (so 1-bit gradient steps come
-    between refreshes) and the local-step interval every 10 % of the run; SlowMo: a weight average every
+    the variance freezes there, its refresh interval doubles after the first half of that (so 1-bit gradient
+    steps come between refreshes, and v, never bias-corrected, has had enough refreshes not to blow the steps
+    up; with 1/8 it diverged) and the local-step interval every 10 % of the run; SlowMo: a weight average every
     tenth of the run, and at the last step so that all replicas end equal.
     """
     fifth = max(2, steps // 5)
     if name in ("onebit_adam", "onebit_lamb"):
         return [f"optim.freeze_step={fifth}"]
     if name == "zero_one_adam":
-        return [f"optim.var_freeze_step={fifth}", f"optim.var_update_scaler={max(1, fifth // 8)}",
+        return [f"optim.var_freeze_step={fifth}", f"optim.var_update_scaler={max(1, fifth // 2)}",
                 f"optim.local_step_scaler={max(1, steps // 10)}"]
     if name == "slowmo":
         return [f"optim.sync_interval={_largest_divisor_up_to(steps, max(1, steps // 10))}"]
