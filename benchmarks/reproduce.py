@@ -37,8 +37,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from benchmarks.optimizers import runnable_optimizers
 from conf.checks import UserError, user_errors_exit
+from train.run import RECORDED_CONFIG_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON_DOCS = REPO / "data" / "prepared" / "python_docs"
@@ -118,8 +121,21 @@ class Study:
                 f"hydra.run.dir={self.swin_dir(name)}"]
 
 
+def finished_as_asked(run_dir: Path, overrides: list[str]) -> bool:
+    """Whether `run_dir` holds a finished run of exactly these overrides (its recorded ones), so that a rerun of
+    the study skips it without starting workers; anything else goes to `python -m train`, which resumes it."""
+    summary, recorded = run_dir / SUMMARY, run_dir / RECORDED_CONFIG_DIR / "overrides.yaml"
+    if not (summary.is_file() and recorded.is_file()):
+        return False
+    asked = [o for o in overrides if not o.startswith("hydra.")]
+    return json.loads(summary.read_text()).get("finished") is True and yaml.safe_load(recorded.read_text()) == asked
+
+
 def train(label: str, overrides: list[str], run_dir: Path) -> None:
     """One `python -m train` run (resumed, or skipped when finished); its log goes to <run dir>/reproduce.log."""
+    if finished_as_asked(run_dir, overrides):
+        print(f"{label:<34} ... done before", flush=True)
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}

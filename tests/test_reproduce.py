@@ -58,10 +58,15 @@ def test_bad_arguments_are_one_line_user_errors(capsys):
 
 
 @pytest.mark.slow
-def test_a_small_study_joins_its_runs_summaries(tmp_path):
-    reproduce.main(["--out", str(tmp_path), "--corpus", "demo", "--optimizers", "lamb", "slamb", "--steps", "4",
-                    "--ranks", "2", "--squad-epochs", "1", "--swin-optimizers", "adamw", "--swin-epochs", "1",
-                    "--override", "model.hidden_size=32", "--override", "model.intermediate_size=64"])
+def test_a_small_study_joins_its_runs_summaries(tmp_path, capsys):
+    study = ["--out", str(tmp_path), "--corpus", "demo", "--optimizers", "lamb", "slamb", "--steps", "4",
+             "--ranks", "2", "--squad-epochs", "1", "--swin-optimizers", "adamw", "--swin-epochs", "1",
+             "--override", "model.hidden_size=32", "--override", "model.intermediate_size=64"]
+    reproduce.main(study)
+    table = (tmp_path / "comparison.md").read_text()
+    capsys.readouterr()
+    reproduce.main(study)  # a rerun skips every finished run and rebuilds the same table
+    assert capsys.readouterr().out.count("done before") == 5 and (tmp_path / "comparison.md").read_text() == table
     rows = {row["optimizer"]: row for row in csv.DictReader((tmp_path / "comparison.csv").open())}
     assert list(rows) == ["lamb", "slamb", "adamw"]
     for name in ("lamb", "slamb"):
