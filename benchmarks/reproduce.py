@@ -180,7 +180,8 @@ COLUMNS = ("optimizer", "pretraining loss", "bits/param/step", "vs lamb", "GB se
 
 
 def comparison_rows(study: Study, bert: Sequence[str], squad: bool, swin: Sequence[str]) -> list[dict[str, str]]:
-    """One row per optimizer: its pretraining summary joined with its fine-tuning and Swin results."""
+    """One row per optimizer, fewest bits per parameter first (Swin-only rows last): its pretraining summary
+    joined with its fine-tuning and Swin results."""
     summaries = {name: read_summary(study.bert_dir(name)) for name in bert}
     reference = summaries.get("lamb", {}).get("bits_per_param_per_step")
     rows = []
@@ -201,7 +202,7 @@ def comparison_rows(study: Study, bert: Sequence[str], squad: bool, swin: Sequen
         if name in swin:
             row["Swin top-1"] = f"{read_summary(study.swin_dir(name))['best']['eval/top1']:.1f}"
         rows.append(row)
-    return rows
+    return sorted(rows, key=lambda row: float(row["bits/param/step"] or "inf"))
 
 
 def write_comparison(rows: list[dict[str, str]], out: Path, title: str) -> str:
