@@ -42,11 +42,11 @@ import yaml
 from benchmarks.optimizers import runnable_optimizers
 from conf.checks import UserError, user_errors_exit
 from train.run import RECORDED_CONFIG_DIR
+from train.summary import SUMMARY_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON_DOCS = REPO / "data" / "prepared" / "python_docs"
 SWIN_LR = {"lamb": 1.0e-2, "slamb": 1.0e-2, "slamb_v2_official": 1.0e-2}  # swin_demo's AdamW LR is 3e-3
-SUMMARY = "summary.json"
 
 
 def schedule_overrides(name: str, steps: int) -> list[str]:
@@ -124,7 +124,7 @@ class Study:
 def finished_as_asked(run_dir: Path, overrides: list[str]) -> bool:
     """Whether `run_dir` holds a finished run of exactly these overrides (its recorded ones), so that a rerun of
     the study skips it without starting workers; anything else goes to `python -m train`, which resumes it."""
-    summary, recorded = run_dir / SUMMARY, run_dir / RECORDED_CONFIG_DIR / "overrides.yaml"
+    summary, recorded = run_dir / SUMMARY_FILE, run_dir / RECORDED_CONFIG_DIR / "overrides.yaml"
     if not (summary.is_file() and recorded.is_file()):
         return False
     asked = [o for o in overrides if not o.startswith("hydra.")]
@@ -169,7 +169,7 @@ def prepare_corpus(path: Path) -> None:
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / SUMMARY
+    path = run_dir / SUMMARY_FILE
     if not path.exists():
         raise UserError(f"{path} is missing: the run did not finish; rerun the same command to resume it")
     return json.loads(path.read_text())
