@@ -26,8 +26,6 @@ command resumes an interrupted study and skips finished runs (change `--out` to 
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import os
 import subprocess
@@ -41,6 +39,7 @@ import yaml
 
 from benchmarks.optimizers import runnable_optimizers
 from conf.checks import UserError, user_errors_exit
+from data.atomic import atomic_write_text
 from train.run import RECORDED_CONFIG_DIR
 from train.summary import SUMMARY_FILE
 
@@ -206,17 +205,12 @@ def comparison_rows(study: Study, bert: Sequence[str], squad: bool, swin: Sequen
 
 
 def write_comparison(rows: list[dict[str, str]], out: Path, title: str) -> str:
-    """comparison.md and comparison.csv under `out`; returns the Markdown."""
-    from data.atomic import atomic_write_text
+    """comparison.md and comparison.csv under `out`, in the report's table formats; returns the Markdown."""
+    from benchmarks.report import csv_table, markdown_table
 
-    markdown = "\n".join([title, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
-                          *("| " + " | ".join(row[c] for c in COLUMNS) + " |" for row in rows)]) + "\n"
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
+    markdown = f"{title}\n\n{markdown_table(rows)}"
     atomic_write_text(out / "comparison.md", markdown)
-    atomic_write_text(out / "comparison.csv", buffer.getvalue())
+    atomic_write_text(out / "comparison.csv", csv_table(rows))
     return markdown
 
 
