@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from models import create_model
@@ -112,10 +114,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: 64 on GPU (16 at seq 512), 4 on CPU")
     parser.add_argument("--optim", default=None, help="a registered optimizer (default: lamb for bert, adamw for swin)")
+    parser.add_argument("--accumulation", type=int, default=1, metavar="N",
+                        help="micro-batches per optimizer step, as the recipes accumulate (NVIDIA's phase 1: 128 "
+                        "per step on 8 GPUs at 64 per micro-batch); 1 steps the optimizer on every micro-batch")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 20 on GPU, 3 on CPU)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, profile 3 steps and print the N kernels (CPU: ops) that take most time")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
@@ -125,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     sizes = BERT_SIZES if args.task == "bert" else SWIN_SIZES
     if size not in sizes:
         parser.error(f"--size {size}: {args.task} sizes are {', '.join(sizes)}")
+    if args.accumulation < 1:
+        parser.error(f"--accumulation {args.accumulation}: give 1 or more micro-batches per optimizer step")
     precision = args.precision or ("bf16" if gpu else "fp32")
     micro_batch = args.micro_batch or ((64 if args.seq == 128 or args.task == "swin" else 16) if gpu else 4)
     steps = args.steps or (20 if gpu else 3)
@@ -142,9 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     train_model = torch.compile(model) if args.compile else model
 
     def step() -> None:
-        with autocast(precision, device):
-            loss = step_fn(train_model, work.batch)["loss"]
-        scaler.scale(loss).backward()
+        for _ in range(args.accumulation):
+            with autocast(precision, device):
+                loss = step_fn(train_model, work.batch)["loss"]
+            scaler.scale(loss / args.accumulation).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -164,17 +174,19 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - start) / steps
 
-    rate = micro_batch / seconds
+    samples_per_step = micro_batch * args.accumulation
+    rate = samples_per_step / seconds
     achieved_tflops = flops_per_step / seconds / 1e12
     peak = device_peak_tflops(device, precision)
     where = torch.cuda.get_device_name(device) if gpu else f"cpu, {torch.get_num_threads()} threads"
     params = sum(p.numel() for p in model.parameters())
     unit = "seq/s" if args.task == "bert" else "img/s"
-    print(f"{work.label}, {params / 1e6:.1f}M params, micro-batch {micro_batch}, {precision}"
+    print(f"{work.label}, {params / 1e6:.1f}M params, micro-batch {micro_batch} x {args.accumulation}, {precision}"
           f"{', compiled' if args.compile else ''}, optimizer {args.optim or work.optim} | {where} | "
           f"torch {torch.__version__} | mean of {steps} steps after {args.warmup + 1} warm-up")
     print(f"throughput   {rate:10.2f} {unit}  ({seconds * 1e3:.1f} ms/step)")
-    print(f"model FLOPs  {flops_per_step / micro_batch / 1e9:10.2f} GFLOP per sample, {achieved_tflops:.2f} TFLOP/s, "
+    print(f"model FLOPs  {flops_per_step / samples_per_step / 1e9:10.2f} GFLOP per sample, "
+          f"{achieved_tflops:.2f} TFLOP/s, "
           + (f"MFU {achieved_tflops / peak:.1%} of {peak:g} TFLOP/s" if peak else "MFU n/a (no known peak here)"))
     if gpu:
         print(f"peak memory  {torch.cuda.max_memory_allocated(device) / 2**30:10.2f} GiB")
@@ -184,6 +196,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"vs {what}: {figure:g} {unit} -> ratio {rate / figure:.3f}")
     else:
         print("no published figure for this shape (tiny shapes exercise the code path; CPU times are noise)")
+    if args.profile:
+        print_top_kernels(step, device, args.profile)
+
+
+def print_top_kernels(step: Callable[[], None], device: torch.device, top: int, steps: int = 3) -> None:
+    """The `top` kernels by total device time over `steps` steps: where a step's time goes."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"top {top} of {steps} profiled steps, by {sort_by}:")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=70))
 
 
 def _precision_config(precision: str) -> DictConfig:

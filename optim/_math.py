@@ -238,6 +238,6 @@ def bernoulli_positions(n: int, k: float, uniforms: Tensor) -> tuple[Tensor, Ten
     gaps = uniforms.neg().add_(1.0).log_().div_(math.log1p(-k)).to(torch.int64)
     positions = gaps.cumsum_(0).add_(torch.arange(uniforms.numel(), device=uniforms.device))
     valid = positions < n
-    valid[0] = True
+    valid[:1].fill_(True)  # not `valid[0] = True`: that copies a host scalar, a device sync on a GPU
     first = positions[:1].clamp(max=n - 1)
     return torch.where(valid, positions, first), valid.to(torch.float32)

@@ -37,8 +37,10 @@ _BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
 # of one chunk stay in cache (see optim/lamb.py's _FOREACH_CHUNK_NUMEL); on a GPU it bounds the scratch buffer
 # (a tensor larger than the limit forms a chunk of its own).
 _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
-# Elements per piece of the update's coefficient buffer: small enough to stay in cache between the two passes.
-_APPLY_NUMEL = 1 << 18
+# Elements per piece of the moments' and the update's passes, by device type (absent: a whole tensor). On the CPU
+# a piece stays in cache between the passes that form and use it; on a GPU, pieces would only multiply the kernel
+# launches (BERT-Large: about 10,000 more per step, the step's whole cost), so each tensor is one piece.
+_PIECE_NUMEL = {"cpu": 1 << 18}
 _ROW_NUMEL = 16  # coordinates per row of the stratified and cyclic masks
 _GLOBAL = "slamb"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
 
@@ -306,7 +308,7 @@ class SLAMB(torch.optim.Optimizer):
         return loss
 
     def _local_moments(self, layout: _Layout, chunk: _Chunk) -> None:
-        """m and v of the chunk's slots that have a gradient, in groups of at most `_APPLY_NUMEL` elements: the
+        """m and v of the chunk's slots that have a gradient, in groups of at most `piece_numel` elements: the
         three passes of a group find its m, v and g in cache (15 % faster on a CPU than whole tensors)."""
         slots = [s for s in chunk.slots if s.param.grad is not None]
         for s in slots:
@@ -314,16 +316,16 @@ class SLAMB(torch.optim.Optimizer):
                 raise RuntimeError("SLAMB does not support sparse gradients")
         beta1, beta2 = self.param_groups[chunk.group]["betas"]
         groups: list[tuple[list[Tensor], list[Tensor], list[Tensor]]] = []
-        room = 0
+        room, piece = 0, layout.piece_numel or chunk.end - chunk.start
         for s in slots:
             grad = s.param.grad.reshape(-1)
             grad = grad if grad.dtype == torch.float32 else grad.float()
             m, v = s.flat(layout.exp_avg), s.flat(layout.exp_avg_sq)
-            for a in range(0, s.numel, _APPLY_NUMEL):
-                b = min(a + _APPLY_NUMEL, s.numel)
+            for a in range(0, s.numel, piece):
+                b = min(a + piece, s.numel)
                 if b - a > room:
                     groups.append(([], [], []))
-                    room = _APPLY_NUMEL
+                    room = piece
                 for pieces, tensor in zip(groups[-1], (m, v, grad), strict=True):
                     pieces.append(tensor[a:b])
                 room -= b - a
@@ -410,8 +412,8 @@ class SLAMB(torch.optim.Optimizer):
                slope: Tensor, lr_slope: float, lr_stale: float) -> None:
         """w -= coef * u with the per-element coef of the rescale form, piece by piece through a small buffer.
 
-        Pieces of at most `_APPLY_NUMEL` elements keep the coefficient in cache between the passes that form and
-        use it, and the buffer small (no full-size ratio tensor per masked tensor). `slope` and `lr_slope` are
+        Pieces of at most `piece_numel` elements (on a CPU) keep the coefficient in cache between the passes that
+        form and use it, and the buffer small (no full-size ratio tensor per masked tensor). `slope` and `lr_slope` are
         per unit of the scaled freshness q (see `_Layout`).
         """
         flat = param.view(-1) if param.is_contiguous() else None
@@ -420,8 +422,9 @@ class SLAMB(torch.optim.Optimizer):
             self._coefficients(scaled, base, slope, lr_slope, lr_stale, coef, torch.empty_like(coef))
             param.addcmul_(update.view_as(param), coef.view_as(param))
             return
-        for a in range(0, flat.numel(), _APPLY_NUMEL):
-            b = min(a + _APPLY_NUMEL, flat.numel())
+        piece = layout.piece_numel or flat.numel()
+        for a in range(0, flat.numel(), piece):
+            b = min(a + piece, flat.numel())
             coef = layout.coef[:b - a]
             self._coefficients(scaled[a:b], base, slope, lr_slope, lr_stale, coef, layout.spare[:b - a])
             flat[a:b].addcmul_(update[a:b], coef)
@@ -672,7 +675,9 @@ class _Layout:
                    default=0)
         self.work = torch.empty(max(compact, work), device=device)
         self.compact = self.work[:compact]
-        self.coef = torch.empty(min(_APPLY_NUMEL, max((s.numel for s in masked), default=0)), device=device)
+        self.piece_numel = _PIECE_NUMEL.get(device.type)
+        largest = max((s.numel for s in masked), default=0)
+        self.coef = torch.empty(min(self.piece_numel or largest, largest), device=device)
         self.spare = torch.empty_like(self.coef)  # the product form's second factor
         self.generator = torch.Generator(device=device)
         self.cyclic: list[list[tuple[Tensor, ...]]] | None = None  # per chunk, per phase, per masked slot

@@ -1,9 +1,13 @@
-"""`python -m benchmarks.throughput` runs the trainer's step on CPU and counts FLOPs that match the model's size."""
+"""`python -m benchmarks.throughput` runs the trainer's step on CPU and counts FLOPs that match the model's size;
+`python -m benchmarks.bandwidth_bound` counts the bytes an optimizer step must touch."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
+
+from benchmarks.bandwidth_bound import main as bandwidth_bound
 from benchmarks.throughput import main
 
 
@@ -23,3 +27,30 @@ def test_bert_step_is_timed_and_its_flops_counted(capsys):
 def test_swin_step_runs():
     main(["--task", "swin", "--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch", "2"])
 
+
+
+def _gflop_per_sample(out: str) -> float:
+    return float(re.search(r"([\d.]+) GFLOP per sample", out).group(1))
+
+
+def test_accumulation_counts_every_micro_batch_and_the_profile_names_ops(capsys):
+    main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch", "2"])
+    single = _gflop_per_sample(capsys.readouterr().out)
+    main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch", "2", "--accumulation", "2",
+          "--profile", "3"])
+    out = capsys.readouterr().out
+    assert "micro-batch 2 x 2" in out
+    assert _gflop_per_sample(out) == pytest.approx(single, rel=0.01)  # twice the samples, twice the FLOPs
+    assert "top 3 of 3 profiled steps" in out and "aten::" in out
+
+
+def test_bandwidth_bound_counts_the_bytes_a_fused_step_must_touch(capsys):
+    bandwidth_bound(["--size", "tiny", "--device", "cpu", "--optimizers", "lamb", "adamw",
+                     "--warmup", "1", "--repeats", "1"])
+    out = capsys.readouterr().out
+    numel = float(re.search(r"([\d.]+)M fp32 parameters", out).group(1)) * 1e6
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:]}
+    # fp32 LAMB and AdamW: parameters read and written, gradients read, two moments read and written.
+    for name in ("lamb", "adamw"):
+        assert float(rows[name][0]) * 1e9 == pytest.approx(28 * numel, rel=0.01)
+        assert float(rows[name][-1]) > 0

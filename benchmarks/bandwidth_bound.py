@@ -1,0 +1,98 @@
+"""Each optimizer's step time as a ratio to its memory-bandwidth bound, on BERT-sized parameters.
+
+    python -m benchmarks.bandwidth_bound --size large                 # BERT-Large on the GPU
+    python -m benchmarks.bandwidth_bound --size tiny --device cpu     # what the tests run
+
+An optimizer step reads and writes memory far more than it computes, so its floor is set by bandwidth. The
+bound of a step is the bytes a single fused pass must touch (read the parameters, the gradients and the
+optimizer's persistent state; write the parameters and the state back) divided by the device's copy bandwidth,
+measured in the same run (a large device-to-device copy, bytes read plus written). A ratio of 1 is the best any
+implementation could do. Optimizers that synchronise themselves take their multi-rank path through a loopback
+communication layer whose collectives return at once (their compressed stages included), so no network time is
+counted; the 1-bit optimizers are timed after their warm-up stage, in the compressed one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.optim_step import SIZES, bert_parameters
+from benchmarks.slamb_step import LoopbackComm, config_kwargs, state_bytes
+from optim import build_optimizer
+
+OPTIMIZERS = ["lamb", "slamb", "onebit_lamb", "zero_one_adam", "adamw"]
+COMPRESSED_FROM = {"onebit_lamb": {"freeze_step": 2}, "zero_one_adam": {"var_freeze_step": 2}}
+
+
+def copy_bandwidth(device: torch.device, numel: int, repeats: int = 5) -> float:
+    """Bytes per second of the best of `repeats` copies of `numel` fp32 values, counting bytes read and written."""
+    src = torch.ones(numel, device=device)
+    dst = torch.empty_like(src)
+    best = min(_seconds(lambda: dst.copy_(src), device) for _ in range(repeats + 1))
+    return 2 * src.nbytes / best
+
+
+def _seconds(work: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start_s = time.perf_counter()
+    work()
+    return time.perf_counter() - start_s
+
+
+def bytes_touched(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """Minimum traffic of one fused step: parameters read and written, gradients read, state read and written."""
+    param_bytes = sum(p.nbytes for p in params)
+    grad_bytes = sum(p.grad.nbytes for p in params)
+    return 2 * param_bytes + grad_bytes + 2 * state_bytes(optimizer)
+
+
+def time_steps(optimizer: torch.optim.Optimizer, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        optimizer.step()
+    return [_seconds(optimizer.step, device) for _ in range(repeats)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="large")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, help="registered optimizer names")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (past the 1-bit warm-up)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps per optimizer")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    device = torch.device(args.device)
+    model = bert_parameters(args.size, device)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    bandwidth = copy_bandwidth(device, min(numel, 1 << 28))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"optimizer step vs bandwidth bound, BERT-{args.size}: {numel / 1e6:.1f}M fp32 parameters in "
+          f"{len(params)} tensors | {where} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e9:.0f} GB/s "
+          f"(read + write) | min and median of {args.repeats} steps after {args.warmup}")
+    print(f"{'optimizer':<15} {'GB touched':>10} {'bound ms':>9} {'min ms':>8} {'median ms':>10} {'min x bound':>12}")
+    for name in args.optimizers:
+        optimizer = build_optimizer(model, name, config_kwargs(name, **COMPRESSED_FROM.get(name, {})),
+                                    comm=LoopbackComm())
+        times = time_steps(optimizer, device, args.warmup, args.repeats)
+        touched = bytes_touched(params, optimizer)
+        bound = touched / bandwidth
+        print(f"{name:<15} {touched / 1e9:>10.3f} {bound * 1e3:>9.2f} {min(times) * 1e3:>8.2f} "
+              f"{statistics.median(times) * 1e3:>10.2f} {min(times) / bound:>12.2f}", flush=True)
+        del optimizer
+
+
+if __name__ == "__main__":
+    main()

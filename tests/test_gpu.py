@@ -1,0 +1,108 @@
+"""On a GPU: mixed-precision training, the fp16 overflow skip, every optimizer's CUDA step against its CPU step, and
+two processes communicating CUDA tensors. Skipped without CUDA (CI has none); run them with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import TINY, compose
+from distributed_harness import run_on_ranks
+from test_optim_registry import RUNNABLE_HERE, _config, _tiny_bert
+
+from optim import build_optimizer, get_optimizer_spec
+from optim.apex import APEX_OPTIMIZERS
+from optim.comm import Comm
+from train.metrics import read_metrics
+from train.run import run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+ON_CUDA = [o for o in TINY if not o.startswith("trainer.device=")] + ["trainer.device=cuda"]
+
+
+def _train(tmp_path, *overrides: str) -> list[dict]:
+    run(compose([*ON_CUDA, *overrides]), tmp_path)
+    return read_metrics(tmp_path)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32"])
+def test_mixed_precision_training_on_cuda(tmp_path, precision):
+    records = _train(tmp_path, f"precision={precision}", "trainer.max_steps=8", "optim.lr=1e-3")
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
+    assert ("loss_scale" in records[-1]) == (precision == "fp16")
+
+
+def test_fp16_overflow_steps_are_skipped_and_the_scale_drops(tmp_path):
+    # A start scale of 2^40 overflows fp16 gradients: the scaler skips those steps (no weight change, not counted
+    # towards max_steps) and halves the scale until the gradients fit.
+    records = _train(tmp_path, "precision=fp16", "precision.init_scale=1099511627776.0", "trainer.max_steps=4")
+    assert [r["step"] for r in records][-1] == 4
+    assert records[-1]["skipped_steps"] > 0
+    assert records[-1]["loss_scale"] < 2.0**40
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+
+
+CUDA_OPTIMIZERS = [name for name in RUNNABLE_HERE if name not in APEX_OPTIMIZERS]  # apex has no CPU step
+
+
+@pytest.mark.parametrize("name", CUDA_OPTIMIZERS)
+def test_each_optimizer_steps_on_cuda_as_on_the_cpu(name):
+    """The same gradients, three steps: the CUDA parameters equal the CPU ones to float tolerance."""
+    cfg = _config(name)
+    cfg.pop("name")
+    spec = get_optimizer_spec(name)
+    cpu_model = _tiny_bert()
+    cuda_model = copy.deepcopy(cpu_model).cuda()
+    cpu_opt, cuda_opt = build_optimizer(cpu_model, name, cfg), build_optimizer(cuda_model, name, cfg)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        for optimizer in (cpu_opt, cuda_opt):
+            optimizer.zero_grad(set_to_none=True)
+            if spec.samples_layers:  # JointSpar draws the step's layers from a CPU generator: the same on both
+                optimizer.begin_step()
+        cpu_model(input_ids=ids).last_hidden_state.square().mean().backward()
+        for p_cpu, p_cuda in zip(cpu_model.parameters(), cuda_model.parameters(), strict=True):
+            p_cuda.grad = None if p_cpu.grad is None else p_cpu.grad.cuda()
+        cpu_opt.step()
+        cuda_opt.step()
+    for (key, p_cpu), p_cuda in zip(cpu_model.named_parameters(), cuda_model.parameters(), strict=True):
+        torch.testing.assert_close(p_cuda.cpu(), p_cpu, rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+SELF_SYNCING = {"slamb": {}, "onebit_lamb": {"freeze_step": 2}, "zero_one_adam": {"var_freeze_step": 2}}
+
+
+def _steps_on_rank(rank: int, world_size: int, name: str, device: str) -> tuple[list[torch.Tensor], int]:
+    """Four steps of a self-synchronising optimizer on this rank's own batches; its weights and bytes sent."""
+    cfg = _config(name) | SELF_SYNCING[name]
+    cfg.pop("name")
+    model = _tiny_bert().to(device)
+    comm = Comm()
+    optimizer = build_optimizer(model, name, cfg, comm=comm)
+    for step in range(4):
+        optimizer.zero_grad(set_to_none=True)
+        # Every token id and token type, so that no embedding row keeps a zero variance: frozen after two steps,
+        # a zero variance turns the compressed momentum's error feedback into steps of size lr / eps.
+        g = torch.Generator().manual_seed(100 * rank + step)
+        ids = torch.cat([torch.randperm(100, generator=g), torch.randint(0, 100, (28,), generator=g)]).view(8, 16)
+        types = torch.randint(0, 2, (8, 16), generator=g)
+        model(input_ids=ids.to(device), token_type_ids=types.to(device)).last_hidden_state.square().mean().backward()
+        optimizer.step()
+    return [p.detach().cpu() for p in model.parameters()], comm.bytes_sent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SELF_SYNCING))
+def test_two_processes_step_cuda_tensors_as_cpu_ones(name):
+    """Two ranks exchange CUDA tensors (NCCL on two GPUs; gloo where there is one: NCCL refuses two ranks on one
+    GPU) and end with the weights and byte counts of the same run on CPU tensors over gloo."""
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    on_cpu = run_on_ranks(_steps_on_rank, 2, name, "cpu")
+    on_cuda = run_on_ranks(_steps_on_rank, 2, name, "cuda", backend=backend)
+    for rank, ((cpu_weights, cpu_bytes), (cuda_weights, cuda_bytes)) in enumerate(zip(on_cpu, on_cuda, strict=True)):
+        assert cuda_bytes == cpu_bytes > 0, f"rank {rank}"
+        for a, b in zip(cuda_weights, cpu_weights, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
