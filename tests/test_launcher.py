@@ -9,10 +9,20 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import TINY, compose
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+import train.run
 from conf.checks import ConfigError, ReportedError
-from train.distributed import launch_local_workers
+from train.config import launch_world_size
+from train.distributed import adopt_slurm_environment, launch_local_workers, launched_externally, pick_device
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+                    "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_STEPID")
+# What sbatch's batch shell holds (job-wide values, no step), and what each task of an srun step adds.
+SBATCH_SHELL = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_LOCALID": "0"}
+SRUN_TASK = {**SBATCH_SHELL, "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "3"}
 
 
 def _worker(failing_ranks: list[int], error: str) -> None:
@@ -84,3 +94,93 @@ def test_entrypoint_bad_nccl_preset_is_one_line(tmp_path):
     result = _entrypoint(tmp_path, "trainer.max_steps=2", NPROC_PER_NODE="1", NCCL_PRESET="bogus")
     assert result.returncode == 2
     assert result.stderr == "error: NCCL_PRESET=bogus is not one of ib, ethernet, none\n"
+
+
+@pytest.fixture
+def launch_env(monkeypatch):
+    """Clear the launchers' variables; returns a function that sets some (as torchrun or SLURM would)."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+    def set_env(**env: str) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+
+    return set_env
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine sees `n` CUDA devices."""
+    def see(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return see
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[str]:
+    """How run() started training ("local workers" or "this process"), with the real starters replaced."""
+    calls: list[str] = []
+    monkeypatch.setattr(train.run, "launch_local_workers", lambda *args: calls.append("local workers"))
+    monkeypatch.setattr(train.run, "train_worker", lambda *args: calls.append("this process"))
+    return calls
+
+
+def test_a_task_bound_to_one_gpu_uses_it_whatever_its_local_rank(launch_env, gpus):
+    gpus(1)  # srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES holds this task's GPU alone
+    launch_env(LOCAL_RANK="5")
+    assert pick_device("cuda") == torch.device("cuda", 0)
+
+
+def test_workers_of_a_node_take_the_gpu_of_their_local_rank(launch_env, gpus):
+    gpus(8)
+    launch_env(LOCAL_RANK="5")
+    assert pick_device("auto") == torch.device("cuda", 5)
+
+
+def test_a_local_rank_beyond_the_visible_gpus_is_a_user_error(launch_env, gpus):
+    gpus(2)
+    launch_env(LOCAL_RANK="3")
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=3 but this process sees only 2 CUDA devices.*"
+                                          r"trainer\.nproc_per_node"):
+        pick_device("cuda")
+
+
+def test_more_local_workers_than_gpus_is_refused_before_any_starts(launch_env, gpus, started, tmp_path):
+    gpus(2)
+    with pytest.raises(ConfigError, match=r"trainer\.nproc_per_node=4 workers, one per GPU, but this node has 2"):
+        train.run.run(compose([*TINY, "trainer.device=cuda", "trainer.global_batch_size=16",
+                               "trainer.nproc_per_node=4"]), tmp_path)
+    assert started == []
+
+
+def test_a_plain_run_in_an_sbatch_script_starts_its_own_workers(launch_env, started, tmp_path):
+    launch_env(**SBATCH_SHELL)  # `python -m train trainer.nproc_per_node=2` in the batch script, outside srun
+    assert not launched_externally()
+    cfg = compose([*TINY, "trainer.nproc_per_node=2"])
+    assert launch_world_size(cfg) == 2  # not the job's SLURM_NTASKS=16
+    train.run.run(cfg, tmp_path)
+    assert started == ["local workers"]
+    adopt_slurm_environment()
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+
+
+@pytest.mark.parametrize("step_variable", ["SLURM_STEP_ID", "SLURM_STEPID"])  # the second: Slurm before 20.11
+def test_an_srun_task_joins_the_world_srun_describes(launch_env, started, tmp_path, step_variable):
+    task = {k: v for k, v in SRUN_TASK.items() if k != "SLURM_STEP_ID"}
+    launch_env(**task, **{step_variable: "0"}, MASTER_ADDR="node0", MASTER_PORT="29500")
+    assert launched_externally() and launch_world_size(compose(TINY)) == 16
+    adopt_slurm_environment()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "16", "3")
+
+
+def test_nproc_per_node_under_a_launcher_is_refused_not_ignored(launch_env, started, tmp_path):
+    launch_env(**SRUN_TASK)
+    with pytest.raises(ConfigError, match=r"trainer\.nproc_per_node=8, but this process was started by srun"):
+        train.run.run(compose([*TINY, "trainer.global_batch_size=64", "trainer.nproc_per_node=8"]), tmp_path)
+    launch_env(RANK="0", WORLD_SIZE="2")
+    with pytest.raises(ConfigError, match=r"started by torchrun"):
+        train.run.run(compose([*TINY, "trainer.nproc_per_node=2"]), tmp_path)
+    assert started == []
