@@ -6,17 +6,25 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, compose
+from conftest import REPO, TINY, compose
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+import train.distributed
 import train.run
 from conf.checks import ConfigError, ReportedError
 from train.config import launch_world_size
-from train.distributed import adopt_slurm_environment, launch_local_workers, launched_externally, pick_device
+from train.distributed import (
+    adopt_slurm_environment,
+    init_distributed,
+    launch_local_workers,
+    launched_externally,
+    pick_device,
+)
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                     "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_STEPID")
@@ -184,3 +192,35 @@ def test_nproc_per_node_under_a_launcher_is_refused_not_ignored(launch_env, star
     with pytest.raises(ConfigError, match=r"started by torchrun"):
         train.run.run(compose([*TINY, "trainer.nproc_per_node=2"]), tmp_path)
     assert started == []
+
+
+@pytest.mark.parametrize(("device", "bound"), [("cuda:1", torch.device("cuda", 1)), ("cpu", None)])
+def test_the_process_group_is_bound_to_the_workers_gpu(launch_env, monkeypatch, device, bound):
+    """With its device given, NCCL's barriers use that GPU instead of guessing one (and warning); gloo as before."""
+    joined = {}
+    monkeypatch.setattr(train.distributed.dist, "init_process_group", lambda **kwargs: joined.update(kwargs))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    launch_env(RANK="1", WORLD_SIZE="2")
+    init_distributed("auto", torch.device(device))
+    assert joined["backend"] == ("nccl" if bound else "gloo") and joined.get("device_id") == bound
+
+
+@pytest.mark.slow
+def test_under_torchrun_only_rank_zero_writes_the_run_directorys_log(tmp_path):
+    """Every torchrun worker runs Hydra in the same run directory: only rank 0's lines may reach a log there
+    (Hydra's own file log is off, conf/config.yaml; the run's train.log is rank 0's)."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train", *TINY,
+         "trainer.max_steps=2", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*.log")) == ["train.log"]
+    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["config.yaml", "overrides.yaml"]
+    lines = [line.split(" ", 2)[2] for line in (run_dir / "train.log").read_text().splitlines()]
+    assert len(lines) == len(set(lines))  # no line twice: one writer
+    assert sum(line.startswith("run dir ") for line in lines) == 1
+    assert "2 rank(s)" in next(line for line in lines if line.startswith("run dir "))
