@@ -104,6 +104,30 @@ def test_entrypoint_bad_nccl_preset_is_one_line(tmp_path):
     assert result.stderr == "error: NCCL_PRESET=bogus is not one of ib, ethernet, none\n"
 
 
+SBATCH = ENTRYPOINT.with_name("slurm.sbatch")
+
+
+def _srun_options(tmp_path: Path, **env: str) -> list[str]:
+    """The options docker/slurm.sbatch gives srun, with `srun` and `scontrol` on PATH replaced by echoes."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir(exist_ok=True)
+    for name, body in (("srun", 'for a in "$@"; do echo "$a"; done'), ("scontrol", "echo node0")):
+        (fake_bin / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fake_bin / name).chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    job = {"IMAGE": "img.sqsh", "DATA_DIR": "/d", "RUNS_DIR": "/r", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_JOB_ID": "7", "SLURM_CPUS_ON_NODE": "64"}
+    result = subprocess.run(["bash", str(SBATCH), "name=p1"], env={**base, **job, **env,
+                            "PATH": f"{fake_bin}:{os.environ['PATH']}"}, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return [line for line in result.stdout.splitlines() if line.startswith("--cpus-per-task")]
+
+
+def test_sbatch_passes_the_jobs_cpus_to_srun_explicitly(tmp_path):
+    # Slurm >= 22.05: srun does not read the job's --cpus-per-task; the script must say it.
+    assert _srun_options(tmp_path, SLURM_CPUS_PER_TASK="16") == ["--cpus-per-task=16"]
+    assert _srun_options(tmp_path) == ["--cpus-per-task=64"]  # no --cpus-per-task on the job: the whole node
+
 @pytest.fixture
 def launch_env(monkeypatch):
     """Clear the launchers' variables; returns a function that sets some (as torchrun or SLURM would)."""
