@@ -248,3 +248,12 @@ def test_under_torchrun_only_rank_zero_writes_the_run_directorys_log(tmp_path):
     assert len(lines) == len(set(lines))  # no line twice: one writer
     assert sum(line.startswith("run dir ") for line in lines) == 1
     assert "2 rank(s)" in next(line for line in lines if line.startswith("run dir "))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_every_local_rank_gets_a_device_that_exists(launch_env):
+    count = torch.cuda.device_count()
+    launch_env(LOCAL_RANK="5" if count == 1 else str(count - 1))  # one visible GPU: any local rank uses it
+    device = pick_device("cuda")
+    assert torch.ones(1, device=device).device == device
