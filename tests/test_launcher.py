@@ -130,9 +130,11 @@ def test_sbatch_passes_the_jobs_cpus_to_srun_explicitly(tmp_path):
 
 @pytest.fixture
 def launch_env(monkeypatch):
-    """Clear the launchers' variables; returns a function that sets some (as torchrun or SLURM would)."""
+    """Clear the launchers' variables; returns a function that sets some (as torchrun or SLURM would). Each is
+    set before it is cleared, so that what the code under test writes into the environment is undone too."""
     for name in LAUNCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
     def set_env(**env: str) -> None:
         for name, value in env.items():
