@@ -62,3 +62,60 @@ def test_one_ranks_overflow_reaches_every_rank():
 
 def test_no_overflow_leaves_gradients_unchanged():
     assert all(unchanged for _, unchanged in _ranks())
+
+
+class _WithConstantBuffer(nn.Module):
+    """A layer and a constant buffer, as BERT's position ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.register_buffer("position_ids", torch.arange(4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x + self.position_ids)
+
+
+def _local_mean_grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """What DDP must produce: this rank's gradients of a plain copy, averaged over the ranks by hand."""
+    import copy
+
+    import torch.distributed as dist
+
+    plain = copy.deepcopy(model)
+    plain(x).square().sum().backward()
+    grads = [p.grad for p in plain.parameters()]
+    for grad in grads:
+        dist.all_reduce(grad)
+        grad /= dist.get_world_size()
+    return grads
+
+
+def _ddp_wrapping(rank: int, world_size: int) -> dict[str, bool]:
+    torch.manual_seed(0)
+    comm, cpu = Comm(), torch.device("cpu")
+    model = _WithConstantBuffer()
+    ddp = GradSync(comm, cpu).wrap(model)
+    exact, one_storage = True, True
+    for step in range(2):  # the second step starts from gradients set to None, as the trainer leaves them
+        x = torch.full((2, 4), float(rank + step + 1))
+        expected = _local_mean_grads(model, x)
+        ddp(x).square().sum().backward()
+        exact &= all(torch.allclose(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
+        one_storage &= len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+        model.zero_grad(set_to_none=True)
+    model.position_ids.add_(rank)  # a rank-local value survives a forward: DDP does not broadcast the buffer
+    ddp(torch.zeros(1, 4))
+    constant_kept = bool(model.position_ids[0] == rank)
+
+    normed = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    normed_ddp = GradSync(comm, cpu).wrap(normed)
+    normed[1].running_mean.fill_(rank)  # running statistics: rank 0's are broadcast before each forward
+    normed_ddp(torch.zeros(2, 4))
+    return {"exact": exact, "one_storage": one_storage, "constant_kept": constant_kept,
+            "statistics_broadcast": bool((normed[1].running_mean == 0).all())}
+
+
+def test_ddp_keeps_gradients_in_its_buckets_and_broadcasts_only_changing_buffers():
+    for rank in run_on_ranks(_ddp_wrapping, 2):
+        assert rank == {"exact": True, "one_storage": True, "constant_kept": True, "statistics_broadcast": True}

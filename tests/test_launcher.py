@@ -6,13 +6,31 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import REPO, TINY, compose
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+import train.distributed
+import train.run
 from conf.checks import ConfigError, ReportedError
-from train.distributed import launch_local_workers
+from train.config import launch_world_size
+from train.distributed import (
+    adopt_slurm_environment,
+    init_distributed,
+    launch_local_workers,
+    launched_externally,
+    pick_device,
+)
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+                    "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_STEPID")
+# What sbatch's batch shell holds (job-wide values, no step), and what each task of an srun step adds.
+SBATCH_SHELL = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_LOCALID": "0"}
+SRUN_TASK = {**SBATCH_SHELL, "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "3"}
 
 
 def _worker(failing_ranks: list[int], error: str) -> None:
@@ -84,3 +102,160 @@ def test_entrypoint_bad_nccl_preset_is_one_line(tmp_path):
     result = _entrypoint(tmp_path, "trainer.max_steps=2", NPROC_PER_NODE="1", NCCL_PRESET="bogus")
     assert result.returncode == 2
     assert result.stderr == "error: NCCL_PRESET=bogus is not one of ib, ethernet, none\n"
+
+
+SBATCH = ENTRYPOINT.with_name("slurm.sbatch")
+
+
+def _srun_options(tmp_path: Path, **env: str) -> list[str]:
+    """The options docker/slurm.sbatch gives srun, with `srun` and `scontrol` on PATH replaced by echoes."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir(exist_ok=True)
+    for name, body in (("srun", 'for a in "$@"; do echo "$a"; done'), ("scontrol", "echo node0")):
+        (fake_bin / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fake_bin / name).chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    job = {"IMAGE": "img.sqsh", "DATA_DIR": "/d", "RUNS_DIR": "/r", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_JOB_ID": "7", "SLURM_CPUS_ON_NODE": "64"}
+    result = subprocess.run(["bash", str(SBATCH), "name=p1"], env={**base, **job, **env,
+                            "PATH": f"{fake_bin}:{os.environ['PATH']}"}, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return [line for line in result.stdout.splitlines() if line.startswith("--cpus-per-task")]
+
+
+def test_sbatch_passes_the_jobs_cpus_to_srun_explicitly(tmp_path):
+    # Slurm >= 22.05: srun does not read the job's --cpus-per-task; the script must say it.
+    assert _srun_options(tmp_path, SLURM_CPUS_PER_TASK="16") == ["--cpus-per-task=16"]
+    assert _srun_options(tmp_path) == ["--cpus-per-task=64"]  # no --cpus-per-task on the job: the whole node
+
+@pytest.fixture
+def launch_env(monkeypatch):
+    """Clear the launchers' variables; returns a function that sets some (as torchrun or SLURM would). Each is
+    set before it is cleared, so that what the code under test writes into the environment is undone too."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+    def set_env(**env: str) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+
+    return set_env
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine sees `n` CUDA devices."""
+    def see(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return see
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[str]:
+    """How run() started training ("local workers" or "this process"), with the real starters replaced."""
+    calls: list[str] = []
+    monkeypatch.setattr(train.run, "launch_local_workers", lambda *args: calls.append("local workers"))
+    monkeypatch.setattr(train.run, "train_worker", lambda *args: calls.append("this process"))
+    return calls
+
+
+def test_a_task_bound_to_one_gpu_uses_it_whatever_its_local_rank(launch_env, gpus):
+    gpus(1)  # srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES holds this task's GPU alone
+    launch_env(LOCAL_RANK="5")
+    assert pick_device("cuda") == torch.device("cuda", 0)
+
+
+def test_workers_of_a_node_take_the_gpu_of_their_local_rank(launch_env, gpus):
+    gpus(8)
+    launch_env(LOCAL_RANK="5")
+    assert pick_device("auto") == torch.device("cuda", 5)
+
+
+def test_a_local_rank_beyond_the_visible_gpus_is_a_user_error(launch_env, gpus):
+    gpus(2)
+    launch_env(LOCAL_RANK="3")
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=3 but this process sees only 2 CUDA devices.*"
+                                          r"trainer\.nproc_per_node"):
+        pick_device("cuda")
+
+
+def test_more_local_workers_than_gpus_is_refused_before_any_starts(launch_env, gpus, started, tmp_path):
+    gpus(2)
+    with pytest.raises(ConfigError, match=r"trainer\.nproc_per_node=4 workers, one per GPU, but this node has 2"):
+        train.run.run(compose([*TINY, "trainer.device=cuda", "trainer.global_batch_size=16",
+                               "trainer.nproc_per_node=4"]), tmp_path)
+    assert started == []
+
+
+def test_a_plain_run_in_an_sbatch_script_starts_its_own_workers(launch_env, started, tmp_path):
+    launch_env(**SBATCH_SHELL)  # `python -m train trainer.nproc_per_node=2` in the batch script, outside srun
+    assert not launched_externally()
+    cfg = compose([*TINY, "trainer.nproc_per_node=2"])
+    assert launch_world_size(cfg) == 2  # not the job's SLURM_NTASKS=16
+    train.run.run(cfg, tmp_path)
+    assert started == ["local workers"]
+    adopt_slurm_environment()
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+
+
+@pytest.mark.parametrize("step_variable", ["SLURM_STEP_ID", "SLURM_STEPID"])  # the second: Slurm before 20.11
+def test_an_srun_task_joins_the_world_srun_describes(launch_env, started, tmp_path, step_variable):
+    task = {k: v for k, v in SRUN_TASK.items() if k != "SLURM_STEP_ID"}
+    launch_env(**task, **{step_variable: "0"}, MASTER_ADDR="node0", MASTER_PORT="29500")
+    assert launched_externally() and launch_world_size(compose(TINY)) == 16
+    adopt_slurm_environment()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "16", "3")
+
+
+def test_nproc_per_node_under_a_launcher_is_refused_not_ignored(launch_env, started, tmp_path):
+    launch_env(**SRUN_TASK)
+    with pytest.raises(ConfigError, match=r"trainer\.nproc_per_node=8, but this process was started by srun"):
+        train.run.run(compose([*TINY, "trainer.global_batch_size=64", "trainer.nproc_per_node=8"]), tmp_path)
+    launch_env(RANK="0", WORLD_SIZE="2")
+    with pytest.raises(ConfigError, match=r"started by torchrun"):
+        train.run.run(compose([*TINY, "trainer.nproc_per_node=2"]), tmp_path)
+    assert started == []
+
+
+@pytest.mark.parametrize(("device", "bound"), [("cuda:1", torch.device("cuda", 1)), ("cpu", None)])
+def test_the_process_group_is_bound_to_the_workers_gpu(launch_env, monkeypatch, device, bound):
+    """With its device given, NCCL's barriers use that GPU instead of guessing one (and warning); gloo as before."""
+    joined = {}
+    monkeypatch.setattr(train.distributed.dist, "init_process_group", lambda **kwargs: joined.update(kwargs))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    launch_env(RANK="1", WORLD_SIZE="2")
+    init_distributed("auto", torch.device(device))
+    assert joined["backend"] == ("nccl" if bound else "gloo") and joined.get("device_id") == bound
+
+
+@pytest.mark.slow
+def test_under_torchrun_only_rank_zero_writes_the_run_directorys_log(tmp_path):
+    """Every torchrun worker runs Hydra in the same run directory: only rank 0's lines may reach a log there
+    (Hydra's own file log is off, conf/config.yaml; the run's train.log is rank 0's)."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train", *TINY,
+         "trainer.max_steps=2", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*.log")) == ["train.log"]
+    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["config.yaml", "overrides.yaml"]
+    lines = [line.split(" ", 2)[2] for line in (run_dir / "train.log").read_text().splitlines()]
+    assert len(lines) == len(set(lines))  # no line twice: one writer
+    assert sum(line.startswith("run dir ") for line in lines) == 1
+    assert "2 rank(s)" in next(line for line in lines if line.startswith("run dir "))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_every_local_rank_gets_a_device_that_exists(launch_env):
+    count = torch.cuda.device_count()
+    launch_env(LOCAL_RANK="5" if count == 1 else str(count - 1))  # one visible GPU: any local rank uses it
+    device = pick_device("cuda")
+    assert torch.ones(1, device=device).device == device

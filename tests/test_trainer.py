@@ -259,7 +259,8 @@ def test_srun_environment_runs_unchanged(tmp_path):
     procs = []
     for rank in range(2):
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "SLURM_PROCID": str(rank),
-               "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+               "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "train", *TINY, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -8,7 +8,6 @@ in `optim/`, models in `models/`, tasks, precision and logging in `train/`); thi
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from optim import check_optimizer_config, get_optimizer_spec
 from optim.comm import WIRE_DTYPES
 from optim.network import parse_cluster
 from optim.schedule import ScheduleConfig, check_schedule_config
+from train.distributed import environment_world_size
 from train.metrics import LoggerConfig
 from train.precision import PrecisionConfig, check_precision_config
 from train.tasks import TaskConfig, check_task_config
@@ -134,11 +134,9 @@ def batch_geometry(trainer: TrainerConfig | DictConfig, world_size: int) -> Batc
 
 
 def launch_world_size(cfg: DictConfig) -> int:
-    """World size the run will have: from torchrun/srun's environment, else trainer.nproc_per_node."""
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return cfg.trainer.nproc_per_node
+    """World size the run will have: from torchrun's or an srun step's environment, else trainer.nproc_per_node."""
+    described = environment_world_size()
+    return cfg.trainer.nproc_per_node if described is None else described
 
 
 def check_trainer_config(trainer: DictConfig) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conf.checks import USER_ERRORS, ReportedError, user_error_line
+from conf.checks import USER_ERRORS, ConfigError, ReportedError, user_error_line
 from optim.comm import Comm
 from optim.network import parse_cluster
 
@@ -22,19 +22,40 @@ _USER_ERROR_EXIT_CODE = 2  # as `python -m train` exits on a user error
 _SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
 
 
+def in_srun_step() -> bool:
+    """True inside an srun step, whose tasks carry SLURM_STEP_ID (SLURM_STEPID before Slurm 20.11).
+
+    sbatch's batch shell has SLURM_PROCID=0 and SLURM_NTASKS too but no step id, and a `python -m train` there
+    must start its own workers: only srun's tasks are a world that SLURM_PROCID/SLURM_NTASKS describe.
+    """
+    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID", ""))
+    return "SLURM_PROCID" in os.environ and step.isdigit()
+
+
+def environment_world_size() -> int | None:
+    """The world size torchrun (WORLD_SIZE) or an srun step (SLURM_NTASKS) describes; None when neither does."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if in_srun_step():
+        return int(os.environ.get("SLURM_NTASKS", 1))
+    return None
+
+
 def launched_externally() -> bool:
-    """True under torchrun, srun or our own elastic workers: the environment already describes the world."""
-    return "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    """True under torchrun, an srun step or our own elastic workers: the environment already describes the world."""
+    return "RANK" in os.environ or in_srun_step()
 
 
 def launch_rank() -> int:
     """This process's rank as torchrun or srun describe it (0 for a single process or the local launcher)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return int(os.environ["SLURM_PROCID"]) if in_srun_step() else 0
 
 
 def adopt_slurm_environment() -> None:
-    """Map srun's variables onto torch's; MASTER_ADDR/MASTER_PORT come from the job script."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+    """Map an srun step's variables onto torch's; MASTER_ADDR/MASTER_PORT come from the job script."""
+    if "RANK" in os.environ or not in_srun_step():
         return
     for slurm, torch_name in _SLURM_TO_TORCH.items():
         os.environ[torch_name] = os.environ[slurm]
@@ -46,12 +67,43 @@ def adopt_slurm_environment() -> None:
         )
 
 
+def check_local_workers(nproc: int, requested_device: str) -> None:
+    """Refuse, before any worker starts, a `trainer.nproc_per_node` that would be ignored or cannot get a GPU each."""
+    if nproc > 1 and launched_externally():
+        launcher = "torchrun (RANK is set)" if "RANK" in os.environ else "srun (SLURM_STEP_ID is set)"
+        raise ConfigError(
+            f"trainer.nproc_per_node={nproc}, but this process was started by {launcher}, which decides the "
+            "number of workers: set trainer.nproc_per_node=1 and give the count to the launcher "
+            "(torchrun --nproc-per-node, srun --ntasks-per-node), or run python -m train outside it"
+        )
+    if _uses_cuda(requested_device) and nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"trainer.nproc_per_node={nproc} workers, one per GPU, but this node has {torch.cuda.device_count()} "
+            "visible CUDA device(s): set trainer.nproc_per_node to at most that (or check CUDA_VISIBLE_DEVICES)"
+        )
+
+
+def _uses_cuda(requested: str) -> bool:
+    return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+
+
 def pick_device(requested: str) -> torch.device:
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+    """This worker's device: the one GPU it sees (srun --gpus-per-task, GPU binding), else its LOCAL_RANK's."""
+    if not _uses_cuda(requested):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but no CUDA device is visible")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible: use trainer.device=auto or cpu")
+    count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if local_rank >= count:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this process sees only {count} CUDA devices: start at most {count} "
+            "workers per node (trainer.nproc_per_node, or the launcher's --nproc-per-node / --ntasks-per-node), "
+            "or give each task one GPU (srun --gpus-per-task=1)"
+        )
+    return torch.device("cuda", local_rank)
 
 
 def init_distributed(backend: str, device: torch.device, timeout_minutes: float = 30.0,
@@ -66,9 +118,13 @@ def init_distributed(backend: str, device: torch.device, timeout_minutes: float 
         return Comm(network=network)
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
+    # Binding the group to this rank's GPU lets NCCL's barriers and communicator set-up use it, instead of
+    # guessing a device from the rank (a warning, and a hang when the guess is another rank's GPU).
+    device_id = None
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+        device_id = device
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes), device_id=device_id)
     return Comm(network=network)
 
 

@@ -10,6 +10,7 @@ agreeing on fp16 overflows, and which part of a checkpoint is the same on every 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from typing import Any
 
@@ -33,11 +34,17 @@ class GradSync:
         self._ddp: DistributedDataParallel | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """DDP with the byte-counting all-reduce hook in the wire dtype (DDP broadcasts rank 0's weights)."""
+        """DDP with the byte-counting all-reduce hook in the wire dtype (DDP broadcasts rank 0's weights).
+
+        Gradients are views into DDP's all-reduce buckets (`gradient_as_bucket_view`): one copy of them instead
+        of two, a model's worth of memory that BERT-Large on an 80 GB GPU needs. Zeroing them to None between
+        steps stays correct: DDP copies a fresh gradient into its bucket and points `.grad` back at it.
+        """
         if not self.comm.distributed:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self._ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=self.comm.group)
+        self._ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=self.comm.group,
+                                            gradient_as_bucket_view=True, **_buffer_sync(model))
         self._ddp.register_comm_hook(AllReduceHookState(self.comm, self.wire_dtype), counting_allreduce_hook)
         return self._ddp
 
@@ -94,6 +101,27 @@ class SelfSync(GradSync):
 
     def learner_state(self, shared: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
         return {key: own[key] for key in LEARNER_KEYS if key in own}
+
+
+def _buffer_sync(model: nn.Module) -> dict[str, bool]:
+    """DDP's per-forward broadcast of rank 0's buffers, off unless training changes a buffer.
+
+    BERT's and Swin's buffers (position and token-type ids, relative position indices, attention masks) are
+    constants, identical on every rank from construction: broadcasting them before every forward is a collective
+    per micro-batch for nothing. BatchNorm's running statistics do change, per rank: for a model with them the
+    broadcast stays on, so that every replica evaluates and checkpoints rank 0's statistics.
+    """
+    if _trains_buffers(model):
+        return {}
+    # torch 2.13 renamed the option (and, unlike the old one, it keeps the buffers' broadcast at construction);
+    # container images may carry an older torch.
+    takes_new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers" if takes_new_name else "broadcast_buffers": False}
+
+
+def _trains_buffers(model: nn.Module) -> bool:
+    """Whether a training step changes one of the model's buffers (running statistics of a norm layer)."""
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats for m in model.modules())
 
 
 _POLICIES: dict[str, type[GradSync]] = {"ddp": GradSync, "self": SelfSync}

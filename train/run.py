@@ -15,6 +15,7 @@ from train.checkpoint import CHECKPOINTS_DIR, RunDirectoryError, check_world_siz
 from train.config import BatchGeometry, validate
 from train.distributed import (
     adopt_slurm_environment,
+    check_local_workers,
     init_distributed,
     launch_local_workers,
     launch_rank,
@@ -35,6 +36,7 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None
     Only an accepted run rewrites the directory's recorded config, so it always describes its checkpoints.
     """
     geometry = validate(cfg)
+    check_local_workers(cfg.trainer.nproc_per_node, cfg.trainer.device)
     request = DataRequest(rank=0, world_size=geometry.world_size, micro_batch_size=geometry.micro_batch_size,
                           seed=cfg.trainer.seed)
     build_data(cfg.data, request, dry=True)  # paths and keys only: nothing is read

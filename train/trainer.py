@@ -26,7 +26,7 @@ from train.model_io import build_model, export_pretrained
 from train.precision import autocast, make_grad_scaler, set_matmul_precision
 from train.stop import StopRequest
 from train.summary import build_summary, write_summary
-from train.tasks import get_task
+from train.tasks import EvalShard, get_task
 
 FINISHED_FILE = "finished.json"  # in the run directory: the end-of-run evaluation and exports are done
 
@@ -323,28 +323,40 @@ class Trainer:
         return f"{what}; no checkpoint was written for it. {where}, with a lower optim.lr or precision=bf16"
 
     def evaluate(self) -> None:
-        """The task's evaluation on held-out data, on rank 0 (other ranks wait), logged as eval/<metric>.
+        """The task's evaluation on held-out data, logged by rank 0 as eval/<metric>.
 
-        With an EMA its weights are evaluated too (eval/ema_<metric>). Only rank 0 holds the held-out data;
-        every rank takes part in the barrier and in keeping a best checkpoint.
+        The ranks share it (`EvalShard`: every rank evaluates every world_size-th batch, the task pools the
+        results), so no GPU idles through it and it ends well within the collective timeout; the metrics are
+        those of one rank evaluating everything. Replicas that differ at this step (SlowMo between its syncs)
+        cannot share one evaluation: rank 0 evaluates its own alone. With an EMA its weights are evaluated too
+        (eval/ema_<metric>). Every rank takes part in the barrier and in keeping a best checkpoint.
         """
-        if self.task.evaluate is None:
+        if self.task.evaluate is None or self.data.eval is None:  # alike on every rank: the same config
             return
+        shard = self._eval_shard()
         results: dict[str, float] = {}
-        if self.is_main and self.data.eval is not None:
-            results = {f"eval/{k}": v for k, v in self._evaluate_model(self.model).items()}
+        if shard is not None:
+            results = {f"eval/{k}": v for k, v in self._evaluate_model(self.model, shard).items()}
             if self.ema is not None:
-                results.update({f"eval/ema_{k}": v for k, v in self._evaluate_model(self.ema.module).items()})
+                results.update({f"eval/ema_{k}": v for k, v in self._evaluate_model(self.ema.module, shard).items()})
+        if self.is_main:
             self.logger.log(results, self.step)
             self.logger.info(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in results.items()))
         self._keep_if_best(results)
         self.comm.barrier()
 
-    def _evaluate_model(self, model: nn.Module) -> dict[str, float]:
+    def _eval_shard(self) -> EvalShard | None:
+        """This rank's part of an evaluation: a share when the replicas agree now, else rank 0 alone (None: no part)."""
+        agree_after = getattr(self.optimizer, "replicas_agree_after", None)
+        if agree_after is None or agree_after(self.step):
+            return EvalShard(self.comm.rank, self.comm.world_size, self.comm.group)
+        return EvalShard() if self.is_main else None
+
+    def _evaluate_model(self, model: nn.Module, shard: EvalShard) -> dict[str, float]:
         was_training = model.training
         model.eval()
         with torch.no_grad(), autocast(self.cfg.precision.dtype, self.device):
-            results = self.task.evaluate(model, self.data.eval, self.run_dir)
+            results = self.task.evaluate(model, self.data.eval, self.run_dir, shard)
         model.train(was_training)
         return results
 

@@ -91,7 +91,7 @@ def build_image_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fal
 
     loader = ResumableLoader(dataset, request.micro_batch_size, request.rank, request.world_size, request.seed,
                              num_workers=data_cfg.num_workers, pin_memory=request.pin_memory, collate_fn=collate)
-    return TaskData(train=loader, eval=evaluation if request.rank == 0 else None,
+    return TaskData(train=loader, eval=evaluation,
                     source=f"{data_cfg.name}: {data_cfg.format} images at {path}",
                     preprocessing=image_preprocessing(data_cfg))
 

@@ -175,10 +175,12 @@ class EvalImages:
     num_workers: int = 0
     pin_memory: bool = False
 
-    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The whole set once, in order (the eval transform is deterministic)."""
+    def batches(self, batch_indices: list[list[int]] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """The whole set once, in order, or only the batches of sample indices given (one rank's share of an
+        evaluation); the eval transform is deterministic."""
+        batching = {"batch_size": self.batch_size} if batch_indices is None else {"batch_sampler": batch_indices}
         loader = torch.utils.data.DataLoader(
-            self.dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+            self.dataset, **batching, num_workers=self.num_workers,
             pin_memory=self.pin_memory, collate_fn=collate_eval,
             generator=torch.Generator().manual_seed(0),  # workers' base seed: never drawn from the global RNG
         )

@@ -67,10 +67,8 @@ def build_squad_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fal
         SquadDataset(build_features(train_examples, tokenizer, **windows)), request.micro_batch_size, request.rank,
         request.world_size, request.seed, num_workers=data_cfg.num_workers, pin_memory=request.pin_memory,
     )
-    evaluation = None
-    if request.rank == 0:
-        evaluation = SquadEvalData(dev_examples, build_features(dev_examples, tokenizer, **windows),
-                                   data_cfg.eval_batch_size, data_cfg.n_best_size, data_cfg.max_answer_len)
+    evaluation = SquadEvalData(dev_examples, build_features(dev_examples, tokenizer, **windows),
+                               data_cfg.eval_batch_size, data_cfg.n_best_size, data_cfg.max_answer_len)
     source = f"squad: {data_cfg.hf_dataset or data_cfg.train_file} (eval: {data_cfg.hf_dataset or data_cfg.dev_file})"
     return TaskData(train=loader, eval=evaluation, tokenizer=tokenizer, source=source)
 

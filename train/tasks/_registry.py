@@ -8,14 +8,45 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import MISSING
 from torch import nn
 
 from conf.checks import ConfigError
 
 StepFn = Callable[[nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-# evaluate(model, eval_data, output_dir) -> metrics; runs on one rank, under no_grad and autocast.
-EvaluateFn = Callable[[nn.Module, Any, Path], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class EvalShard:
+    """One rank's share of an evaluation: every `world_size`-th held-out batch from its `rank` on, and the pooling
+    of every rank's per-batch results back into batch order, so that the metrics are those of one rank
+    evaluating every batch, to the bit (sums are taken in the same order)."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # the process group the ranks pool over (None: the default group)
+
+    def batches(self, num_samples: int, batch_size: int) -> list[list[int]]:
+        """This rank's batches as sample indices: batch i holds samples [i * batch_size, (i + 1) * batch_size)."""
+        starts = range(self.rank * batch_size, num_samples, self.world_size * batch_size)
+        return [list(range(start, min(start + batch_size, num_samples))) for start in starts]
+
+    def pool(self, mine: list[Any]) -> list[Any]:
+        """Every rank's per-batch results (picklable, small: sums, or logits on the host), in batch order."""
+        if self.world_size == 1:
+            return mine
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, mine, group=self.group)
+        total = sum(len(part) for part in parts)
+        return [parts[i % self.world_size][i // self.world_size] for i in range(total)]
+
+
+ONE_RANK = EvalShard()  # a rank evaluating every batch alone
+
+# evaluate(model, eval_data, output_dir, shard) -> metrics; every rank of the shard calls it (under no_grad and
+# autocast) and rank 0's metrics are logged; files it writes (predictions) are written by rank 0.
+EvaluateFn = Callable[[nn.Module, Any, Path, EvalShard], dict[str, float]]
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.tasks._registry import Task, register_task
+from train.tasks._registry import ONE_RANK, EvalShard, Task, register_task
 
 
 def image_classification_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -28,32 +28,33 @@ def image_classification_step(model: nn.Module, batch: dict[str, torch.Tensor]) 
     return {"loss": loss, "accuracy": accuracy}
 
 
-def evaluate_image_classification(model: nn.Module, data: Any, output_dir: Path) -> dict[str, float]:
+def evaluate_image_classification(model: nn.Module, data: Any, output_dir: Path,
+                                  shard: EvalShard = ONE_RANK) -> dict[str, float]:
     """Top-1 / top-5 (percent) and mean CE over the whole held-out set, plus the eval transform's geometry.
 
     `data` is a `data.images.transforms.EvalImages`. Its `protocol` (resize, crop, crop_pct) is returned with the
     accuracies, so every logged top-1 carries the transform it was measured with: the crop protocol alone
-    moves ImageNet top-1 by about 0.1.
+    moves ImageNet top-1 by about 0.1. Each rank of `shard` evaluates its batches; the per-batch sums are pooled.
     """
     device = next(model.parameters()).device
-    correct1 = correct5 = 0
-    loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
-    for batch in data.batches():
+    mine = []
+    for batch in data.batches(shard.batches(len(data.dataset), data.batch_size)):
         images = batch["image"].to(device, non_blocking=True)
         labels = batch["label"].to(device, non_blocking=True)
         logits = model(images).float()
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum").double()
         top = logits.topk(min(5, logits.size(-1)), dim=-1).indices
         hits = top == labels[:, None]
-        correct1 += int(hits[:, 0].sum())
-        correct5 += int(hits.any(dim=-1).sum())
-        seen += labels.numel()
+        sums = torch.stack([F.cross_entropy(logits, labels, reduction="sum").double(), hits[:, 0].sum().double(),
+                            hits.any(dim=-1).sum().double()])
+        mine.append((*sums.tolist(), labels.numel()))  # one host read per batch
+    per_batch = shard.pool(mine)
+    loss_sum, correct1, correct5, seen = (sum(batch[i] for batch in per_batch) for i in range(4))  # in batch order
     if seen == 0:
         raise ValueError("the held-out image set is empty")
     return {
         "top1": 100.0 * correct1 / seen,
         "top5": 100.0 * correct5 / seen,
-        "loss": float(loss_sum) / seen,
+        "loss": loss_sum / seen,
         "images": float(seen),
         **data.protocol,
     }

@@ -11,7 +11,7 @@ from torch import nn
 from data.atomic import atomic_write_json
 from data.squad.features import SquadDataset, SquadEvalData, postprocess_predictions
 from data.squad.metric import squad_scores
-from train.tasks._registry import Task, register_task
+from train.tasks._registry import ONE_RANK, EvalShard, Task, register_task
 
 
 def question_answering_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -32,19 +32,28 @@ def _span_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torc
     return out.start_logits, out.end_logits
 
 
-def evaluate_squad(model: nn.Module, data: SquadEvalData, output_dir: Path) -> dict[str, float]:
-    """Predict every question, write predictions.json / nbest_predictions.json, and score EM / F1."""
+def evaluate_squad(model: nn.Module, data: SquadEvalData, output_dir: Path,
+                   shard: EvalShard = ONE_RANK) -> dict[str, float]:
+    """Predict every question, write predictions.json / nbest_predictions.json, and score EM / F1.
+
+    Each rank of `shard` predicts its batches of windows; rank 0 gathers every window's logits, post-processes
+    and scores them (the other ranks return no metrics).
+    """
     device = next(model.parameters()).device
     # A private generator: iterating a DataLoader otherwise draws a seed from the global RNG, which would
     # make a run that evaluated differ from one that resumed past the evaluation.
     loader = torch.utils.data.DataLoader(
-        SquadDataset(data.features), batch_size=data.batch_size, generator=torch.Generator().manual_seed(0)
+        SquadDataset(data.features), batch_sampler=shard.batches(len(data.features), data.batch_size),
+        generator=torch.Generator().manual_seed(0),
     )
-    starts, ends = [], []
+    mine = []
     for batch in loader:
         start_logits, end_logits = _span_logits(model, {k: v.to(device) for k, v in batch.items()})
-        starts.append(start_logits.float().cpu())
-        ends.append(end_logits.float().cpu())
+        mine.append((start_logits.float().cpu(), end_logits.float().cpu()))
+    per_batch = shard.pool(mine)
+    if shard.rank != 0:
+        return {}
+    starts, ends = zip(*per_batch, strict=True)
     predictions, nbest = postprocess_predictions(
         data.examples, data.features, torch.cat(starts).numpy(), torch.cat(ends).numpy(),
         n_best_size=data.n_best_size, max_answer_len=data.max_answer_len,
