@@ -104,5 +104,9 @@ def test_two_processes_step_cuda_tensors_as_cpu_ones(name):
     on_cuda = run_on_ranks(_steps_on_rank, 2, name, "cuda", backend=backend)
     for rank, ((cpu_weights, cpu_bytes), (cuda_weights, cuda_bytes)) in enumerate(zip(on_cpu, on_cuda, strict=True)):
         assert cuda_bytes == cpu_bytes > 0, f"rank {rank}"
+        # Loose: sign compression turns a rounding difference of a near-zero momentum into a flipped sign.
         for a, b in zip(cuda_weights, cpu_weights, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max()))
+    if name != "slamb":  # the 1-bit family keeps the replicas identical; SLAMB's differ between dense syncs
+        for a, b in zip(on_cuda[0][0], on_cuda[1][0], strict=True):
+            assert torch.equal(a, b)
