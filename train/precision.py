@@ -54,3 +54,10 @@ def make_grad_scaler(cfg: DictConfig, device: torch.device) -> torch.amp.GradSca
     if cfg.dtype != "fp16":
         return torch.amp.GradScaler(device.type, enabled=False)
     return torch.amp.GradScaler(device.type, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
+
+
+def load_scaler_state(scaler: torch.amp.GradScaler, state: dict) -> None:
+    """A checkpoint's loss scale, across a change of precision: a checkpoint without one (bf16/fp32 write `{}`)
+    leaves an fp16 run's scaler fresh at `init_scale`, and a run without loss scaling ignores an fp16 one's."""
+    if scaler.is_enabled() and state:
+        scaler.load_state_dict(state)
