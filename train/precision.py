@@ -1,4 +1,5 @@
-"""Mixed precision with native torch.amp: autocast to bf16 or fp16 (a GradScaler for fp16), or fp32 matmuls in TF32.
+"""Mixed precision with native torch.amp: autocast to bf16 or fp16 (a GradScaler for fp16), or fp32 matmuls in TF32;
+and the switch to deterministic kernels (`trainer.deterministic`).
 
 NVIDIA apex's `amp` was removed upstream; mixed precision here is torch.amp's on every path.
 """
@@ -6,6 +7,7 @@ NVIDIA apex's `amp` was removed upstream; mixed precision here is torch.amp's on
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,22 @@ def set_matmul_precision(dtype: str) -> None:
     tf32 = dtype == "tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels (`trainer.deterministic=true`), so a resumed GPU run repeats the loss series bit for bit.
+
+    Sets `torch.use_deterministic_algorithms`, cuDNN's deterministic mode without autotuning, and cuBLAS's
+    workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8`, unless already set), which cuBLAS reads when its first handle is
+    made: call this before the first CUDA matmul. Costs: a slower step (deterministic scatter/index_add in the
+    embeddings' backward, no cuDNN autotuning), 32 MiB more GPU memory per stream, and an error from any op that has
+    no deterministic kernel. Off, only the switches are cleared (cuDNN autotuning is left as it was).
+    """
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    if enabled:
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:

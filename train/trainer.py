@@ -23,7 +23,7 @@ from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger, RunClock, RunTotals, read_metrics
 from train.model_io import build_model, export_pretrained
-from train.precision import autocast, load_scaler_state, make_grad_scaler, set_matmul_precision
+from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
 from train.stop import StopRequest
 from train.summary import build_summary, write_summary
 from train.tasks import get_task
@@ -38,6 +38,7 @@ class Trainer:
         self.cfg, self.run_dir, self.comm = cfg, Path(run_dir), comm
         self.is_main = comm.rank == 0
         tcfg = cfg.trainer
+        set_deterministic(tcfg.deterministic)  # before any CUDA matmul: cuBLAS reads its workspace setting once
         self.device = pick_device(tcfg.device)
         self.geometry = batch_geometry(tcfg, comm.world_size)
         # Each rank draws its own dropout stream; rank-agreed randomness uses private generators.
