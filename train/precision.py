@@ -48,10 +48,11 @@ def set_deterministic(enabled: bool) -> None:
     """Deterministic kernels (`trainer.deterministic=true`), so a resumed GPU run repeats the loss series bit for bit.
 
     Sets `torch.use_deterministic_algorithms`, cuDNN's deterministic mode without autotuning, and cuBLAS's
-    workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8`, unless already set), which cuBLAS reads when its first handle is
-    made: call this before the first CUDA matmul. Costs: a slower step (deterministic scatter/index_add in the
-    embeddings' backward, no cuDNN autotuning), 32 MiB more GPU memory per stream, and an error from any op that has
-    no deterministic kernel. Off, only the switches are cleared (cuDNN autotuning is left as it was).
+    workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8`, unless already set), which torch reads once, when it makes its
+    first cuBLAS handle: call this before the first CUDA matmul. Costs: a slower step (deterministic scatter and
+    index_add in the embeddings' backward, no cuDNN autotuning), a cuBLAS workspace of 8 x 4 MiB per stream, and an
+    error from any op that has no deterministic kernel. Off, only the switches are cleared (cuDNN autotuning is left
+    as it was).
     """
     torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled
