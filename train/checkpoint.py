@@ -67,9 +67,9 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
 
 def load_torch(path: Path) -> Any:
     """A checkpoint file, memory-mapped: its tensors are read from the page cache on first touch instead of copied
-    into each rank's memory, so the ranks of a node share one copy of `shared.pt` (~35 GB for BERT-XL with LAMB)
-    and the pages go back to the cache once loaded into the model and optimizer. Files are replaced by rename, never
-    rewritten in place, so a mapping always sees the file it opened."""
+    into each rank's memory, so the ranks of a node share one copy of `shared.pt` (~35 GB for BERT-XL with LAMB),
+    and the mapping goes once its tensors are loaded into the model and optimizer (see `release_mapped`). Files are
+    replaced by rename, never rewritten in place, so a mapping always sees the file it opened."""
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
@@ -85,8 +85,9 @@ def release_mapped(loaded: Any, live: Any) -> None:
     """Give the tensors of `live` that still share memory with the loaded checkpoint `loaded` their own copy.
 
     An optimizer keeps the CPU tensors it is handed (its step counters; all of its state on a CPU run), which would
-    keep the checkpoint file mapped for the whole run: on NFS, pruning that checkpoint later then fails (an open
-    file is renamed `.nfs*`, not removed). Everything else is copied out on loading; this copies only these.
+    keep the checkpoint file mapped for the whole run: on NFS, pruning that checkpoint later then fails (a deleted
+    file that is still mapped is renamed `.nfs*` by the client, so its directory cannot be removed). Everything
+    else is copied out on loading; this copies only these.
     """
     mapped = {tensor.untyped_storage().data_ptr() for tensor in _tensors(loaded)}
     with torch.no_grad():
