@@ -1,16 +1,31 @@
-"""Checkpoints: atomic directories, retention, newest-complete discovery, world-size rules, RNG capture."""
+"""Checkpoints: atomic directories, retention, newest-complete discovery, world-size rules, RNG capture, memory-mapped
+loads, resume across precisions and with a stale view of shared storage."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
+from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import TINY, compose
+from distributed_harness import run_on_ranks
 
 from optim.comm import Comm
-from train.checkpoint import Checkpointer, RunDirectoryError, reseed_rng, rng_state, set_rng_state
+from train.checkpoint import (
+    Checkpointer,
+    RunDirectoryError,
+    complete_checkpoints,
+    reseed_rng,
+    rng_state,
+    set_rng_state,
+)
+from train.metrics import read_metrics
+from train.run import run
 
 
 def test_save_load_roundtrip_and_retention(tmp_path):
@@ -93,3 +108,129 @@ def test_rng_state_restores_every_stream():
     second = (random.random(), np.random.rand(), torch.rand(2))
     assert first[0] == second[0] and first[1] == second[1]
     assert torch.equal(first[2], second[2])
+
+
+# ----------------------------------------------------------------------------------------- CUDA random streams
+class _FakeCuda:
+    """`torch.cuda`'s RNG functions for `devices` GPUs of which this rank uses `current`, without a GPU."""
+
+    def __init__(self, monkeypatch, devices: int, current: int) -> None:
+        self.restored: list[tuple[torch.Tensor, int]] = []
+        for name, value in (("is_available", lambda: True), ("is_initialized", lambda: True),
+                            ("device_count", lambda: devices), ("current_device", lambda: current),
+                            ("get_rng_state", self.get_rng_state), ("set_rng_state", self.set_rng_state)):
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    @staticmethod
+    def get_rng_state(device: int) -> torch.Tensor:
+        return torch.full((4,), device, dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor, device: int) -> None:
+        self.restored.append((state, device))
+
+
+def test_cuda_rng_state_is_this_devices_alone_and_restores_on_fewer_gpus(monkeypatch):
+    with monkeypatch.context() as patch:
+        _FakeCuda(patch, devices=8, current=5)
+        saved = rng_state()
+    assert torch.equal(saved["cuda"], torch.full((4,), 5, dtype=torch.uint8))  # one tensor: cuda:5's stream
+
+    fake = _FakeCuda(monkeypatch, devices=1, current=0)  # resumed where this rank sees one GPU
+    set_rng_state(saved)
+    assert len(fake.restored) == 1 and torch.equal(fake.restored[0][0], saved["cuda"]) and fake.restored[0][1] == 0
+
+
+def test_old_checkpoints_with_every_gpus_cuda_state_restore_this_devices_entry(monkeypatch):
+    per_gpu = [torch.full((4,), device, dtype=torch.uint8) for device in range(2)]  # written on a 2-GPU node
+    state = {**rng_state(), "cuda": per_gpu}
+    fake = _FakeCuda(monkeypatch, devices=4, current=1)
+    set_rng_state(state)
+    assert [(int(s[0]), device) for s, device in fake.restored] == [(1, 1)]
+
+    fake = _FakeCuda(monkeypatch, devices=4, current=3)  # the writer saw no cuda:3: skipped, with a warning
+    with pytest.warns(UserWarning, match="CUDA random states for 2 GPU"):
+        set_rng_state(state)
+    assert fake.restored == []
+
+
+# ----------------------------------------------------------------------------------------- memory-mapped loads
+def _series(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r["loss"], r["mlm_loss"], r["nsp_loss"], r["grad_norm"]) for r in read_metrics(run_dir)]
+
+
+def _mapped_files() -> str:
+    with open("/proc/self/maps") as maps:
+        return maps.read()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
+def test_checkpoint_files_are_memory_mapped_not_copied(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep_last=1, comm=Comm())
+    path = ckpt.save(3, {"model": {"w": torch.arange(1000.0)}}, {"data": {"index": 3}, "x": torch.ones(100)})
+    shared, own = ckpt.load(path)
+    assert str(path / "shared.pt") in _mapped_files() and str(path / "rank_00000.pt") in _mapped_files()
+    assert torch.equal(shared["model"]["w"], torch.arange(1000.0)) and torch.equal(own["x"], torch.ones(100))
+    del shared, own
+    gc.collect()
+    assert str(path) not in _mapped_files()  # unmapped once the last tensor is gone
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
+def test_a_resumed_trainer_keeps_no_mapping_of_its_checkpoint_and_repeats_the_series(tmp_path):
+    from train.trainer import Trainer
+
+    args = [*TINY, "trainer.max_steps=4"]
+    run(compose(args), tmp_path / "ref")
+    run(compose([*args, "trainer.steps_this_run=2"]), tmp_path / "resumed")
+    trainer = Trainer(compose(args), tmp_path / "resumed", Comm())  # LAMB's state on CPU: handed the loaded tensors
+    assert trainer.step == 2
+    gc.collect()
+    assert str(tmp_path / "resumed" / "checkpoints") not in _mapped_files()
+    trainer.fit()
+    trainer.close()
+    assert _series(tmp_path / "resumed") == _series(tmp_path / "ref")  # bit-identical
+
+
+# ----------------------------------------------------------------------------------------- another precision
+@pytest.mark.parametrize("first, then", [("bf16", "fp16"), ("fp16", "bf16"), ("fp32", "fp16")])
+def test_resume_with_another_precision_starts_or_drops_the_loss_scale(tmp_path, first, then):
+    args = [*TINY, "trainer.max_steps=4"]
+    run(compose([*args, f"precision={first}", "trainer.steps_this_run=2"]), tmp_path)
+    run(compose([*args, f"precision={then}"]), tmp_path)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert ["loss_scale" in r for r in records] == [first == "fp16"] * 2 + [then == "fp16"] * 2
+    if then == "fp16":  # a fresh scaler: init_scale, halved on each overflowing (skipped) step
+        assert records[2]["loss_scale"] == compose(["precision=fp16"]).precision.init_scale / 2 ** records[2][
+            "skipped_steps"]
+
+
+# ----------------------------------------------------------------------------------------- stale shared storage
+def _resume_twice_with_a_stale_listing_on_rank_1(rank: int, world_size: int, tmp_path: Path) -> list[tuple]:
+    """Two invocations of a 6-step run (4 steps, then the rest) on 2 ranks whose rank 1 lists the checkpoint
+    directory as a lagging NFS client would: without its newest checkpoint. (resumed at, stopped at) per run."""
+    import torch.distributed as dist
+
+    from train.trainer import Trainer
+
+    # A rank left alone in a collective fails after 20 s instead of the default 30 min.
+    comm = Comm(dist.new_group(backend="gloo", timeout=timedelta(seconds=20)))
+    steps = []
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 1:
+            listed = Checkpointer.complete_checkpoints
+            patch.setattr(Checkpointer, "complete_checkpoints", lambda self: listed(self)[:-1])
+        for _ in range(2):
+            trainer = Trainer(compose([*TINY, "trainer.steps_this_run=4"]), tmp_path, comm)
+            resumed_at = trainer.step
+            trainer.fit()  # checkpoints at 2 and 4, then the stop's checkpoint of step 4 again (already saved)
+            trainer.close()
+            steps.append((resumed_at, trainer.step))
+    return steps
+
+
+@pytest.mark.slow
+def test_ranks_with_a_stale_view_of_the_checkpoints_save_and_resume_the_same_steps(tmp_path):
+    assert run_on_ranks(_resume_twice_with_a_stale_listing_on_rank_1, 2, tmp_path) == [[(0, 4), (4, 6)]] * 2
+    assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == [
+        "step_00000002", "step_00000004", "step_00000006"]

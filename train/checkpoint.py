@@ -26,6 +26,7 @@ import json
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +61,50 @@ def _step_dir(step: int) -> str:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """`torch.save` that a reader sees whole or not at all."""
+    """`torch.save` that a reader sees whole or not at all (torch's zipfile format, which `load_torch` maps)."""
     atomic_write(path, lambda handle: torch.save(obj, handle))
 
 
+def load_torch(path: Path) -> Any:
+    """A checkpoint file, memory-mapped: its tensors are read from the page cache on first touch instead of copied
+    into each rank's memory, so the ranks of a node share one copy of `shared.pt` (~35 GB for BERT-XL with LAMB),
+    and the mapping goes once its tensors are loaded into the model and optimizer (see `release_mapped`). Files are
+    replaced by rename, never rewritten in place, so a mapping always sees the file it opened."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors inside nested dicts, lists and tuples."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    children = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list | tuple) else ()
+    return [tensor for child in children for tensor in _tensors(child)]
+
+
+def release_mapped(loaded: Any, live: Any) -> None:
+    """Give the tensors of `live` that still share memory with the loaded checkpoint `loaded` their own copy.
+
+    An optimizer keeps the CPU tensors it is handed (its step counters; all of its state on a CPU run), which would
+    keep the checkpoint file mapped for the whole run: on NFS, pruning that checkpoint later then fails (a deleted
+    file that is still mapped is renamed `.nfs*` by the client, so its directory cannot be removed). Everything
+    else is copied out on loading; this copies only these.
+    """
+    mapped = {tensor.untyped_storage().data_ptr() for tensor in _tensors(loaded)}
+    with torch.no_grad():
+        for tensor in _tensors(live):
+            if tensor.untyped_storage().data_ptr() in mapped:
+                tensor.set_(tensor.clone())
+
+
 def rng_state() -> dict[str, Any]:
-    """Every random stream the training loop draws from, for bit-exact resume."""
+    """Every random stream the training loop draws from, for bit-exact resume.
+
+    CUDA: only this rank's device's stream (`torch.cuda.current_device()`, set at start-up). Saving every visible
+    GPU's would tie the checkpoint to the number of GPUs and to the rank-to-GPU mapping of the run that wrote it.
+    """
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -77,7 +113,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        _set_cuda_rng_state(state["cuda"])
+
+
+def _set_cuda_rng_state(saved: torch.Tensor | list[torch.Tensor]) -> None:
+    """Restore this device's CUDA stream; older checkpoints hold a list with one state per visible GPU, of which
+    this device's entry is taken (skipped, with a warning, when that run saw fewer GPUs)."""
+    device = torch.cuda.current_device()
+    if isinstance(saved, torch.Tensor):
+        torch.cuda.set_rng_state(saved, device)
+    elif device < len(saved):
+        torch.cuda.set_rng_state(saved[device], device)
+    else:
+        warnings.warn(f"the checkpoint holds CUDA random states for {len(saved)} GPU(s), none for cuda:{device}: "
+                      "its stream is left as seeded, so dropout draws differ from the uninterrupted run's",
+                      stacklevel=2)
 
 
 def reseed_rng(seed: int, rank: int, step: int) -> None:
@@ -149,7 +199,7 @@ class Checkpointer:
         shared_file = path / SHARED_FILE
         if not shared_file.is_file():
             raise FileNotFoundError(f"{shared_file} is missing: {path} is not a complete checkpoint")
-        shared = torch.load(shared_file, map_location="cpu", weights_only=False)
+        shared = load_torch(shared_file)
         written_by = shared["world_size"]
         same_ranks = written_by == self.comm.world_size
         if not same_ranks:
@@ -157,7 +207,7 @@ class Checkpointer:
         own_file = path / _rank_file(self.comm.rank if same_ranks else 0)
         if not own_file.is_file():
             raise FileNotFoundError(f"{own_file} is missing: checkpoint {path} is incomplete")
-        own = torch.load(own_file, map_location="cpu", weights_only=False)
+        own = load_torch(own_file)
         return shared, own if same_ranks else {key: own[key] for key in GLOBAL_OWN_KEYS if key in own}
 
     def best(self) -> list[dict[str, float]]:
@@ -206,9 +256,9 @@ def model_state(path: Path) -> dict[str, torch.Tensor] | None:
         path = found[-1]
     if not (path / SHARED_FILE).is_file():
         return None
-    state = torch.load(path / SHARED_FILE, map_location="cpu", weights_only=False)
+    state = load_torch(path / SHARED_FILE)
     if "model" not in state:  # self-synchronising optimizers keep the model with each rank
-        state = torch.load(path / _rank_file(0), map_location="cpu", weights_only=False)
+        state = load_torch(path / _rank_file(0))
     return state["model"]
 
 

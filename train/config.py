@@ -63,6 +63,7 @@ class TrainerConfig:
     steps_this_run: int | None = MISSING
     init_from: str | None = MISSING
     compile: bool = MISSING
+    deterministic: bool = MISSING
     ema_decay: float | None = MISSING
     best_metric: str | None = MISSING
     best_metric_mode: str = MISSING

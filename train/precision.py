@@ -1,4 +1,5 @@
-"""Mixed precision with native torch.amp: autocast to bf16 or fp16 (a GradScaler for fp16), or fp32 matmuls in TF32.
+"""Mixed precision with native torch.amp: autocast to bf16 or fp16 (a GradScaler for fp16), or fp32 matmuls in TF32;
+and the switch to deterministic kernels (`trainer.deterministic`).
 
 NVIDIA apex's `amp` was removed upstream; mixed precision here is torch.amp's on every path.
 """
@@ -6,6 +7,7 @@ NVIDIA apex's `amp` was removed upstream; mixed precision here is torch.amp's on
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,23 @@ def set_matmul_precision(dtype: str) -> None:
     torch.backends.cudnn.allow_tf32 = tf32
 
 
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels (`trainer.deterministic=true`), so a resumed GPU run repeats the loss series bit for bit.
+
+    Sets `torch.use_deterministic_algorithms`, cuDNN's deterministic mode without autotuning, and cuBLAS's
+    workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8`, unless already set), which torch reads once, when it makes its
+    first cuBLAS handle: call this before the first CUDA matmul. Costs: a slower step (deterministic scatter and
+    index_add in the embeddings' backward, no cuDNN autotuning), a cuBLAS workspace of 8 x 4 MiB per stream, and an
+    error from any op that has no deterministic kernel. Off, only the switches are cleared (cuDNN autotuning is left
+    as it was).
+    """
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    if enabled:
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
 def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast region for the forward pass; fp32 and tf32 run without one."""
     if dtype not in _AUTOCAST_DTYPES:
@@ -54,3 +73,10 @@ def make_grad_scaler(cfg: DictConfig, device: torch.device) -> torch.amp.GradSca
     if cfg.dtype != "fp16":
         return torch.amp.GradScaler(device.type, enabled=False)
     return torch.amp.GradScaler(device.type, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
+
+
+def load_scaler_state(scaler: torch.amp.GradScaler, state: dict) -> None:
+    """A checkpoint's loss scale, across a change of precision: a checkpoint without one (bf16/fp32 write `{}`)
+    leaves an fp16 run's scaler fresh at `init_scale`, and a run without loss scaling ignores an fp16 one's."""
+    if scaler.is_enabled() and state:
+        scaler.load_state_dict(state)

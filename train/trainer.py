@@ -17,13 +17,13 @@ from torch import nn
 from data import DataRequest, atomic_write_json, build_data
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
-from train.checkpoint import Checkpointer, reseed_rng, rng_state, set_rng_state
+from train.checkpoint import Checkpointer, release_mapped, reseed_rng, rng_state, set_rng_state
 from train.config import batch_geometry
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger, RunClock, RunTotals, read_metrics
 from train.model_io import build_model, export_pretrained
-from train.precision import autocast, make_grad_scaler, set_matmul_precision
+from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
 from train.stop import StopRequest
 from train.summary import build_summary, write_summary
 from train.tasks import EvalShard, get_task
@@ -38,6 +38,7 @@ class Trainer:
         self.cfg, self.run_dir, self.comm = cfg, Path(run_dir), comm
         self.is_main = comm.rank == 0
         tcfg = cfg.trainer
+        set_deterministic(tcfg.deterministic)  # before any CUDA matmul: cuBLAS reads its workspace setting once
         self.device = pick_device(tcfg.device)
         self.geometry = batch_geometry(tcfg, comm.world_size)
         # Each rank draws its own dropout stream; rank-agreed randomness uses private generators.
@@ -274,12 +275,15 @@ class Trainer:
         return {**shared, **shared_learner}, {**own, **own_learner}
 
     def load_state_dicts(self, shared: dict[str, Any], own: dict[str, Any]) -> None:
+        """Restore a checkpoint (memory-mapped: see `train.checkpoint.load_torch`); once this returns, nothing
+        refers to its tensors and the file is no longer mapped."""
         learner = self.grad_sync.learner_state(shared, own)
         self.model.load_state_dict(learner["model"])
         self.optimizer.load_state_dict(learner["optimizer"])
+        release_mapped(learner["optimizer"], self.optimizer.state_dict())
         if self.ema is not None:  # a checkpoint from before EMA was switched on: start it from the weights
             self.ema.module.load_state_dict(learner.get("ema", self.model.state_dict()))
-        self.scaler.load_state_dict(shared["scaler"])
+        load_scaler_state(self.scaler, shared["scaler"])  # the checkpoint may have another precision
         self.loader.load_state_dict(own["data"])
         self.step, self.skipped_steps = shared["step"], shared["skipped_steps"]
         # A checkpoint written before the clock and totals existed: they count from here (the summary says so).
