@@ -48,6 +48,12 @@ class LoopbackComm(Comm):
         self._count(tensor)
         return _Done() if async_op else None
 
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        return obj  # every simulated rank holds the same
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
 
 class _Done:
     def wait(self) -> bool:
