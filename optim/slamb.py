@@ -41,6 +41,8 @@ _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
 _APPLY_NUMEL = 1 << 18
 _ROW_NUMEL = 16  # coordinates per row of the stratified and cyclic masks
 _GLOBAL = "slamb"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
+# Per-parameter state that lives in the flat buffers ("freshness": fp32 r, written before the scaled form).
+_BUFFERED = ("exp_avg", "exp_avg_sq", "scaled_freshness", "freshness")
 
 
 @dataclass(frozen=True)
@@ -268,11 +270,24 @@ class SLAMB(torch.optim.Optimizer):
         self._masks_agreed = False  # checked once per process, at its first multi-rank step
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load, then rebuild the flat buffers from the loaded per-parameter tensors at the next use."""
-        super().load_state_dict(state_dict)
-        if _GLOBAL not in self.state:
+        """Load m, v and the freshness straight into the flat buffers, one tensor at a time.
+
+        Torch's loader would first copy every state tensor to the parameters' device (and the fp16 freshness
+        to fp32) while the buffers are alive: twice the state at once, which a 2.9B-parameter model cannot
+        afford. Here only the small entries go through it; the buffers are built once (if not yet) and filled
+        in place from the given tensors, wherever they are.
+        """
+        if _GLOBAL not in state_dict["state"]:
             raise ValueError("SLAMB.load_state_dict: no 'slamb' entry (step, seed); not a SLAMB state_dict")
-        self._layout = None
+        layout = self._ensure_layout()
+        saved = state_dict["state"]
+        small = {key: {k: v for k, v in entry.items() if k not in _BUFFERED} for key, entry in saved.items()}
+        super().load_state_dict({**state_dict, "state": small})
+        indices = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for index, slot in zip(indices, layout.slots_in_group_order, strict=True):
+            entry = self.state[slot.param]
+            entry.update({k: v for k, v in saved.get(index, {}).items() if k in _BUFFERED})
+        layout.adopt(self.state, self.beta3, self.state[_GLOBAL]["step"])
 
     # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()
@@ -720,7 +735,11 @@ class _Layout:
         self.spare = torch.empty_like(self.coef)  # the product form's second factor
         self.generator = torch.Generator()  # on the host whatever the device: see `mask_uniforms`
         self.cyclic: list[list[tuple[Tensor, ...]]] | None = None  # per chunk, per phase, per masked slot
-        for slot in self.slots:  # adopt loaded state, then point the state at the flat buffers
+        self.adopt(state, beta3, step)
+
+    def adopt(self, state: dict, beta3: float, step: int) -> None:
+        """Copy any loaded m, v and freshness in `state` into the flat buffers, then point `state` at them."""
+        for slot in self.slots:
             entry = state[slot.param]
             if "freshness" in entry:  # written before q: fp32 r = q / synced_value
                 entry["scaled_freshness"] = entry.pop("freshness") * self.synced_value(beta3, step)

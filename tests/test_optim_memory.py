@@ -1,0 +1,102 @@
+"""Optimizer memory at scale: no whole-state copies on resume, bounded foreach temporaries on a GPU.
+
+Measured without a GPU: a dispatch mode sums the bytes of every new storage the code allocates, and
+storages are compared by address, so a full-size copy shows up however briefly it lives.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from optim import SLAMB
+
+
+class _NewStorageBytes(TorchDispatchMode):
+    """Bytes of the storages created by the operations run under it (outputs not sharing an input's storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs or {}))[0]
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.bytes += t.untyped_storage().nbytes()
+                inputs.add(t.untyped_storage().data_ptr())
+        return out
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 64))
+
+
+def _slamb_after_steps(model: nn.Module, steps: int) -> SLAMB:
+    optimizer = SLAMB(model.parameters(), lr=1e-2, min_compress_numel=1000, freshness_dtype="fp16")
+    for step in range(steps):
+        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return optimizer
+
+
+def _checkpoint(optimizer: SLAMB) -> dict:
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def test_slamb_resume_into_a_running_optimizer_allocates_no_second_state():
+    """Loading into an optimizer that has its buffers fills them in place: same storages, no new state."""
+    model = _model()
+    saved = _checkpoint(_slamb_after_steps(model, 3))
+    optimizer = _slamb_after_steps(model, 1)
+    before = {key: optimizer.state[p][key].untyped_storage().data_ptr()
+              for p in model.parameters() for key in ("exp_avg", "exp_avg_sq", "scaled_freshness")}
+    with _NewStorageBytes() as allocated:
+        optimizer.load_state_dict(saved)
+    after = {key: optimizer.state[p][key].untyped_storage().data_ptr()
+             for p in model.parameters() for key in ("exp_avg", "exp_avg_sq", "scaled_freshness")}
+    assert after == before
+    assert allocated.bytes < optimizer.memory_bytes()["state"] // 20
+    for index, p in enumerate(model.parameters()):
+        assert torch.equal(optimizer.state[p]["exp_avg"], saved["state"][index]["exp_avg"])
+        assert torch.equal(optimizer.state[p]["scaled_freshness"], saved["state"][index]["scaled_freshness"])
+
+
+def test_slamb_resume_into_a_fresh_optimizer_allocates_the_state_once():
+    """A fresh optimizer (a resumed run) builds its buffers and copies into them: no per-tensor copies beside."""
+    model = _model()
+    saved = _checkpoint(_slamb_after_steps(model, 3))
+    optimizer = SLAMB(model.parameters(), lr=1e-2, min_compress_numel=1000, freshness_dtype="fp16")
+    with _NewStorageBytes() as allocated:
+        optimizer.load_state_dict(saved)
+    memory = optimizer.memory_bytes()
+    assert allocated.bytes <= memory["state"] + memory["scratch"] + 4096
+    assert optimizer.state["slamb"]["step"] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_slamb_resume_on_a_gpu_from_a_host_checkpoint_peaks_at_one_state():
+    """Torch's loader would copy every state tensor to the GPU beside the flat buffers: twice the state."""
+    model = _model()
+    saved = _checkpoint(_slamb_after_steps(model, 3))  # on the host, as the trainer loads it
+    gpu_model = _model().cuda()
+    optimizer = SLAMB(gpu_model.parameters(), lr=1e-2, min_compress_numel=1000, freshness_dtype="fp16")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    optimizer.load_state_dict(saved)
+    memory = optimizer.memory_bytes()
+    assert torch.cuda.max_memory_allocated() - baseline <= memory["state"] + memory["scratch"] + (1 << 16)
