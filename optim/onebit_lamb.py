@@ -13,6 +13,7 @@ from conf.checks import check_non_negative, check_positive, require
 from optim._math import (
     clamped_trust_ratio,
     foreach_adam_update,
+    foreach_chunks,
     foreach_momentum_,
     foreach_variance_,
 )
@@ -118,12 +119,14 @@ class OneBitLAMB(OneBitFamily):
             exp_avgs, exp_avg_sqs = self._states("exp_avg")[slice_], self._states("exp_avg_sq")[slice_]
             foreach_momentum_(exp_avgs, grads[slice_], beta1)
             foreach_variance_(exp_avg_sqs, grads[slice_], beta2)
-            coeffs = onebit_lamb_warmup_update_(
-                params[slice_], exp_avgs, exp_avg_sqs, self._states("lamb_coeff_freeze")[slice_],
-                lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"], max_coeff=group["max_coeff"],
-                min_coeff=group["min_coeff"], coeff_beta=self.coeff_beta,
-            )
-            self._lamb_coeffs.extend(coeffs.unbind())
+            group_params, freezes = params[slice_], self._states("lamb_coeff_freeze")[slice_]
+            for chunk in foreach_chunks(group_params):  # the update's temporaries: one chunk's, not the group's
+                coeffs = onebit_lamb_warmup_update_(
+                    group_params[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], freezes[chunk], lr=group["lr"],
+                    eps=group["eps"], weight_decay=group["weight_decay"], max_coeff=group["max_coeff"],
+                    min_coeff=group["min_coeff"], coeff_beta=self.coeff_beta,
+                )
+                self._lamb_coeffs.extend(coeffs.unbind())
             if last:
                 torch._foreach_copy_(self._states("exp_avg_sq_fresh")[slice_], exp_avg_sqs)
         self._variance_changed()

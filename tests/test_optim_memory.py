@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from optim import SLAMB
+from optim import LAMB, SLAMB
+from optim._math import FOREACH_CHUNK_NUMEL
 
 
 class _NewStorageBytes(TorchDispatchMode):
@@ -56,18 +57,20 @@ def _checkpoint(optimizer: SLAMB) -> dict:
     return torch.load(buffer, weights_only=False)
 
 
+def _state_storages(optimizer: SLAMB, model: nn.Module) -> list[int]:
+    return [optimizer.state[p][key].untyped_storage().data_ptr()
+            for p in model.parameters() for key in ("exp_avg", "exp_avg_sq", "scaled_freshness")]
+
+
 def test_slamb_resume_into_a_running_optimizer_allocates_no_second_state():
     """Loading into an optimizer that has its buffers fills them in place: same storages, no new state."""
     model = _model()
     saved = _checkpoint(_slamb_after_steps(model, 3))
     optimizer = _slamb_after_steps(model, 1)
-    before = {key: optimizer.state[p][key].untyped_storage().data_ptr()
-              for p in model.parameters() for key in ("exp_avg", "exp_avg_sq", "scaled_freshness")}
+    before = _state_storages(optimizer, model)
     with _NewStorageBytes() as allocated:
         optimizer.load_state_dict(saved)
-    after = {key: optimizer.state[p][key].untyped_storage().data_ptr()
-             for p in model.parameters() for key in ("exp_avg", "exp_avg_sq", "scaled_freshness")}
-    assert after == before
+    assert _state_storages(optimizer, model) == before
     assert allocated.bytes < optimizer.memory_bytes()["state"] // 20
     for index, p in enumerate(model.parameters()):
         assert torch.equal(optimizer.state[p]["exp_avg"], saved["state"][index]["exp_avg"])
@@ -100,3 +103,20 @@ def test_slamb_resume_on_a_gpu_from_a_host_checkpoint_peaks_at_one_state():
     optimizer.load_state_dict(saved)
     memory = optimizer.memory_bytes()
     assert torch.cuda.max_memory_allocated() - baseline <= memory["state"] + memory["scratch"] + (1 << 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lamb_step_temporaries_on_a_gpu_are_bounded_by_the_chunk():
+    """One group of 2^28 elements: its foreach temporaries come in chunks, not in group-sized tensors."""
+    params = [nn.Parameter(torch.randn(1 << 24, device="cuda")) for _ in range(16)]
+    optimizer = LAMB([{"params": params, "weight_decay": 0.01}], lr=1e-3, max_grad_norm=1.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # the state exists from here on
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    optimizer.step()
+    chunk_bytes = 4 * FOREACH_CHUNK_NUMEL["cuda"]
+    assert torch.cuda.max_memory_allocated() - baseline <= 3 * chunk_bytes < 4 * sum(p.numel() for p in params)
