@@ -14,8 +14,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from optim import LAMB, SLAMB
+from optim import LAMB, SLAMB, OneBitLAMB
 from optim._math import FOREACH_CHUNK_NUMEL
+from optim.comm import Comm
 
 
 class _NewStorageBytes(TorchDispatchMode):
@@ -120,3 +121,42 @@ def test_lamb_step_temporaries_on_a_gpu_are_bounded_by_the_chunk():
     optimizer.step()
     chunk_bytes = 4 * FOREACH_CHUNK_NUMEL["cuda"]
     assert torch.cuda.max_memory_allocated() - baseline <= 3 * chunk_bytes < 4 * sum(p.numel() for p in params)
+
+
+def _storage_sizes(obj: object, seen: dict[int, int], visited: set[int]) -> dict[int, int]:
+    """data_ptr -> nbytes of every tensor storage reachable from `obj` through containers and our objects."""
+    if id(obj) in visited:
+        return seen
+    visited.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _storage_sizes(key, seen, visited)
+            _storage_sizes(value, seen, visited)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            _storage_sizes(value, seen, visited)
+    elif type(obj).__module__.startswith("optim"):
+        _storage_sizes(vars(obj), seen, visited)
+    return seen
+
+
+def test_onebit_lamb_keeps_no_twin_of_the_momentum():
+    """DeepSpeed clones every momentum at each compression step; here the dead gradients stand in for the clone:
+    the only momentum-sized buffers are the per-element state, the cached denominators and the error buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])
+    optimizer = OneBitLAMB(model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=3, comm=Comm())
+    for _ in range(6):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    assert optimizer.compressing(optimizer.step_count)
+    flat_bytes = 4 * optimizer.buckets.padded[0]
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    parameters |= {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = _storage_sizes(optimizer, {}, set())
+    momentum_sized = [ptr for ptr, n in sizes.items() if n >= flat_bytes and ptr not in parameters]
+    # m, v, v_fresh, sqrt(v) + eps; the worker and (on one rank, as large) server error buffers
+    assert len(momentum_sized) == len(optimizer._flats) + 2
