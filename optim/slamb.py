@@ -34,7 +34,7 @@ _MASKS = ("stratified", "bernoulli", "cyclic")
 _RESCALES = ("sum_of_products", "product_of_interpolations")
 _BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
 # Elements per chunk of the flat buffers, by device type (absent: a whole param group). On the CPU the passes
-# of one chunk stay in cache (see optim/lamb.py's _FOREACH_CHUNK_NUMEL); on a GPU it bounds the scratch buffer
+# of one chunk stay in cache (see optim._math's FOREACH_CHUNK_NUMEL); on a GPU it bounds the scratch buffer
 # (a tensor larger than the limit forms a chunk of its own).
 _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
 # Elements per piece of the update's coefficient buffer: small enough to stay in cache between the two passes.
