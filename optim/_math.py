@@ -18,6 +18,31 @@ from torch import Tensor
 
 from conf.checks import check_non_negative, require
 
+# Elements per foreach call, by device type (absent: the whole list). On the CPU, whole-group temporaries
+# (grads / divisor, denominators, updates) miss every cache and are page-faulted in afresh each step;
+# 4M-element chunks made the BERT-base step 2.4x faster there. On a GPU the chunk bounds the temporaries: a
+# whole group of BERT-XL (2.9B parameters) would need about 12 GB per full-size temporary, a chunk of 2^26
+# elements 256 MB, while its dozen launches cost microseconds against the milliseconds of its passes (a
+# tensor larger than the chunk, such as the 78M-element BERT-XL embedding, is a chunk of its own).
+FOREACH_CHUNK_NUMEL = {"cpu": 1 << 22, "cuda": 1 << 26}
+
+
+def foreach_chunks(tensors: Sequence[Tensor], max_numel: int | None = None) -> list[slice]:
+    """Consecutive slices of `tensors` holding at most `max_numel` elements each (a larger tensor: alone);
+    by default the chunk size of the tensors' device type (`FOREACH_CHUNK_NUMEL`)."""
+    if max_numel is None and tensors:
+        max_numel = FOREACH_CHUNK_NUMEL.get(tensors[0].device.type)
+    if max_numel is None:
+        return [slice(0, len(tensors))]
+    chunks, start, numel = [], 0, 0
+    for i, t in enumerate(tensors):
+        if i > start and numel + t.numel() > max_numel:
+            chunks.append(slice(start, i))
+            start, numel = i, 0
+        numel += t.numel()
+    chunks.append(slice(start, len(tensors)))
+    return chunks
+
 
 def global_grad_norm(grads: list[Tensor]) -> Tensor:
     """L2 norm over every element of every tensor in `grads`, in float32, as a 0-d tensor.

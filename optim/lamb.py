@@ -18,6 +18,7 @@ from optim._math import (
     closure_loss,
     foreach_adam_denom,
     foreach_adam_moments_,
+    foreach_chunks,
     global_grad_norm,
     grad_prenorm_divisor,
     trust_ratio,
@@ -59,7 +60,7 @@ class LAMB(torch.optim.Optimizer):
         trust_clip: clamp the trust ratio to at most 1 (timm's LAMBC option).
         always_adapt: apply the trust ratio also where weight_decay is 0 (apex ``use_nvlamb=True``).
         foreach: use the foreach kernels; None picks them when a group's tensors share device and dtype.
-            On the CPU they run over chunks of about 4M elements (see `_FOREACH_CHUNK_NUMEL`).
+            They run over chunks of a bounded number of elements (see `optim._math.FOREACH_CHUNK_NUMEL`).
 
     The step :math:`t` of the bias corrections is counted per param group, as in apex ``FusedLAMB``:
     ``group["step"]`` (a Python int, so reading it is no device sync) goes up by one at every `step()` call,
@@ -222,7 +223,7 @@ def lamb(
     if not (uniform if foreach is None else foreach):
         _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, **options)
         return
-    for chunk in _foreach_chunks(params, _FOREACH_CHUNK_NUMEL.get(params[0].device.type)):
+    for chunk in foreach_chunks(params):
         _multi_tensor_lamb(
             params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], state_steps[chunk], **options
         )
@@ -241,26 +242,6 @@ def check_lamb_options(options: dict[str, Any]) -> None:
 
 def _same_device_and_dtype(tensors: list[Tensor]) -> bool:
     return len({(t.device, t.dtype) for t in tensors}) <= 1
-
-
-# Elements per foreach call, by device type (absent: the whole group). On the CPU, whole-group temporaries
-# (grads / divisor, denominators, updates) miss every cache and are page-faulted in afresh each step;
-# 4M-element chunks made the BERT-base step 2.4x faster there. On a GPU each chunk costs a dozen launches.
-_FOREACH_CHUNK_NUMEL = {"cpu": 1 << 22}
-
-
-def _foreach_chunks(params: list[Tensor], max_numel: int | None) -> list[slice]:
-    """Consecutive slices of `params` holding at most `max_numel` elements each (a larger tensor: alone)."""
-    if max_numel is None:
-        return [slice(0, len(params))]
-    chunks, start, numel = [], 0, 0
-    for i, p in enumerate(params):
-        if i > start and numel + p.numel() > max_numel:
-            chunks.append(slice(start, i))
-            start, numel = i, 0
-        numel += p.numel()
-    chunks.append(slice(start, len(params)))
-    return chunks
 
 
 def _single_tensor_lamb(

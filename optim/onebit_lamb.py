@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from conf.checks import check_non_negative, check_positive, require
 from optim._math import (
     clamped_trust_ratio,
     foreach_adam_update,
+    foreach_chunks,
     foreach_momentum_,
     foreach_variance_,
 )
@@ -30,6 +31,10 @@ def check_onebit_lamb_options(options: dict[str, Any]) -> None:
         require(o[low] <= o[high], high, o[high], f"must be >= {low}={o[low]} (need 0 < {low} <= {high})")
     check_non_negative("factor_threshold", o["factor_threshold"])
     require(0.0 <= o["coeff_beta"] < 1.0, "coeff_beta", o["coeff_beta"], "must be in [0, 1)")
+
+
+# Elements of 1-bit LAMB's one work piece (4 MiB in fp32): what replaces DeepSpeed's clone of every momentum.
+_SCRATCH_NUMEL = 1 << 20
 
 
 class OneBitLAMB(OneBitFamily):
@@ -90,7 +95,7 @@ class OneBitLAMB(OneBitFamily):
                          keep_tail=bucketing == "flat_scaled", flat_keys=("exp_avg_sq", "exp_avg_sq_fresh"))
         self.scaled = bucketing == "flat_scaled"
         self._lamb_coeffs: list[Tensor] = []
-        self._scratch: list[Tensor] | None = None  # the momentum's twin buffers (see `_compressed_step`)
+        self._scratch: Tensor | None = None  # a bounded work piece (see `_compressed_step`)
 
     def _init_state(self, state: dict[str, Any], p: Tensor) -> None:
         state["lamb_coeff_freeze"] = torch.zeros((), dtype=torch.float64, device=p.device)
@@ -118,12 +123,14 @@ class OneBitLAMB(OneBitFamily):
             exp_avgs, exp_avg_sqs = self._states("exp_avg")[slice_], self._states("exp_avg_sq")[slice_]
             foreach_momentum_(exp_avgs, grads[slice_], beta1)
             foreach_variance_(exp_avg_sqs, grads[slice_], beta2)
-            coeffs = onebit_lamb_warmup_update_(
-                params[slice_], exp_avgs, exp_avg_sqs, self._states("lamb_coeff_freeze")[slice_],
-                lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"], max_coeff=group["max_coeff"],
-                min_coeff=group["min_coeff"], coeff_beta=self.coeff_beta,
-            )
-            self._lamb_coeffs.extend(coeffs.unbind())
+            group_params, freezes = params[slice_], self._states("lamb_coeff_freeze")[slice_]
+            for chunk in foreach_chunks(group_params):  # the update's temporaries: one chunk's, not the group's
+                coeffs = onebit_lamb_warmup_update_(
+                    group_params[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], freezes[chunk], lr=group["lr"],
+                    eps=group["eps"], weight_decay=group["weight_decay"], max_coeff=group["max_coeff"],
+                    min_coeff=group["min_coeff"], coeff_beta=self.coeff_beta,
+                )
+                self._lamb_coeffs.extend(coeffs.unbind())
             if last:
                 torch._foreach_copy_(self._states("exp_avg_sq_fresh")[slice_], exp_avg_sqs)
         self._variance_changed()
@@ -131,10 +138,11 @@ class OneBitLAMB(OneBitFamily):
     def _compressed_step(self) -> None:
         """Momentum update, one fused compressed call, then the frozen-coefficient update, on flat buffers.
 
-        DeepSpeed keeps a clone of every momentum for the reconstructed gradient. Here the momentum buffers
-        have a twin: the new momentum is formed in the twin (`m_new = beta1 m_old + (1 - beta1) g`, with
-        DeepSpeed's single rounding) while the home buffer keeps `beta1 m_old`; after the step the twin is the
-        home. The home then serves as scratch for the reconstructed gradient and the update direction.
+        DeepSpeed keeps a clone of every momentum for the reconstructed gradient. Here the dead gradients hold
+        `beta1 m_old` instead (swapped with the momentum through a bounded scratch piece), while the home buffer
+        takes the new momentum `m_new = beta1 m_old + (1 - beta1) g` with DeepSpeed's single rounding; they then
+        serve as scratch for the reconstructed gradient and the update direction. The home buffer's padded
+        tail, last step's output, feeds this compression as in DeepSpeed.
         """
         params, grads = self._params(), self._grads()
         if "scaling_coeff" not in self.state[params[0]]:
@@ -143,46 +151,40 @@ class OneBitLAMB(OneBitFamily):
                 self.state[p]["scaling_coeff"] = coeffs[index] if coeffs is not None else \
                     torch.ones((), dtype=torch.float64, device=p.device)
         scaling = self._states("scaling_coeff")
-        if self._scratch is None:
-            self._scratch = self.buckets.new_flats()
-        new_flats = self._scratch
-        new_momenta = self.buckets.views(new_flats)
-        torch._foreach_copy_(new_momenta, grads)
-        for (group, old), (_, new) in zip(self._segments("exp_avg"), self.buckets.segment_views(new_flats),
-                                          strict=True):
-            beta1 = self.param_groups[group]["betas"][0]
-            old.mul_(beta1)  # beta1 m_old, kept for the reconstructed gradient
-            torch.add(old, new, alpha=1 - beta1, out=new)
-        for old, new, size in zip(self._flats["exp_avg"], new_flats, self.buckets.sizes, strict=True):
-            new[size:].copy_(old[size:])  # the padded tail (last step's output) feeds this compression
-        torch._foreach_mul_(new_momenta, scaling)
-        self.buckets.allreduce_(new_flats)
-        torch._foreach_div_(new_momenta, scaling)
-        self._mask_(new_flats)
-        self._swap_momentum_buffers()
+        momenta = self._states("exp_avg")
+        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+            beta1 = group["betas"][0]
+            for m, g in zip(momenta[slice_], grads[slice_], strict=True):
+                for m_piece, g_piece in _pieces((m, g), _SCRATCH_NUMEL):
+                    old = self._scratch_like(g_piece)
+                    torch.mul(m_piece, beta1, out=old)  # beta1 m_old, kept for the reconstructed gradient
+                    torch.add(old, g_piece, alpha=1 - beta1, out=m_piece)
+                    g_piece.copy_(old)
+        torch._foreach_mul_(momenta, scaling)
+        self.buckets.allreduce_()
+        torch._foreach_div_(momenta, scaling)
+        self._mask_(self.buckets.flats)
         self._lamb_coeffs = []
-        self._denominators()  # rebuilds the flat "denom" runs if v changed since
-        work = self.buckets.views(self._scratch)
-        runs: list[list[tuple[Tensor, ...]]] = [[] for _ in self.param_groups]  # per group: flat runs
-        for (group, m), (_, w), (_, fresh), (_, denom) in zip(
-                self._segments("exp_avg"), self.buckets.segment_views(self._scratch),
-                self._segments("exp_avg_sq_fresh"), self._segments("denom"), strict=True):
-            runs[group].append((m, w, fresh, denom))
-        for index, (slice_, group) in enumerate(zip(self._group_slices(), self.param_groups, strict=True)):
+        denoms = self._denominators()
+        fresh = self._states("exp_avg_sq_fresh")
+        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
             coeffs = onebit_lamb_compressed_update_(
-                params[slice_], grads[slice_], work[slice_], runs[index], self._states("lamb_coeff_freeze")[slice_],
-                self._states("last_factor")[slice_], lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                weight_decay=group["weight_decay"], factor_max=self.factor_max, factor_min=self.factor_min,
-                factor_threshold=self.factor_threshold,
+                params[slice_], grads[slice_], momenta[slice_], fresh[slice_], denoms[slice_], self._scratch_like,
+                self._states("lamb_coeff_freeze")[slice_], self._states("last_factor")[slice_], lr=group["lr"],
+                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                factor_max=self.factor_max, factor_min=self.factor_min, factor_threshold=self.factor_threshold,
             )
             self._lamb_coeffs.extend(coeffs.unbind())
 
-    def _swap_momentum_buffers(self) -> None:
-        """The twin buffers (the new momentum) become the home of `exp_avg`; the old home is scratch."""
-        self._scratch, self._flats["exp_avg"] = self._flats["exp_avg"], self._scratch
-        self.buckets.flats = self._flats["exp_avg"]
-        for p, view in zip(self._params(), self.buckets.views(self.buckets.flats), strict=True):
-            self.state[p]["exp_avg"] = view
+    def _scratch_like(self, t: Tensor) -> Tensor:
+        """A scratch tensor shaped like `t`: a view of one bounded buffer (`_SCRATCH_NUMEL`), or a fresh one
+        for a larger piece (only a non-contiguous tensor, taken whole, can be larger)."""
+        if t.numel() > _SCRATCH_NUMEL:
+            return torch.empty_like(t)
+        if self._scratch is None:
+            self._scratch = torch.empty(min(_SCRATCH_NUMEL, max(p.numel() for p in self._params())),
+                                        dtype=t.dtype, device=t.device)
+        return self._scratch[:t.numel()].view(t.shape)
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         for p in self._params():  # checkpoints before scaling coefficients were tensors held Python floats
@@ -222,38 +224,40 @@ def onebit_lamb_warmup_update_(params: list[Tensor], exp_avgs: list[Tensor], exp
     return coeffs
 
 
-def onebit_lamb_compressed_update_(params: list[Tensor], scratch: list[Tensor], work: list[Tensor],
-                                   runs: Sequence[tuple[Tensor, ...]], coeff_freezes: list[Tensor],
-                                   last_factors: list[Tensor], *, lr: float, betas: Sequence[float], eps: float,
-                                   weight_decay: float, factor_max: float, factor_min: float,
-                                   factor_threshold: float) -> Tensor:
+def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp_avgs: list[Tensor],
+                                   fresh: list[Tensor], denoms: list[Tensor], scratch_like: Callable[[Tensor], Tensor],
+                                   coeff_freezes: list[Tensor], last_factors: list[Tensor], *, lr: float,
+                                   betas: Sequence[float], eps: float, weight_decay: float, factor_max: float,
+                                   factor_min: float, factor_threshold: float) -> Tensor:
     """One group's compression-stage update after the momenta were all-reduced; returns each tensor's coefficient.
 
-    `runs` are the group's contiguous flat runs `(m, beta1 m_old, v_fresh, sqrt(v) + eps)`, so the elementwise
-    math is one kernel per run, not per tensor; `work` are the per-tensor views of the `beta1 m_old` runs,
-    scratch afterwards, and `scratch` (the dead gradients) receives the decayed update. Per-tensor maxima,
-    norms and the factor chain run over stacked 0-d tensors (float64): nothing is read on the host.
-    The roundings are DeepSpeed's (negating numerator and denominator of the reconstructed gradient is exact).
+    `work` (the dead gradients) holds `beta1 m_old` and then, in place, the reconstructed gradient, the ratio
+    of denominators and the update; `fresh` is `v_fresh`, `denoms` `sqrt(v) + eps`; `scratch_like(t)` gives a
+    bounded work piece shaped like `t`. Nothing is allocated at full size. Per-tensor maxima, norms and the
+    factor chain run over stacked 0-d tensors (float64): nothing is read on the host. The roundings are
+    DeepSpeed's (negating numerator and denominator of the reconstructed gradient is exact).
     """
     if not params:
         return torch.empty(0, dtype=torch.float64)
     beta1, beta2 = betas
-    for m, w, fresh, denom in runs:
-        w.sub_(m).div_(beta1 - 1)  # reconstructed gradient (m - beta1 m_old) / (1 - beta1)
-        fresh.mul_(beta2).addcmul_(w, w, value=1 - beta2)
-        torch.sqrt(fresh, out=w).add_(eps)
+    torch._foreach_sub_(work, exp_avgs)
+    torch._foreach_div_(work, beta1 - 1)  # reconstructed gradient (m - beta1 m_old) / (1 - beta1)
+    torch._foreach_mul_(fresh, beta2)
+    torch._foreach_addcmul_(fresh, work, work, value=1 - beta2)
+    torch._foreach_copy_(work, fresh)
+    torch._foreach_sqrt_(work)
+    torch._foreach_add_(work, eps)
+    for w, denom in zip(work, denoms, strict=True):
         torch.div(denom, w, out=w)
     factor = torch.stack(torch._foreach_max(work)).double()  # max over elements of denom / fresh denom
-    for m, w, _, denom in runs:
+    for w, m, denom in zip(work, exp_avgs, denoms, strict=True):
         torch.div(m, denom, out=w)  # update_prelim = m / denom
-    update = work
     if weight_decay > 0:
-        update = scratch
-        torch._foreach_copy_(update, params)
-        torch._foreach_mul_(update, weight_decay)
-        torch._foreach_add_(update, work)
-        update_norm = torch.stack(torch._foreach_norm(update))
         prelim_norm = torch.stack(torch._foreach_norm(work))
+        for w, p in zip(work, params, strict=True):  # update = update_prelim + (weight_decay w), rounded apart
+            for w_piece, p_piece in _pieces((w, p), _SCRATCH_NUMEL):
+                w_piece.add_(torch.mul(p_piece, weight_decay, out=scratch_like(p_piece)))
+        update_norm = torch.stack(torch._foreach_norm(work))
         ratio = torch.where(update_norm > 0, prelim_norm / update_norm, 1.0).double().clamp(max=1.0)
         factor = factor * ratio + (1.0 - ratio)
     factor = factor.clamp(min=factor_min, max=factor_max)
@@ -261,9 +265,20 @@ def onebit_lamb_compressed_update_(params: list[Tensor], scratch: list[Tensor], 
     factor = torch.minimum(torch.maximum(factor, last * (1.0 - factor_threshold)), last * (1.0 + factor_threshold))
     torch._foreach_copy_(last_factors, list(factor.unbind()))
     coeffs = torch.stack(coeff_freezes) * factor
-    torch._foreach_mul_(update, list((coeffs * -lr).float().unbind()))
-    torch._foreach_add_(params, update)
+    torch._foreach_mul_(work, list((coeffs * -lr).float().unbind()))
+    torch._foreach_add_(params, work)
     return coeffs
+
+
+def _pieces(tensors: tuple[Tensor, ...], size: int) -> Iterator[tuple[Tensor, ...]]:
+    """Aligned 1-D pieces of at most `size` elements of same-shaped tensors; the tensors whole when one of them
+    is not contiguous (a channels_last gradient, say: no flat view of it exists)."""
+    if not all(t.is_contiguous() for t in tensors):
+        yield tensors
+        return
+    flats = [t.view(-1) for t in tensors]
+    for a in range(0, flats[0].numel(), size):
+        yield tuple(f[a:a + size] for f in flats)
 
 
 register_optimizer(OptimSpec(

@@ -34,7 +34,7 @@ _MASKS = ("stratified", "bernoulli", "cyclic")
 _RESCALES = ("sum_of_products", "product_of_interpolations")
 _BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
 # Elements per chunk of the flat buffers, by device type (absent: a whole param group). On the CPU the passes
-# of one chunk stay in cache (see optim/lamb.py's _FOREACH_CHUNK_NUMEL); on a GPU it bounds the scratch buffer
+# of one chunk stay in cache (see optim._math's FOREACH_CHUNK_NUMEL); on a GPU it bounds the scratch buffer
 # (a tensor larger than the limit forms a chunk of its own).
 _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
 # Elements per piece of the moments' and the update's passes, by device type (absent: a whole tensor). On the CPU
@@ -43,6 +43,8 @@ _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
 _PIECE_NUMEL = {"cpu": 1 << 18}
 _ROW_NUMEL = 16  # coordinates per row of the stratified and cyclic masks
 _GLOBAL = "slamb"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
+# Per-parameter state that lives in the flat buffers ("freshness": fp32 r, written before the scaled form).
+_BUFFERED = ("exp_avg", "exp_avg_sq", "scaled_freshness", "freshness")
 
 
 @dataclass(frozen=True)
@@ -267,13 +269,27 @@ class SLAMB(torch.optim.Optimizer):
         self.world_size = self.comm.world_size  # read once, from the group (the official V2 starts at 1)
         self.state[_GLOBAL] = {"step": 0, "seed": int(seed)}
         self._layout: _Layout | None = None
+        self._masks_agreed = False  # checked once per process, at its first multi-rank step
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load, then rebuild the flat buffers from the loaded per-parameter tensors at the next use."""
-        super().load_state_dict(state_dict)
-        if _GLOBAL not in self.state:
+        """Load m, v and the freshness straight into the flat buffers, one tensor at a time.
+
+        Torch's loader would first copy every state tensor to the parameters' device (and the fp16 freshness
+        to fp32) while the buffers are alive: twice the state at once, which a 2.9B-parameter model cannot
+        afford. Here only the small entries go through it; the buffers are built once (if not yet) and filled
+        in place from the given tensors, wherever they are.
+        """
+        if _GLOBAL not in state_dict["state"]:
             raise ValueError("SLAMB.load_state_dict: no 'slamb' entry (step, seed); not a SLAMB state_dict")
-        self._layout = None
+        layout = self._ensure_layout()
+        saved = state_dict["state"]
+        small = {key: {k: v for k, v in entry.items() if k not in _BUFFERED} for key, entry in saved.items()}
+        super().load_state_dict({**state_dict, "state": small})
+        indices = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for index, slot in zip(indices, layout.slots_in_group_order, strict=True):
+            entry = self.state[slot.param]
+            entry.update({k: v for k, v in saved.get(index, {}).items() if k in _BUFFERED})
+        layout.adopt(self.state, self.beta3, self.state[_GLOBAL]["step"])
 
     # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()
@@ -292,6 +308,9 @@ class SLAMB(torch.optim.Optimizer):
         masks = self._masks(layout, step)
         spans = _spans(layout.chunks, masks)
         distributed = self.comm.distributed
+        if distributed and not self._masks_agreed:
+            _check_masks_agree(self.comm, masks)
+            self._masks_agreed = True
         for chunk, mask, (a, b) in zip(layout.chunks, masks, spans, strict=True):
             self._local_moments(layout, chunk)
             if distributed:
@@ -492,7 +511,7 @@ class SLAMB(torch.optim.Optimizer):
         masks = []
         for chunk in layout.chunks:
             sizes = [_draw_size(self.mask, s, k) for s in chunk.masked]
-            uniforms = torch.rand(sum(sizes), generator=generator, device=layout.exp_avg.device).split(sizes)
+            uniforms = mask_uniforms(generator, sum(sizes), layout.exp_avg.device).split(sizes)
             coordinates = tuple(_mask_size(self.mask, s, k) for s in chunk.masked)
             if self.mask == "stratified":
                 rows = tuple(stratified_positions(s.numel // s.block, stratified_count(s.numel // s.block, k), u)
@@ -562,6 +581,46 @@ def check_slamb_options(options: dict[str, Any]) -> None:
     check_choice("sync_offset", o["sync_offset"], (0, 1))
     check_positive("bucket_mb", o["bucket_mb"])
     require(isinstance(o["seed"], int), "seed", o["seed"], "must be an integer")
+
+
+def mask_uniforms(generator: torch.Generator, count: int, device: torch.device) -> Tensor:
+    """`count` uniforms in [0, 1) from the host `generator`, on `device`: the same bits on every device.
+
+    A CUDA generator maps its random stream to elements by the device's multiprocessor count, so ranks on
+    different GPU models (or MIG slices) would draw different masks: compact vectors of different lengths (a
+    hang) or unrelated coordinates averaged. The CPU generator's stream is serial (independent of threads and
+    of how the draw is split). The copy goes through pinned memory, so it does not wait for the device (the
+    caching host allocator keeps the block until the copy is done).
+    """
+    if device.type == "cpu":
+        return torch.rand(count, generator=generator)
+    host = torch.empty(count, pin_memory=True)
+    torch.rand(count, generator=generator, out=host)
+    return host.to(device, non_blocking=True)
+
+
+def mask_fingerprint(masks: Sequence[_Mask]) -> tuple[int, int]:
+    """(selected rows, an integer hash of their positions in order): equal on two ranks iff, but for a hash
+    collision, they drew the same masks. Integer arithmetic only, so exact on any device; one host read."""
+    positions = [p.reshape(-1) for mask in masks for p in mask.positions]
+    if not positions:
+        return 0, 0
+    flat = torch.cat(positions)
+    prime = (1 << 31) - 1  # every product below stays under 2^62, the sum under 2^63 for 2^31 rows
+    index = torch.arange(flat.numel(), device=flat.device)
+    terms = (flat % prime * 48271 % prime + index % prime * 16807 % prime) % prime
+    return flat.numel(), int(terms.sum())
+
+
+def _check_masks_agree(comm: Comm, masks: Sequence[_Mask]) -> None:
+    """Raise on every rank if any rank drew a mask other than rank 0's (once per run: it reads the device)."""
+    mine = mask_fingerprint(masks)
+    if comm.any(mine != comm.broadcast_object(mine)):
+        raise RuntimeError(
+            f"SLAMB: the ranks drew different sync masks at their first step (rank {comm.rank}: {mine[0]} rows, "
+            f"hash {mine[1]}); every rank must run the same model, parameter order, optim.seed and optimizer "
+            "options, or the momentum all-reduce would average unrelated coordinates"
+        )
 
 
 def _draw_size(mask: str, slot: _Slot, k: float) -> int:
@@ -679,9 +738,13 @@ class _Layout:
         largest = max((s.numel for s in masked), default=0)
         self.coef = torch.empty(min(self.piece_numel or largest, largest), device=device)
         self.spare = torch.empty_like(self.coef)  # the product form's second factor
-        self.generator = torch.Generator(device=device)
+        self.generator = torch.Generator()  # on the host whatever the device: see `mask_uniforms`
         self.cyclic: list[list[tuple[Tensor, ...]]] | None = None  # per chunk, per phase, per masked slot
-        for slot in self.slots:  # adopt loaded state, then point the state at the flat buffers
+        self.adopt(state, beta3, step)
+
+    def adopt(self, state: dict, beta3: float, step: int) -> None:
+        """Copy any loaded m, v and freshness in `state` into the flat buffers, then point `state` at them."""
+        for slot in self.slots:
             entry = state[slot.param]
             if "freshness" in entry:  # written before q: fp32 r = q / synced_value
                 entry["scaled_freshness"] = entry.pop("freshness") * self.synced_value(beta3, step)
@@ -742,7 +805,7 @@ class _Layout:
                 for slot in chunk.masked:
                     generator = self.generator.manual_seed(mask_seed(seed, 0x80000000 + slot.index))
                     rows = slot.numel // slot.block
-                    perm = torch.randperm(rows, generator=generator, device=self.exp_avg.device)
+                    perm = torch.randperm(rows, generator=generator).to(self.exp_avg.device)
                     for phase, piece in enumerate(perm.tensor_split(parts)):
                         phases[phase].append(piece.sort().values)
                 self.cyclic[ci] = [tuple(p) for p in phases]

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import BertConfig, BertForPreTraining
 
 from optim import LAMB, param_groups_weight_decay
-from optim import lamb as lamb_module
+from optim._math import FOREACH_CHUNK_NUMEL, foreach_chunks
 
 STEPS = 100
 # Each config names the options that differ from NVLAMB's defaults; both optimizers get the same ones.
@@ -117,9 +117,9 @@ def test_foreach_equals_for_loop(config):
 
 def test_chunked_foreach_equals_for_loop(monkeypatch):
     sizes = [4 * 4, 4, 7 * 3, 3, 200, 5]
-    chunks = lamb_module._foreach_chunks([torch.empty(n) for n in sizes], max_numel=30)
+    chunks = foreach_chunks([torch.empty(n) for n in sizes], max_numel=30)
     assert chunks == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6)]  # 200 > 30 goes alone
-    monkeypatch.setitem(lamb_module._FOREACH_CHUNK_NUMEL, "cpu", 100)  # the small model in several chunks
+    monkeypatch.setitem(FOREACH_CHUNK_NUMEL, "cpu", 100)  # the small model in several chunks
     models = {}
     for foreach in (True, False):
         models[foreach] = model = _small_model()

@@ -21,7 +21,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from optim import LAMB, SLAMB, build_optimizer, param_groups_weight_decay
+from optim import slamb as slamb_module
 from optim.comm import Comm
+from optim.slamb import mask_uniforms
 from train.metrics import read_metrics
 
 # Spawned ranks import this module to find their worker: test_lamb and test_trainer (transformers, timm, the
@@ -126,6 +128,65 @@ def test_cyclic_mask_syncs_every_coordinate_once_per_cycle():
     assert torch.equal(sum(m.int() for m in masks[:3]), torch.ones_like(masks[0], dtype=torch.int))
     assert all(torch.equal(masks[i], masks[i + 3]) for i in range(3))
     assert masks[0].float().mean().item() == pytest.approx(1 / 3, abs=1e-3)
+
+
+# --------------------------------------------------------------------------------------------- device-independent masks
+def test_mask_uniforms_are_the_same_bits_for_any_thread_count_and_split():
+    """The host stream a mask is drawn from: serial, so it depends on (seed, step) only."""
+    threads = torch.get_num_threads()
+    draws = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            draws.append(mask_uniforms(torch.Generator().manual_seed(5), 300_000, torch.device("cpu")))
+    finally:
+        torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(5)
+    pieces = torch.cat([mask_uniforms(generator, n, torch.device("cpu")) for n in (1, 99_999, 200_000)])
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], pieces)
+
+
+@pytest.mark.parametrize("mask", ["stratified", "bernoulli", "cyclic"])
+def test_masks_do_not_depend_on_the_chunking(monkeypatch, mask):
+    """Chunks are 2^20 elements on a CPU and 2^26 on a GPU: the masks must not change with them."""
+    masks = []
+    for numel in (1 << 26, 4000):
+        monkeypatch.setitem(slamb_module._CHUNK_NUMEL, "cpu", numel)
+        optimizer = _slamb(_small_model(), mask=mask)
+        masks.append([optimizer.sync_masks(step) for step in (1, 2)])
+    assert len(optimizer._ensure_layout().chunks) > 1
+    assert all(torch.equal(a, b) for big, small in zip(*masks, strict=True) for a, b in zip(big, small, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mask", ["stratified", "bernoulli", "cyclic"])
+def test_cuda_masks_equal_cpu_masks(mask):
+    """Drawn from the host stream, a mask is the same on any device (a CUDA generator's depends on the GPU)."""
+    on_cpu = _slamb(_small_model(), mask=mask)
+    on_gpu = _slamb(_small_model().cuda(), mask=mask)
+    for step in (1, 2, 3):
+        for a, b in zip(on_cpu.sync_masks(step), on_gpu.sync_masks(step), strict=True):
+            assert torch.equal(a, b.cpu())
+
+
+def _first_step_with_a_skewed_draw(rank: int, world_size: int) -> str:
+    """Rank 1 draws its uniforms shifted (as a GPU of another model would have): the first step must refuse."""
+    if rank == 1:
+        draw = slamb_module.mask_uniforms
+        slamb_module.mask_uniforms = lambda *args: draw(*args).add_(0.5).remainder_(1.0)
+    model = _small_model()
+    optimizer = _slamb(model, comm=Comm())
+    try:
+        _steps(model, optimizer, range(1))
+    except RuntimeError as error:
+        return str(error)
+    return "stepped"
+
+
+def test_ranks_that_draw_different_masks_fail_at_their_first_step():
+    for rank, message in enumerate(run_on_ranks(_first_step_with_a_skewed_draw, 2)):
+        assert "drew different sync masks" in message and f"rank {rank}" in message
 
 
 # r is q / q_t with q stored in fp16 (q_t: the stored value of a coordinate synced at t, so r = 1 exactly there):
@@ -256,6 +317,12 @@ class _MirrorComm(Comm):
         self._count(tensor)
         tensor.mul_(self.world_size)
         return _Done() if async_op else None
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        return obj  # every simulated rank holds the same
+
+    def any(self, flag: bool) -> bool:
+        return flag
 
 
 class _Done:
@@ -413,6 +480,9 @@ def test_multi_rank_step_reads_nothing_on_the_host(host_reads, options):
         for i, p in enumerate(params):
             p.grad = _grad(0, step, i)
         optimizer.step()
+        if step == 1:  # the first step's one read: the ranks' check that they drew the same masks
+            assert len(host_reads) == 1 and "slamb.py" in host_reads[0]
+            host_reads.clear()
     assert host_reads == []
 
 

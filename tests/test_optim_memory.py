@@ -1,0 +1,162 @@
+"""Optimizer memory at scale: no whole-state copies on resume, bounded foreach temporaries on a GPU.
+
+Measured without a GPU: a dispatch mode sums the bytes of every new storage the code allocates, and
+storages are compared by address, so a full-size copy shows up however briefly it lives.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from optim import LAMB, SLAMB, OneBitLAMB
+from optim._math import FOREACH_CHUNK_NUMEL
+from optim.comm import Comm
+
+
+class _NewStorageBytes(TorchDispatchMode):
+    """Bytes of the storages created by the operations run under it (outputs not sharing an input's storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs or {}))[0]
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.bytes += t.untyped_storage().nbytes()
+                inputs.add(t.untyped_storage().data_ptr())
+        return out
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 64))
+
+
+def _slamb_after_steps(model: nn.Module, steps: int) -> SLAMB:
+    optimizer = SLAMB(model.parameters(), lr=1e-2, min_compress_numel=1000, freshness_dtype="fp16")
+    for step in range(steps):
+        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return optimizer
+
+
+def _checkpoint(optimizer: SLAMB) -> dict:
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _state_storages(optimizer: SLAMB, model: nn.Module) -> list[int]:
+    return [optimizer.state[p][key].untyped_storage().data_ptr()
+            for p in model.parameters() for key in ("exp_avg", "exp_avg_sq", "scaled_freshness")]
+
+
+def test_slamb_resume_into_a_running_optimizer_allocates_no_second_state():
+    """Loading into an optimizer that has its buffers fills them in place: same storages, no new state."""
+    model = _model()
+    saved = _checkpoint(_slamb_after_steps(model, 3))
+    optimizer = _slamb_after_steps(model, 1)
+    before = _state_storages(optimizer, model)
+    with _NewStorageBytes() as allocated:
+        optimizer.load_state_dict(saved)
+    assert _state_storages(optimizer, model) == before
+    assert allocated.bytes < optimizer.memory_bytes()["state"] // 20
+    for index, p in enumerate(model.parameters()):
+        assert torch.equal(optimizer.state[p]["exp_avg"], saved["state"][index]["exp_avg"])
+        assert torch.equal(optimizer.state[p]["scaled_freshness"], saved["state"][index]["scaled_freshness"])
+
+
+def test_slamb_resume_into_a_fresh_optimizer_allocates_the_state_once():
+    """A fresh optimizer (a resumed run) builds its buffers and copies into them: no per-tensor copies beside."""
+    model = _model()
+    saved = _checkpoint(_slamb_after_steps(model, 3))
+    optimizer = SLAMB(model.parameters(), lr=1e-2, min_compress_numel=1000, freshness_dtype="fp16")
+    with _NewStorageBytes() as allocated:
+        optimizer.load_state_dict(saved)
+    memory = optimizer.memory_bytes()
+    assert allocated.bytes <= memory["state"] + memory["scratch"] + 4096
+    assert optimizer.state["slamb"]["step"] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_slamb_resume_on_a_gpu_from_a_host_checkpoint_peaks_at_one_state():
+    """Torch's loader would copy every state tensor to the GPU beside the flat buffers: twice the state."""
+    model = _model()
+    saved = _checkpoint(_slamb_after_steps(model, 3))  # on the host, as the trainer loads it
+    gpu_model = _model().cuda()
+    optimizer = SLAMB(gpu_model.parameters(), lr=1e-2, min_compress_numel=1000, freshness_dtype="fp16")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    optimizer.load_state_dict(saved)
+    memory = optimizer.memory_bytes()
+    assert torch.cuda.max_memory_allocated() - baseline <= memory["state"] + memory["scratch"] + (1 << 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lamb_step_temporaries_on_a_gpu_are_bounded_by_the_chunk():
+    """One group of 2^28 elements: its foreach temporaries come in chunks, not in group-sized tensors."""
+    params = [nn.Parameter(torch.randn(1 << 24, device="cuda")) for _ in range(16)]
+    optimizer = LAMB([{"params": params, "weight_decay": 0.01}], lr=1e-3, max_grad_norm=1.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # the state exists from here on
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    optimizer.step()
+    chunk_bytes = 4 * FOREACH_CHUNK_NUMEL["cuda"]
+    assert torch.cuda.max_memory_allocated() - baseline <= 3 * chunk_bytes < 4 * sum(p.numel() for p in params)
+
+
+def _storage_sizes(obj: object, seen: dict[int, int], visited: set[int]) -> dict[int, int]:
+    """data_ptr -> nbytes of every tensor storage reachable from `obj` through containers and our objects."""
+    if id(obj) in visited:
+        return seen
+    visited.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _storage_sizes(key, seen, visited)
+            _storage_sizes(value, seen, visited)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            _storage_sizes(value, seen, visited)
+    elif type(obj).__module__.startswith("optim"):
+        _storage_sizes(vars(obj), seen, visited)
+    return seen
+
+
+def test_onebit_lamb_keeps_no_twin_of_the_momentum():
+    """DeepSpeed clones every momentum at each compression step; here the dead gradients stand in for the clone:
+    the only momentum-sized buffers are the per-element state, the cached denominators and the error buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])
+    optimizer = OneBitLAMB(model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=3, comm=Comm())
+    for _ in range(6):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    assert optimizer.compressing(optimizer.step_count)
+    flat_bytes = 4 * optimizer.buckets.padded[0]
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    parameters |= {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = _storage_sizes(optimizer, {}, set())
+    momentum_sized = [ptr for ptr, n in sizes.items() if n >= flat_bytes and ptr not in parameters]
+    # m, v, v_fresh, sqrt(v) + eps; the worker and (on one rank, as large) server error buffers
+    assert len(momentum_sized) == len(optimizer._flats) + 2
