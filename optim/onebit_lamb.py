@@ -33,8 +33,13 @@ def check_onebit_lamb_options(options: dict[str, Any]) -> None:
     require(0.0 <= o["coeff_beta"] < 1.0, "coeff_beta", o["coeff_beta"], "must be in [0, 1)")
 
 
-# Elements of 1-bit LAMB's one work piece (4 MiB in fp32): what replaces DeepSpeed's clone of every momentum.
-_SCRATCH_NUMEL = 1 << 20
+# Elements of 1-bit LAMB's one work piece, by device type: what replaces DeepSpeed's clone of every momentum. On a
+# CPU 4 MiB of fp32 stays in cache; on a GPU small pieces only multiply the kernel launches, so a piece is 64 MiB.
+_SCRATCH_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 24}
+
+
+def _scratch_numel(device: torch.device) -> int:
+    return _SCRATCH_NUMEL.get(device.type, _SCRATCH_NUMEL["cpu"])
 
 
 class OneBitLAMB(OneBitFamily):
@@ -155,7 +160,7 @@ class OneBitLAMB(OneBitFamily):
         for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
             beta1 = group["betas"][0]
             for m, g in zip(momenta[slice_], grads[slice_], strict=True):
-                for m_piece, g_piece in _pieces((m, g), _SCRATCH_NUMEL):
+                for m_piece, g_piece in _pieces((m, g), _scratch_numel(m.device)):
                     old = self._scratch_like(g_piece)
                     torch.mul(m_piece, beta1, out=old)  # beta1 m_old, kept for the reconstructed gradient
                     torch.add(old, g_piece, alpha=1 - beta1, out=m_piece)
@@ -179,10 +184,11 @@ class OneBitLAMB(OneBitFamily):
     def _scratch_like(self, t: Tensor) -> Tensor:
         """A scratch tensor shaped like `t`: a view of one bounded buffer (`_SCRATCH_NUMEL`), or a fresh one
         for a larger piece (only a non-contiguous tensor, taken whole, can be larger)."""
-        if t.numel() > _SCRATCH_NUMEL:
+        limit = _scratch_numel(t.device)
+        if t.numel() > limit:
             return torch.empty_like(t)
         if self._scratch is None:
-            self._scratch = torch.empty(min(_SCRATCH_NUMEL, max(p.numel() for p in self._params())),
+            self._scratch = torch.empty(min(limit, max(p.numel() for p in self._params())),
                                         dtype=t.dtype, device=t.device)
         return self._scratch[:t.numel()].view(t.shape)
 
@@ -255,7 +261,7 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
     if weight_decay > 0:
         prelim_norm = torch.stack(torch._foreach_norm(work))
         for w, p in zip(work, params, strict=True):  # update = update_prelim + (weight_decay w), rounded apart
-            for w_piece, p_piece in _pieces((w, p), _SCRATCH_NUMEL):
+            for w_piece, p_piece in _pieces((w, p), _scratch_numel(w.device)):
                 w_piece.add_(torch.mul(p_piece, weight_decay, out=scratch_like(p_piece)))
         update_norm = torch.stack(torch._foreach_norm(work))
         ratio = torch.where(update_norm > 0, prelim_norm / update_norm, 1.0).double().clamp(max=1.0)
