@@ -1,5 +1,6 @@
-"""On a GPU: mixed-precision training, the fp16 overflow skip, every optimizer's CUDA step against its CPU step, and
-two processes communicating CUDA tensors. Skipped without CUDA (CI has none); run them with `pytest -m gpu`."""
+"""On a GPU: mixed-precision training, the fp16 overflow skip, every optimizer's CUDA step against its CPU step, two
+processes communicating CUDA tensors, and apex FusedLAMB against our LAMB. Skipped without CUDA (CI has none); run
+them with `pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from conftest import TINY, compose
 from distributed_harness import run_on_ranks
 from test_optim_registry import RUNNABLE_HERE, _config, _tiny_bert
 
+from conf.checks import missing_nvidia_apex
 from optim import build_optimizer, get_optimizer_spec
 from optim.apex import APEX_OPTIMIZERS
 from optim.comm import Comm
@@ -110,3 +112,24 @@ def test_two_processes_step_cuda_tensors_as_cpu_ones(name):
     if name != "slamb":  # the 1-bit family keeps the replicas identical; SLAMB's differ between dense syncs
         for a, b in zip(on_cuda[0][0], on_cuda[1][0], strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(missing_nvidia_apex("apex.optimizers", "amp_C") is not None, reason="needs NVIDIA apex")
+def test_apex_fused_lamb_and_our_lamb_follow_the_same_trajectory():
+    """100 steps with the same gradients: apex FusedLAMB (max_grad_norm 1.0, inside the optimizer) and
+    `optim.LAMB` (the same global-norm pre-normalisation) stay within float tolerance of each other."""
+    lamb_cfg, apex_cfg = _config("lamb"), _config("apex_lamb")
+    lamb_cfg.pop("name"), apex_cfg.pop("name")
+    lamb_cfg["max_grad_norm"] = apex_cfg["max_grad_norm"]
+    ours_model = _tiny_bert().cuda()
+    apex_model = copy.deepcopy(ours_model)
+    ours, fused = build_optimizer(ours_model, "lamb", lamb_cfg), build_optimizer(apex_model, "apex_lamb", apex_cfg)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(100):
+        for p_ours, p_apex in zip(ours_model.parameters(), apex_model.parameters(), strict=True):
+            p_ours.grad = torch.randn(p_ours.shape, device="cuda", generator=g) * 1e-2
+            p_apex.grad = p_ours.grad.clone()
+        ours.step()
+        fused.step()
+    for p_ours, p_apex in zip(ours_model.parameters(), apex_model.parameters(), strict=True):
+        torch.testing.assert_close(p_apex, p_ours, rtol=1e-4, atol=1e-5)
