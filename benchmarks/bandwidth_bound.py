@@ -22,8 +22,9 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.optim_step import SIZES, bert_parameters
-from benchmarks.slamb_step import LoopbackComm, config_kwargs, state_bytes
+from benchmarks.slamb_step import LoopbackComm, config_kwargs
 from optim import build_optimizer
+from optim.memory import state_bytes
 
 OPTIMIZERS = ["lamb", "slamb", "onebit_lamb", "zero_one_adam", "adamw"]
 COMPRESSED_FROM = {"onebit_lamb": {"freeze_step": 2}, "zero_one_adam": {"var_freeze_step": 2}}

@@ -30,10 +30,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import BertConfig, BertForPreTraining
 
 from benchmarks.optim_step import SIZES, bert_parameters
-from benchmarks.slamb_step import config_kwargs, state_bytes
+from benchmarks.slamb_step import config_kwargs
 from conf.checks import missing_nvidia_apex
 from optim import JointSpar, build_optimizer, get_optimizer_spec, list_optimizers
 from optim.apex import APEX_OPTIMIZERS
+from optim.memory import state_bytes
 
 REFERENCE = "lamb"
 

@@ -30,6 +30,7 @@ import yaml
 from benchmarks.optim_step import SIZES, bert_parameters, step_times
 from optim import build_optimizer
 from optim.comm import Comm
+from optim.memory import state_bytes
 
 CONF_OPTIM = Path(__file__).resolve().parents[1] / "conf" / "optim"
 
@@ -72,19 +73,6 @@ def config_kwargs(name: str, **overrides) -> dict:
     cfg = yaml.safe_load((CONF_OPTIM / f"{name}.yaml").read_text())
     cfg.pop("name")
     return cfg | overrides
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct storages behind the optimizer's state tensors, a wrapper's base optimizer included
-    (SlowMo, JointSpar)."""
-    seen, total = set(), 0
-    for opt in (optimizer, getattr(optimizer, "base", None)):
-        for entry in (opt.state.values() if opt is not None else ()):
-            for value in entry.values() if isinstance(entry, dict) else ():
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
-                    seen.add(value.untyped_storage().data_ptr())
-                    total += value.untyped_storage().nbytes()
-    return total
 
 
 VARIANTS = {  # label -> (registry name, overrides of its conf/optim YAML)

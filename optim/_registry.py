@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from torch import nn
 from conf.checks import ConfigError, InvalidOption, check_kwargs, options_of
 from optim.param_groups import param_groups_weight_decay
 
+StateBytes: TypeAlias = float | Callable[[dict[str, Any], int], float | None]  # see `OptimSpec.state_bytes_per_param`
 _RESERVED = ("params", "comm")  # filled by `build_optimizer`, never by the config
 
 
@@ -38,6 +39,11 @@ class OptimSpec:
     trainer then calls its `begin_step()` before each step's first forward, runs eagerly (a compiled graph
     would be rebuilt for every new layer set), and the optimizer gets `(name, parameter)` pairs, since its
     layers are named blocks of the model.
+
+    `state_bytes_per_param`: the optimizer's persistent bytes per trainable parameter element (state and the
+    work buffers that grow with the model), for the start-up memory estimate (`optim.memory`): a number, or a
+    function of the complete options (as `check` gets them) and the world size. Bounded work pieces and O(1)
+    entries are left out. None: not known (the estimate then says so).
     """
 
     name: str  # same string as conf/optim/<name>.yaml and its `name:` field
@@ -47,6 +53,7 @@ class OptimSpec:
     check: Callable[[dict[str, Any]], None]
     defaults: Mapping[str, Any] = field(default_factory=dict)
     samples_layers: bool = False
+    state_bytes_per_param: StateBytes | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))  # frozen all the way

@@ -62,9 +62,11 @@ def apex_fused_adam(
 
 register_optimizer(OptimSpec(
     "apex_lamb", apex_fused_lamb, "ddp", check=lambda options: _check_apex(options, "apex_lamb"),
+    state_bytes_per_param=8.0,  # m, v in fp32
     description="NVIDIA apex FusedLAMB: LAMB in fused multi-tensor CUDA kernels (needs apex and a GPU)",
 ))
 register_optimizer(OptimSpec(
     "apex_adam", apex_fused_adam, "ddp", check=lambda options: _check_apex(options, "apex_adam"),
+    state_bytes_per_param=8.0,  # m, v in fp32
     description="NVIDIA apex FusedAdam: Adam/AdamW in fused multi-tensor CUDA kernels (needs apex and a GPU)",
 ))

@@ -32,6 +32,7 @@ def _check_sgd_options(options: dict[str, Any]) -> None:
 
 # Plain SGD is a base only: as an optimizer of its own the project has LARS (and SGD is LARS's inner loop).
 SGD = OptimSpec("sgd", torch.optim.SGD, "ddp", check=_check_sgd_options,
+                state_bytes_per_param=lambda options, world_size: 4.0 if options["momentum"] else 0.0,
                 description="torch.optim.SGD (momentum, Nesterov): the base of Local SGD and of JointSpar")
 
 

@@ -22,6 +22,7 @@ from optim._math import closure_loss, mask_seed
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options
 from optim.comm import Comm, average_tensors_
+from optim.memory import wrapper_bytes
 
 _GLOBAL = "jointspar"  # key of the optimizer-wide entry of `self.state`
 BASES = ("sgd", "lars", "lamb")
@@ -393,6 +394,7 @@ def check_jointspar_options(options: dict[str, Any]) -> None:
 
 register_optimizer(OptimSpec(
     "jointspar", JointSpar, "self", check=check_jointspar_options, samples_layers=True,
+    state_bytes_per_param=wrapper_bytes(0.0),  # its own state is host numbers
     description="JointSpar (Liu & Mozafari, ICML 2022; reconstructed): sampled layers compute, send and apply "
                 "their gradients, rescaled by 1/p, with bandit-learned layer probabilities",
 ))

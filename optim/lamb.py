@@ -320,6 +320,6 @@ def _multi_tensor_lamb(
 
 
 register_optimizer(OptimSpec(
-    "lamb", LAMB, "ddp", check=check_lamb_options,
+    "lamb", LAMB, "ddp", check=check_lamb_options, state_bytes_per_param=8.0,  # m, v
     description="NVLAMB (apex FusedLAMB semantics): global grad-norm pre-normalisation, Adam, trust ratio",
 ))

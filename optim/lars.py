@@ -177,6 +177,7 @@ def check_lars_options(options: dict[str, Any]) -> None:
 
 register_optimizer(OptimSpec(
     "lars", LARS, "ddp", check=check_lars_options,
+    state_bytes_per_param=lambda options, world_size: 4.0 if options["momentum"] else 0.0,  # momentum buffer
     description="LARS (You et al., arXiv 1708.03888): momentum SGD with a per-tensor trust ratio; 1-D tensors "
                 "excluded",
 ))

@@ -19,6 +19,7 @@ from optim._math import (
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import WIRE_DTYPES, Comm, average_tensors_
 from optim.compressed import CompressedBuckets, bucket_layout
+from optim.memory import onebit_family_bytes
 
 # Kept in every docstring of the family: where we differ from DeepSpeed 0.19.6.
 # Elements per bucket of the full-precision gradient average (warm-up, variance steps): DeepSpeed's engine averages
@@ -340,5 +341,6 @@ def onebit_adam_update_(params: list[Tensor], exp_avgs: list[Tensor], denoms: li
 
 register_optimizer(OptimSpec(
     "onebit_adam", OneBitAdam, "self", check=check_onebit_adam_options,
+    state_bytes_per_param=onebit_family_bytes(3),  # m, v, sqrt(v) + eps
     description="1-bit Adam (DeepSpeed 0.19.6 semantics): full-precision warm-up, then 1-bit compressed momentum",
 ))

@@ -19,6 +19,7 @@ from optim._math import (
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
+from optim.memory import onebit_family_bytes
 from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, check_onebit_family_options
 
 
@@ -289,5 +290,6 @@ def _pieces(tensors: tuple[Tensor, ...], size: int) -> Iterator[tuple[Tensor, ..
 
 register_optimizer(OptimSpec(
     "onebit_lamb", OneBitLAMB, "self", check=check_onebit_lamb_options,
+    state_bytes_per_param=onebit_family_bytes(4),  # m, v, fresh v, sqrt(v) + eps (the work piece is bounded)
     description="1-bit LAMB (DeepSpeed 0.19.6 semantics): LAMB warm-up, then fused 1-bit momentum, frozen coefficients",
 ))

@@ -836,15 +836,20 @@ def _always(p: Tensor, min_compress_numel: int) -> bool:
     return p.dim() <= 1 or p.numel() < min_compress_numel
 
 
+def slamb_state_bytes(options: dict[str, Any], world_size: int) -> float:
+    """m and v in fp32 and the freshness in `freshness_dtype`; the chunk scratch is bounded (`memory_bytes`)."""
+    return 8.0 + _FRESHNESS_DTYPES[options["freshness_dtype"]].itemsize
+
+
 register_optimizer(OptimSpec(
-    "slamb", SLAMB, "self", check=check_slamb_options,
+    "slamb", SLAMB, "self", check=check_slamb_options, state_bytes_per_param=slamb_state_bytes,
     description="SLAMB (Xu et al., ICML 2023): LAMB with a randomly masked momentum all-reduce, freshness "
                 "rescaling and periodic dense parameter averaging",
 ))
 # The same class under the name of its parity preset: conf/optim/slamb_v2_official.yaml holds the official
 # Slamb_V2's switches (the values live in the YAML, as for every entry; the registry adds no defaults).
 register_optimizer(OptimSpec(
-    "slamb_v2_official", SLAMB, "self", check=check_slamb_options,
+    "slamb_v2_official", SLAMB, "self", check=check_slamb_options, state_bytes_per_param=slamb_state_bytes,
     description="SLAMB with the switches of the official Slamb_V2 (decay outside the trust-ratio norms), "
                 "for comparisons with the published code",
 ))

@@ -13,6 +13,7 @@ from optim._math import check_flags, closure_loss
 from optim._registry import OptimSpec, get_optimizer_spec, list_optimizers, register_optimizer, run_check
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options
 from optim.comm import Comm, average_tensors_
+from optim.memory import wrapper_bytes
 
 _GLOBAL = "slowmo"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
 
@@ -194,6 +195,7 @@ def check_slowmo_options(options: dict[str, Any]) -> None:
 
 register_optimizer(OptimSpec(
     "slowmo", SlowMo, "self", check=check_slowmo_options,
+    state_bytes_per_param=wrapper_bytes(8.0),  # fp32 anchor and slow momentum on top of the base's
     description="SlowMo (Wang et al., ICLR 2020): local steps of a base optimizer, exact parameter averaging "
                 "every sync_interval steps and a slow momentum step",
 ))

@@ -17,6 +17,7 @@ from torch import nn
 from data import DataRequest, atomic_write_json, build_data
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
+from optim.memory import estimate_memory, memory_lines
 from train.checkpoint import Checkpointer, release_mapped, reseed_rng, rng_state, set_rng_state
 from train.config import batch_geometry
 from train.distributed import pick_device
@@ -102,6 +103,12 @@ class Trainer:
             f"{self.cfg.precision.dtype} | {self.max_steps} steps"
         )
         self.logger.info(f"data {self.data.source}")
+        optim_kwargs = {k: v for k, v in OmegaConf.to_container(self.cfg.optim).items() if k != "name"}
+        estimate = estimate_memory(self.model, self.spec, optim_kwargs, self.comm.world_size)
+        device_total = (torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda"
+                        else None)
+        for line in memory_lines(estimate, device_total):
+            self.logger.info(line)
         for warning in self._surprising_settings():
             self.logger.info(f"warning: {warning}")
         if resumed_from is not None:
