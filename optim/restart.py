@@ -13,6 +13,10 @@ step count the optimizers keep:
   (`"jointspar"`), and inside SlowMo's and JointSpar's base optimizer the same again. SLAMB's freshness is stored
   relative to its step (`scaled_freshness`), so it is re-expressed for step 0, keeping each coordinate's r.
 
+SlowMo's anchors are positions, not moments: they are set to the weights the new run starts from (the same
+weights when the saved run ended on an average), so its first outer step sees only its own displacement; its
+slow momentum continues.
+
 The 1-bit family cannot continue: its count places every step in a stage (warm-up, frozen variance with
 compressed momentum and per-rank error feedback), and the saved state belongs to the stage it was written in.
 """
@@ -26,6 +30,7 @@ import torch
 from conf.checks import ConfigError
 from optim.onebit_adam import OneBitFamily
 from optim.slamb import SLAMB
+from optim.slowmo import SlowMo
 
 _ONEBIT_REASON = ("keeps a stage-bound state (frozen variance, compression error buffers) that a fresh step count "
                   "would put in the wrong stage")
@@ -46,6 +51,8 @@ def restart_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -
         raise ConfigError(f"{type(optimizer).__name__} {reason}")
     optimizer.load_state_dict(_with_current_hyperparameters(optimizer, saved))
     _zero_steps(optimizer)
+    if isinstance(optimizer, SlowMo):
+        _anchor_at_the_weights(optimizer)
 
 
 def _with_current_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +81,15 @@ def _zero_steps(optimizer: torch.optim.Optimizer) -> None:
     base = getattr(optimizer, "base", None)
     if base is not None:
         _zero_steps(base)
+
+
+def _anchor_at_the_weights(optimizer: SlowMo) -> None:
+    """SlowMo's anchors (the weights after the last outer step) := the weights now: this run has had no step yet."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if "anchor" in optimizer.state[p]:
+                    optimizer.state[p]["anchor"].copy_(p)
 
 
 def _freshness_for_step_zero(optimizer: SLAMB) -> None:

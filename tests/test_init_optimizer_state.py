@@ -24,7 +24,6 @@ CONTINUE = "trainer.init_optimizer_state=true"
 @pytest.fixture(scope="module")
 def phase1(tmp_path_factory) -> dict[str, Path]:
     """Finished 2-step runs, one per optimizer, made on first use and only read: `phase1[name]`."""
-    runs: dict[str, Path] = {}
 
     class Runs(dict):
         def __missing__(self, optimizer: str) -> Path:
@@ -33,7 +32,7 @@ def phase1(tmp_path_factory) -> dict[str, Path]:
             self[optimizer] = run_dir
             return run_dir
 
-    return Runs(runs)
+    return Runs()
 
 
 def _phase2(tmp_path: Path, *overrides: str) -> Trainer:
@@ -57,10 +56,10 @@ def _step_counts(state_dict: dict[str, Any]) -> list[float]:
 
 
 def _moments(state_dict: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    """The per-parameter state tensors (m, v, momentum buffers, anchors), by path; step counts and SLAMB's
-    step-relative freshness left out."""
+    """The per-parameter state tensors (m, v, momentum buffers, SlowMo's slow momentum), by path; step counts,
+    SLAMB's step-relative freshness and SlowMo's anchors (positions, not moments) left out."""
     found = {f"{prefix}{key}.{name}": value for key, entry in state_dict["state"].items() for name, value in
-             entry.items() if torch.is_tensor(value) and name not in ("step", "scaled_freshness")}
+             entry.items() if torch.is_tensor(value) and name not in ("step", "scaled_freshness", "anchor")}
     return found | (_moments(state_dict["base"], "base.") if "base" in state_dict else {})
 
 
@@ -101,6 +100,12 @@ def test_every_continuable_optimizer_restarts_its_step_counts(phase1, tmp_path, 
         reference.load_state_dict(saved)
         for ours, theirs in zip(trainer.optimizer.freshness(), reference.freshness(), strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=0)
+    if optimizer == "slowmo":  # its anchors are where this run starts, not where phase 1's last average was
+        params = [p for group in trainer.optimizer.param_groups for p in group["params"]]  # state_dict order
+        anchors = [trainer.optimizer.state[p]["anchor"] for p in params]
+        assert not all(torch.equal(anchor, saved["state"][i]["anchor"]) for i, anchor in enumerate(anchors))
+        for p, anchor in zip(params, anchors, strict=True):
+            assert torch.equal(anchor, p.detach())
     trainer.close()
 
 
@@ -128,7 +133,23 @@ def test_an_export_is_refused_in_one_line_before_anything_starts(phase1, tmp_pat
 ])
 def test_a_checkpoint_it_cannot_continue_is_refused(phase1, tmp_path, overrides, message):
     cfg = compose([*TINY, f"trainer.init_from={phase1['lamb']}", CONTINUE, *overrides])
-    with pytest.raises(ConfigError, match="trainer.init_optimizer_state=true") as refused:
+    with pytest.raises(ConfigError, match=r"trainer\.init_optimizer_state=true") as refused:
         run(cfg, tmp_path / "phase2")
     assert message in str(refused.value)
+    assert not (tmp_path / "phase2").exists()
+
+
+def test_the_phase2_recipe_continues_phase1_moments_and_its_variants_say_why_not():
+    phase2 = compose(["experiment=bert_large_phase2"])
+    assert phase2.trainer.init_optimizer_state is True
+    assert phase2.trainer.init_from == "runs/bert_large_phase1"  # the run directory: its export has no moments
+    assert compose([]).trainer.init_optimizer_state is False  # the default: weights only, as before
+    for variant in ("bert_large_phase2_slamb", "bert_large_phase2_onebit_lamb"):  # start from their exports
+        assert compose([f"experiment={variant}"]).trainer.init_optimizer_state is False
+
+
+def test_per_rank_state_of_another_number_of_ranks_is_refused(phase1, tmp_path):
+    cfg = compose([*TINY, "optim=slamb", f"trainer.init_from={phase1['slamb']}", CONTINUE, "trainer.nproc_per_node=2"])
+    with pytest.raises(ConfigError, match=r"bound to the 1 ranks that wrote it and this run has 2: run with 1 ranks"):
+        run(cfg, tmp_path / "phase2")
     assert not (tmp_path / "phase2").exists()
