@@ -16,8 +16,8 @@ the caller to re-seed (`reseed_rng`). Otherwise the resume is refused in one lin
 Best-K retention: `best.json` lists the `keep_best` checkpoints with the best evaluation score so far
 (written atomically by rank 0); pruning keeps them besides the newest `keep_last`.
 
-This module is the only one that knows the layout: `model_state` reads the weights of a run directory or of
-a checkpoint directory for `trainer.init_from`.
+This module is the only one that knows the layout: `init_checkpoint` finds the checkpoint of a run directory or
+a checkpoint directory that `trainer.init_from` starts from, and `model_state` reads its weights.
 """
 
 from __future__ import annotations
