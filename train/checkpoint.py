@@ -16,8 +16,8 @@ the caller to re-seed (`reseed_rng`). Otherwise the resume is refused in one lin
 Best-K retention: `best.json` lists the `keep_best` checkpoints with the best evaluation score so far
 (written atomically by rank 0); pruning keeps them besides the newest `keep_last`.
 
-This module is the only one that knows the layout: `model_state` reads the weights of a run directory or of
-a checkpoint directory for `trainer.init_from`.
+This module is the only one that knows the layout: `init_checkpoint` finds the checkpoint of a run directory or
+a checkpoint directory that `trainer.init_from` starts from, and `model_state` reads its weights.
 """
 
 from __future__ import annotations
@@ -245,16 +245,23 @@ class Checkpointer:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def model_state(path: Path) -> dict[str, torch.Tensor] | None:
-    """The model weights of a run directory's newest checkpoint or of a checkpoint directory; None for any
-    other directory (a `save_pretrained` export, say), which the caller reads its own way."""
+def init_checkpoint(path: Path) -> Path | None:
+    """The checkpoint `trainer.init_from=path` starts from: a run directory's newest one or the checkpoint directory
+    itself; None for any other directory (a `save_pretrained` export, say)."""
     path = Path(path)
     if (path / CHECKPOINTS_DIR).is_dir():
         found = complete_checkpoints(path / CHECKPOINTS_DIR)
         if not found:
             raise FileNotFoundError(f"trainer.init_from={path} is a run directory without checkpoints")
         path = found[-1]
-    if not (path / SHARED_FILE).is_file():
+    return path if (path / SHARED_FILE).is_file() else None
+
+
+def model_state(path: Path) -> dict[str, torch.Tensor] | None:
+    """The model weights of `init_checkpoint(path)`; None when there is none (a `save_pretrained` export, say),
+    which the caller reads its own way."""
+    path = init_checkpoint(path)
+    if path is None:
         return None
     state = load_torch(path / SHARED_FILE)
     if "model" not in state:  # self-synchronising optimizers keep the model with each rank

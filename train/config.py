@@ -62,6 +62,7 @@ class TrainerConfig:
     resume: bool = MISSING
     steps_this_run: int | None = MISSING
     init_from: str | None = MISSING
+    init_optimizer_state: bool = MISSING
     compile: bool = MISSING
     deterministic: bool = MISSING
     ema_decay: float | None = MISSING

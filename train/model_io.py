@@ -11,9 +11,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from conf.checks import ConfigError
 from data.atomic import replace_directory
 from models import create_model
-from train.checkpoint import model_state
+from optim import get_optimizer_spec
+from optim.restart import cannot_restart
+from train.checkpoint import init_checkpoint, model_state, read_meta
 
 
 def build_model(model_cfg: DictConfig, init_from: str | None, tokenizer: Any) -> nn.Module:
@@ -61,6 +64,37 @@ def load_weights(model: nn.Module, path: Path) -> None:
         raise ValueError(
             f"trainer.init_from={path} does not fit the model: it lacks {partial[0]} ({len(partial)} keys missing)"
         )
+
+
+def optimizer_checkpoint(init_from: str | None, optimizer: str, world_size: int) -> Path:
+    """The checkpoint whose optimizer state `trainer.init_optimizer_state=true` continues: the one `init_from`'s
+    weights come from. Refused in one line (`ConfigError`) unless it was written with the same optimizer
+    `optimizer`, one that can continue its state (see `optim.restart`), and, when that state is per rank, by
+    `world_size` ranks. Called before any worker starts and again by the trainer."""
+    key = "trainer.init_optimizer_state=true"
+    reason = cannot_restart(get_optimizer_spec(optimizer).cls)
+    if reason is not None:
+        raise ConfigError(f"{key}: optim={optimizer} {reason}: set trainer.init_optimizer_state=false")
+    if not init_from:
+        raise ConfigError(f"{key} needs trainer.init_from=<run directory or checkpoint directory> of a run with "
+                          f"optim={optimizer}, whose optimizer state is loaded with its weights")
+    checkpoint = init_checkpoint(Path(init_from))
+    if checkpoint is None:
+        raise ConfigError(f"{key}: trainer.init_from={init_from} is not a run or checkpoint directory (an export "
+                          "holds weights only): give the directory of the run that wrote it, or set "
+                          "trainer.init_optimizer_state=false to load only its weights")
+    meta = read_meta(checkpoint)
+    written_with = meta.get("optimizer")
+    if written_with != optimizer:
+        what = f"was written with optim={written_with}" if written_with else "does not record its optimizer"
+        raise ConfigError(f"{key}: checkpoint {checkpoint} {what}, this run has optim={optimizer}: use that "
+                          "optimizer, or set trainer.init_optimizer_state=false to load only the weights")
+    written_by = meta.get("world_size", world_size)
+    if written_by != world_size and meta.get("rank_bound") != []:  # see train.checkpoint.check_world_size
+        raise ConfigError(f"{key}: checkpoint {checkpoint} holds optimizer state bound to the {written_by} ranks "
+                          f"that wrote it and this run has {world_size}: run with {written_by} ranks, or set "
+                          "trainer.init_optimizer_state=false to load only the weights")
+    return checkpoint
 
 
 def export_pretrained(

@@ -1,7 +1,9 @@
 """`python -m train.pipeline`: BERT phase 1, phase 2 and SQuAD fine-tuning in sequence, then F1 / EM.
 
 Each stage is an ordinary `python -m train` run in its own run directory, started from the previous
-stage's exported weights. Rerunning the command resumes the stage that was interrupted; finished stages
+stage: phase 2 from phase 1's run directory (its final checkpoint: weights and, with the preset's
+`trainer.init_optimizer_state=true`, LAMB's moments, as NVIDIA's recipe does), SQuAD from phase 2's exported
+weights. Rerunning the command resumes the stage that was interrupted; finished stages
 report that they are complete and are skipped.
 
     python -m train.pipeline --phase1 data.path=/data/wiki_books --phase2 data.path=/data/wiki_books
@@ -31,12 +33,14 @@ REFERENCES = (
 
 
 def stage_command(stage: str, prefix: str, runs_dir: Path, overrides: list[str]) -> list[str]:
-    """The `python -m train` command of one stage; each stage starts from the previous one's export."""
+    """The `python -m train` command of one stage; each stage starts from the previous one: phase 2 from its run
+    directory (weights and optimizer state), SQuAD (another model head, another optimizer) from its export."""
     run_dir = runs_dir / f"{prefix}_{stage}"
     args = [f"experiment={EXPERIMENTS[stage]}", f"name={prefix}_{stage}", f"hydra.run.dir={run_dir}"]
     previous = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
     if previous is not None:
-        args.append(f"trainer.init_from={runs_dir / f'{prefix}_{previous}' / 'hf_model'}")
+        source = runs_dir / f"{prefix}_{previous}"
+        args.append(f"trainer.init_from={source if stage == 'phase2' else source / 'hf_model'}")
     return [sys.executable, "-m", "train", *args, *overrides]
 
 

@@ -23,6 +23,7 @@ from train.distributed import (
     pick_device,
     shutdown_distributed,
 )
+from train.model_io import optimizer_checkpoint
 
 RECORDED_CONFIG_DIR = ".hydra"  # where the accepted config and overrides of a run are recorded
 _SIGNALLED_WORKER_GRACE_S = 5.0  # how long a stopped worker waits for its elastic agent before leaving
@@ -41,6 +42,8 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None
                           seed=cfg.trainer.seed)
     build_data(cfg.data, request, dry=True)  # paths and keys only: nothing is read
     check_run_directory(cfg, Path(run_dir), geometry)
+    if cfg.trainer.init_optimizer_state:
+        optimizer_checkpoint(cfg.trainer.init_from, cfg.optim.name, geometry.world_size)  # or a one-line refusal
     if launch_rank() == 0:
         record_config(cfg, Path(run_dir), overrides)
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain values: picklable

@@ -18,12 +18,13 @@ from data import DataRequest, atomic_write_json, build_data
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
 from optim.memory import estimate_memory, memory_lines
+from optim.restart import restart_optimizer
 from train.checkpoint import Checkpointer, release_mapped, reseed_rng, rng_state, set_rng_state
 from train.config import batch_geometry
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger, RunClock, RunTotals, read_metrics
-from train.model_io import build_model, export_pretrained
+from train.model_io import build_model, export_pretrained, optimizer_checkpoint
 from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
 from train.stop import StopRequest
 from train.summary import build_summary, write_summary
@@ -79,6 +80,8 @@ class Trainer:
         self.skipped_steps = 0  # fp16 overflow steps (they do not count towards max_steps)
         self.clock, self.totals = RunClock(), RunTotals()  # both continue across resumes, for the summary
         resumed_from = self._resume() if tcfg.resume else None  # run() refused resume=false over checkpoints
+        if resumed_from is None and tcfg.init_optimizer_state:
+            self._continue_optimizer_state(optimizer_checkpoint(tcfg.init_from, self.spec.name, comm.world_size))
         self.logger = MetricLogger(
             self.run_dir, enabled=self.is_main, total_steps=self.max_steps, start_step=self.step,
             progress_bar=cfg.logger.progress_bar, tensorboard=cfg.logger.tensorboard,
@@ -318,6 +321,14 @@ class Trainer:
             self.load_state_dicts(*self.checkpointer.load(latest))
             self._saved_step = self.step
         return latest
+
+    def _continue_optimizer_state(self, checkpoint: Path) -> None:
+        """`trainer.init_optimizer_state`: the moments of the checkpoint the weights came from, with every step count
+        at 0 (NVIDIA BERT's phase 2); the trainer's own step and with it the LR schedule start at 0 too."""
+        shared, own = self.checkpointer.load(checkpoint)  # this rank's own state when it is per rank
+        saved = self.grad_sync.learner_state(shared, own)["optimizer"]
+        restart_optimizer(self.optimizer, saved)
+        release_mapped(saved, self.optimizer.state_dict())
 
     def _refuse_non_finite_weights(self) -> None:
         """Never write a checkpoint with a NaN or inf weight (one host read per checkpoint, not per step)."""
