@@ -56,8 +56,8 @@ class Trainer:
         self.model = build_model(cfg.model, tcfg.init_from, self.tokenizer).to(self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.spec = get_optimizer_spec(cfg.optim.name)
-        optim_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.optim).items() if k != "name"}
-        self.optimizer = build_optimizer(self.model, self.spec.name, optim_kwargs, comm=comm)
+        self.optim_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.optim).items() if k != "name"}
+        self.optimizer = build_optimizer(self.model, self.spec.name, self.optim_kwargs, comm=comm)
         # The scaler skips the optimizer's step on an fp16 overflow; this hook tells the loop, with no device sync.
         self._stepped = False
         self.optimizer.register_step_post_hook(self._on_optimizer_step)
@@ -106,8 +106,7 @@ class Trainer:
             f"{self.cfg.precision.dtype} | {self.max_steps} steps"
         )
         self.logger.info(f"data {self.data.source}")
-        optim_kwargs = {k: v for k, v in OmegaConf.to_container(self.cfg.optim).items() if k != "name"}
-        estimate = estimate_memory(self.model, self.spec, optim_kwargs, self.comm.world_size)
+        estimate = estimate_memory(self.model, self.spec, self.optim_kwargs, self.comm.world_size)
         device_total = (torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda"
                         else None)
         for line in memory_lines(estimate, device_total):
