@@ -58,7 +58,7 @@ def memory_lines(estimate: Mapping[str, int], device_total: int | None) -> list[
     `WARN_FRACTION` of `device_total` (the device's memory in bytes; None off CUDA)."""
     optimizer = (f"optimizer state {_gib(estimate['optimizer'])}" if "optimizer" in estimate
                  else "optimizer state unknown")
-    line = (f"memory per GPU (persistent): weights {_gib(estimate['weights'])} + gradients "
+    line = (f"memory per rank (persistent): weights {_gib(estimate['weights'])} + gradients "
             f"{_gib(estimate['gradients'])} + {optimizer} = {_gib(estimate['total'])}")
     line += f" of {_gib(device_total, 1)} (activations extra)" if device_total else " (activations extra)"
     lines = [line]

@@ -144,7 +144,7 @@ def test_banner_line_against_the_device_memory():
     estimate = {"weights": int(1.25 * GIB), "gradients": int(1.25 * GIB), "optimizer": int(2.5 * GIB),
                 "total": 5 * GIB}
     assert memory_lines(estimate, 80 * GIB) == [
-        "memory per GPU (persistent): weights 1.25 GiB + gradients 1.25 GiB + optimizer state 2.50 GiB "
+        "memory per rank (persistent): weights 1.25 GiB + gradients 1.25 GiB + optimizer state 2.50 GiB "
         "= 5.00 GiB of 80.0 GiB (activations extra)"]
 
 
@@ -159,11 +159,11 @@ def test_banner_warns_above_ninety_percent_of_the_device():
 def test_banner_without_a_device_total_or_an_optimizer_number():
     estimate = {"weights": GIB, "gradients": GIB, "total": 2 * GIB}
     assert memory_lines(estimate, None) == [
-        "memory per GPU (persistent): weights 1.00 GiB + gradients 1.00 GiB + optimizer state unknown "
+        "memory per rank (persistent): weights 1.00 GiB + gradients 1.00 GiB + optimizer state unknown "
         "= 2.00 GiB (activations extra)"]
 
 
-_LINE = re.compile(r"memory per GPU \(persistent\): weights (\S+) GiB \+ gradients (\S+) GiB \+ optimizer state "
+_LINE = re.compile(r"memory per rank \(persistent\): weights (\S+) GiB \+ gradients (\S+) GiB \+ optimizer state "
                    r"(\S+) GiB = (\S+) GiB(?: of (\S+) GiB)? \(activations extra\)")
 
 
