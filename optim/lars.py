@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from conf.checks import check_non_negative, check_positive, require
-from optim._math import check_flags, closure_loss
+from optim._math import check_flags, closure_loss, foreach_chunks
 from optim._registry import OptimSpec, register_optimizer, run_check
 
 
@@ -121,7 +121,29 @@ def lars(
 ) -> None:
     """Functional LARS over one param group (see `LARS`) with foreach kernels; `adapt[i]`: tensor i gets the
     trust ratio and weight decay. `direction_scale` multiplies :math:`d` before the momentum (JointSpar's 1/p).
-    `grads` are read, never written."""
+    `grads` are read, never written. Every quantity is per tensor, so the group goes through in chunks of the
+    device's `FOREACH_CHUNK_NUMEL`: its temporaries (the directions) are one chunk's, not the group's."""
+    for chunk in foreach_chunks(params):
+        _lars_chunk(params[chunk], grads[chunk], None if momentum_buffers is None else momentum_buffers[chunk],
+                    adapt=adapt[chunk], lr=lr, momentum=momentum, weight_decay=weight_decay,
+                    trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov, direction_scale=direction_scale)
+
+
+def _lars_chunk(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor] | None,
+    *,
+    adapt: list[bool],
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    trust_coefficient: float,
+    eps: float,
+    nesterov: bool,
+    direction_scale: float,
+) -> None:
+    """`lars` over tensors whose temporaries may be alive at once; the adapted ones first, in one foreach run."""
     order = [i for i, a in enumerate(adapt) if a] + [i for i, a in enumerate(adapt) if not a]
     n_adapted = sum(adapt)
     params = [params[i] for i in order]

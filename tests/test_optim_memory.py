@@ -1,4 +1,4 @@
-"""Optimizer memory at scale: no whole-state copies on resume, bounded foreach temporaries on a GPU.
+"""Optimizer memory at scale: no whole-state copies on resume, foreach temporaries bounded by a chunk.
 
 Measured without a GPU: a dispatch mode sums the bytes of every new storage the code allocates, and
 storages are compared by address, so a full-size copy shows up however briefly it lives.
@@ -7,6 +7,7 @@ storages are compared by address, so a full-size copy shows up however briefly i
 from __future__ import annotations
 
 import io
+import weakref
 
 import pytest
 import torch
@@ -14,17 +15,21 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from optim import LAMB, SLAMB, OneBitLAMB
+from optim import LAMB, LARS, SLAMB, OneBitLAMB, SlowMo
 from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm
 
 
 class _NewStorageBytes(TorchDispatchMode):
-    """Bytes of the storages created by the operations run under it (outputs not sharing an input's storage)."""
+    """Bytes of the storages created by the operations run under it (outputs not sharing an input's storage):
+    `bytes` in all, `peak` the most alive at once (a storage counts until the tensor returned with it is freed)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.bytes = 0
+        self.bytes = self.live = self.peak = 0
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs or {}))[0]
@@ -32,7 +37,11 @@ class _NewStorageBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.bytes += t.untyped_storage().nbytes()
+                nbytes = t.untyped_storage().nbytes()
+                self.bytes += nbytes
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._freed, nbytes)
                 inputs.add(t.untyped_storage().data_ptr())
         return out
 
@@ -121,6 +130,26 @@ def test_lamb_step_temporaries_on_a_gpu_are_bounded_by_the_chunk():
     optimizer.step()
     chunk_bytes = 4 * FOREACH_CHUNK_NUMEL["cuda"]
     assert torch.cuda.max_memory_allocated() - baseline <= 3 * chunk_bytes < 4 * sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("kind", ["lars", "slowmo"])
+def test_whole_group_steps_keep_temporaries_to_one_chunk(kind, monkeypatch):
+    """LARS's directions and SlowMo's drift are per-tensor temporaries: with 2 tensors per foreach chunk, at
+    most one chunk's (plus small per-tensor norms) is alive at once, not the whole group's 16 tensors."""
+    monkeypatch.setitem(FOREACH_CHUNK_NUMEL, "cpu", 2 * 4096)
+    params = [nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(i))) for i in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    if kind == "lars":
+        optimizer = LARS(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+    else:
+        optimizer = SlowMo(params, lr=0.1, sync_interval=1, comm=Comm())
+    optimizer.step()  # the state exists from here on
+    with _NewStorageBytes() as counted:
+        optimizer.step()
+    chunk_bytes = 4 * FOREACH_CHUNK_NUMEL["cpu"]
+    assert counted.bytes >= 4 * 4096  # it did allocate temporaries ...
+    assert counted.peak <= chunk_bytes + 1024  # ... one chunk's at a time
 
 
 def _storage_sizes(obj: object, seen: dict[int, int], visited: set[int]) -> dict[int, int]:
