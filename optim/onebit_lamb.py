@@ -34,15 +34,13 @@ def check_onebit_lamb_options(options: dict[str, Any]) -> None:
     require(0.0 <= o["coeff_beta"] < 1.0, "coeff_beta", o["coeff_beta"], "must be in [0, 1)")
 
 
-# Elements of 1-bit LAMB's one work buffer, by device type: what replaces DeepSpeed's clone of every momentum. Its
-# steps run foreach ops over chunks of tensors of at most this many elements, each chunk with a view of the buffer
-# as its temporary (a tensor larger than that is cut into 1-D pieces). On a CPU 4 MiB of fp32 stays in cache; on a
-# GPU small chunks only multiply the launches, so a chunk is 64 MiB.
-_SCRATCH_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 24}
-
-
-def _scratch_numel(device: torch.device) -> int:
-    return _SCRATCH_NUMEL.get(device.type, _SCRATCH_NUMEL["cpu"])
+# 1-bit LAMB's one work buffer, what replaces DeepSpeed's clone of every momentum: its compressed step runs foreach
+# ops over chunks of tensors of at most this many elements, each chunk with a view of the buffer as its temporary
+# (a larger tensor is cut into 1-D pieces). It holds an eighth of the parameters, at most 64 MiB of fp32: a bounded
+# buffer, and a step of at most about 16 chunks plus one per 2^24 elements, however many tensors there are.
+# Smaller, cache-sized chunks do not pay on a CPU (BERT-base, one thread: 2^20 elements per chunk no faster than
+# 2^24 or whole lists) and only multiply the launches on a GPU.
+_SCRATCH_NUMEL, _SCRATCH_FRACTION = 1 << 24, 8
 
 
 # Aligned chunks of lists of tensors, each with a list of temporaries shaped like them (`OneBitLAMB._chunks`).
@@ -109,6 +107,8 @@ class OneBitLAMB(OneBitFamily):
         self._lamb_coeffs: list[Tensor] = []
         self._scratch: Tensor | None = None  # the bounded work buffer (see `_chunks`)
         self._scratch_cache: dict[tuple[torch.Size, ...], list[Tensor]] = {}
+        numel = sum(p.numel() for p in self._params())
+        self._chunk_numel = min(_SCRATCH_NUMEL, -(-numel // _SCRATCH_FRACTION))
 
     def _init_state(self, state: dict[str, Any], p: Tensor) -> None:
         state["lamb_coeff_freeze"] = torch.zeros((), dtype=torch.float64, device=p.device)
@@ -196,26 +196,24 @@ class OneBitLAMB(OneBitFamily):
             self.state[p]["scaling_coeff"] = coeff
 
     def _chunks(self, *lists: list[Tensor]) -> Iterator[tuple[list[Tensor], ...]]:
-        """Aligned chunks of same-shaped `lists` of at most `_SCRATCH_NUMEL` elements (a larger contiguous tensor
-        cut into 1-D pieces), each with a list of temporaries shaped like it: views of one bounded work buffer."""
+        """Aligned chunks of same-shaped `lists` of at most `_chunk_numel` elements (a larger contiguous tensor cut
+        into 1-D pieces), each with a list of temporaries shaped like it: views of one bounded work buffer."""
         if not lists[0]:
             return
-        limit = _scratch_numel(lists[0][0].device)
-        pieces = _aligned_pieces(lists, limit)
-        for chunk in foreach_chunks(pieces[0], limit):
-            yield *(tensors[chunk] for tensors in pieces), self._scratch_views(pieces[0][chunk], limit)
+        pieces = _aligned_pieces(lists, self._chunk_numel)
+        for chunk in foreach_chunks(pieces[0], self._chunk_numel):
+            yield *(tensors[chunk] for tensors in pieces), self._scratch_views(pieces[0][chunk])
 
-    def _scratch_views(self, tensors: list[Tensor], limit: int) -> list[Tensor]:
+    def _scratch_views(self, tensors: list[Tensor]) -> list[Tensor]:
         """Views of the work buffer shaped like `tensors`, cached by shape (no op per step); fresh tensors for
         what does not fit (a large tensor that is not contiguous, taken whole)."""
         shapes = tuple(t.shape for t in tensors)
         if shapes not in self._scratch_cache:
             numels = [t.numel() for t in tensors]
-            if sum(numels) > limit:
+            if sum(numels) > self._chunk_numel:
                 return [torch.empty_like(t) for t in tensors]
             if self._scratch is None:
-                self._scratch = torch.empty(min(limit, sum(p.numel() for p in self._params())),
-                                            dtype=tensors[0].dtype, device=tensors[0].device)
+                self._scratch = torch.empty(self._chunk_numel, dtype=tensors[0].dtype, device=tensors[0].device)
             flat = self._scratch[:sum(numels)].split(numels)
             self._scratch_cache[shapes] = [view.view(shape) for view, shape in zip(flat, shapes, strict=True)]
         return self._scratch_cache[shapes]
