@@ -283,8 +283,8 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
         torch._foreach_div_(ratio, w)
         torch._foreach_copy_(w, ratio)
     factor = torch.stack(torch._foreach_max(work)).double()  # max over elements of denom / fresh denom
-    torch._foreach_copy_(work, exp_avgs)
-    torch._foreach_div_(work, denoms)  # update_prelim = m / denom
+    torch._foreach_zero_(work)
+    torch._foreach_addcdiv_(work, exp_avgs, denoms)  # update_prelim = m / denom (0 + m / denom: one rounding)
     if weight_decay > 0:
         prelim_norm = torch.stack(torch._foreach_norm(work))
         for w, p, decay in chunks(work, params):  # update = update_prelim + (weight_decay w), rounded apart
