@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,13 +34,17 @@ def check_onebit_lamb_options(options: dict[str, Any]) -> None:
     require(0.0 <= o["coeff_beta"] < 1.0, "coeff_beta", o["coeff_beta"], "must be in [0, 1)")
 
 
-# Elements of 1-bit LAMB's one work piece, by device type: what replaces DeepSpeed's clone of every momentum. On a
-# CPU 4 MiB of fp32 stays in cache; on a GPU small pieces only multiply the kernel launches, so a piece is 64 MiB.
-_SCRATCH_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 24}
+# 1-bit LAMB's one work buffer, what replaces DeepSpeed's clone of every momentum: its compressed step runs foreach
+# ops over chunks of tensors of at most this many elements, each chunk with a view of the buffer as its temporary
+# (a larger tensor is cut into 1-D pieces). It holds an eighth of the parameters, at most 64 MiB of fp32: a bounded
+# buffer, and a step of at most about 16 chunks plus one per 2^24 elements, however many tensors there are.
+# Smaller, cache-sized chunks do not pay on a CPU (BERT-base, one thread: 2^20 elements per chunk no faster than
+# 2^24 or whole lists) and only multiply the launches on a GPU.
+_SCRATCH_NUMEL, _SCRATCH_FRACTION = 1 << 24, 8
 
 
-def _scratch_numel(device: torch.device) -> int:
-    return _SCRATCH_NUMEL.get(device.type, _SCRATCH_NUMEL["cpu"])
+# Aligned chunks of lists of tensors, each with a list of temporaries shaped like them (`OneBitLAMB._chunks`).
+Chunks = Callable[..., Iterable[tuple[list[Tensor], ...]]]
 
 
 class OneBitLAMB(OneBitFamily):
@@ -101,7 +105,10 @@ class OneBitLAMB(OneBitFamily):
                          keep_tail=bucketing == "flat_scaled", flat_keys=("exp_avg_sq", "exp_avg_sq_fresh"))
         self.scaled = bucketing == "flat_scaled"
         self._lamb_coeffs: list[Tensor] = []
-        self._scratch: Tensor | None = None  # a bounded work piece (see `_compressed_step`)
+        self._scratch: Tensor | None = None  # the bounded work buffer (see `_chunks`)
+        self._scratch_cache: dict[tuple[torch.Size, ...], list[Tensor]] = {}
+        numel = sum(p.numel() for p in self._params())
+        self._chunk_numel = min(_SCRATCH_NUMEL, -(-numel // _SCRATCH_FRACTION))
 
     def _init_state(self, state: dict[str, Any], p: Tensor) -> None:
         state["lamb_coeff_freeze"] = torch.zeros((), dtype=torch.float64, device=p.device)
@@ -145,27 +152,24 @@ class OneBitLAMB(OneBitFamily):
         """Momentum update, one fused compressed call, then the frozen-coefficient update, on flat buffers.
 
         DeepSpeed keeps a clone of every momentum for the reconstructed gradient. Here the dead gradients hold
-        `beta1 m_old` instead (swapped with the momentum through a bounded scratch piece), while the home buffer
-        takes the new momentum `m_new = beta1 m_old + (1 - beta1) g` with DeepSpeed's single rounding; they then
-        serve as scratch for the reconstructed gradient and the update direction. The home buffer's padded
-        tail, last step's output, feeds this compression as in DeepSpeed.
+        `beta1 m_old` instead (swapped with the momentum through the bounded work buffer, chunk by chunk), while
+        the home buffer takes the new momentum `m_new = beta1 m_old + (1 - beta1) g` with DeepSpeed's single
+        rounding; they then serve as scratch for the reconstructed gradient and the update direction. The home
+        buffer's padded tail, last step's output, feeds this compression as in DeepSpeed. Every op runs over a
+        list (a chunk, a group, all tensors): the number of ops does not grow with the number of tensors.
         """
         params, grads = self._params(), self._grads()
         if "scaling_coeff" not in self.state[params[0]]:
-            coeffs = momentum_scaling_coeffs(self._states("exp_avg")) if self.scaled else None
-            for index, p in enumerate(params):
-                self.state[p]["scaling_coeff"] = coeffs[index] if coeffs is not None else \
-                    torch.ones((), dtype=torch.float64, device=p.device)
+            self._init_scaling_coeffs(params)
         scaling = self._states("scaling_coeff")
         momenta = self._states("exp_avg")
         for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
             beta1 = group["betas"][0]
-            for m, g in zip(momenta[slice_], grads[slice_], strict=True):
-                for m_piece, g_piece in _pieces((m, g), _scratch_numel(m.device)):
-                    old = self._scratch_like(g_piece)
-                    torch.mul(m_piece, beta1, out=old)  # beta1 m_old, kept for the reconstructed gradient
-                    torch.add(old, g_piece, alpha=1 - beta1, out=m_piece)
-                    g_piece.copy_(old)
+            for m, g, old in self._chunks(momenta[slice_], grads[slice_]):
+                torch._foreach_copy_(old, g)
+                torch._foreach_mul_(m, beta1)  # beta1 m_old, kept for the reconstructed gradient
+                torch._foreach_copy_(g, m)
+                torch._foreach_add_(m, old, alpha=1 - beta1)
         torch._foreach_mul_(momenta, scaling)
         self.buckets.allreduce_()
         torch._foreach_div_(momenta, scaling)
@@ -175,23 +179,44 @@ class OneBitLAMB(OneBitFamily):
         fresh = self._states("exp_avg_sq_fresh")
         for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
             coeffs = onebit_lamb_compressed_update_(
-                params[slice_], grads[slice_], momenta[slice_], fresh[slice_], denoms[slice_], self._scratch_like,
+                params[slice_], grads[slice_], momenta[slice_], fresh[slice_], denoms[slice_], self._chunks,
                 self._states("lamb_coeff_freeze")[slice_], self._states("last_factor")[slice_], lr=group["lr"],
                 betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                 factor_max=self.factor_max, factor_min=self.factor_min, factor_threshold=self.factor_threshold,
             )
             self._lamb_coeffs.extend(coeffs.unbind())
 
-    def _scratch_like(self, t: Tensor) -> Tensor:
-        """A scratch tensor shaped like `t`: a view of one bounded buffer (`_SCRATCH_NUMEL`), or a fresh one
-        for a larger piece (only a non-contiguous tensor, taken whole, can be larger)."""
-        limit = _scratch_numel(t.device)
-        if t.numel() > limit:
-            return torch.empty_like(t)
-        if self._scratch is None:
-            self._scratch = torch.empty(min(limit, max(p.numel() for p in self._params())),
-                                        dtype=t.dtype, device=t.device)
-        return self._scratch[:t.numel()].view(t.shape)
+    def _init_scaling_coeffs(self, params: list[Tensor]) -> None:
+        """Each tensor's `scaling_coeff` at the first compression step (1 without scaling)."""
+        if self.scaled:
+            coeffs = momentum_scaling_coeffs(self._states("exp_avg")).unbind()
+        else:
+            coeffs = torch.ones(len(params), dtype=torch.float64, device=params[0].device).unbind()
+        for p, coeff in zip(params, coeffs, strict=True):
+            self.state[p]["scaling_coeff"] = coeff
+
+    def _chunks(self, *lists: list[Tensor]) -> Iterator[tuple[list[Tensor], ...]]:
+        """Aligned chunks of same-shaped `lists` of at most `_chunk_numel` elements (a larger contiguous tensor cut
+        into 1-D pieces), each with a list of temporaries shaped like it: views of one bounded work buffer."""
+        if not lists[0]:
+            return
+        pieces = _aligned_pieces(lists, self._chunk_numel)
+        for chunk in foreach_chunks(pieces[0], self._chunk_numel):
+            yield *(tensors[chunk] for tensors in pieces), self._scratch_views(pieces[0][chunk])
+
+    def _scratch_views(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Views of the work buffer shaped like `tensors`, cached by shape (no op per step); fresh tensors for
+        what does not fit (a large tensor that is not contiguous, taken whole)."""
+        shapes = tuple(t.shape for t in tensors)
+        if shapes not in self._scratch_cache:
+            numels = [t.numel() for t in tensors]
+            if sum(numels) > self._chunk_numel:
+                return [torch.empty_like(t) for t in tensors]
+            if self._scratch is None:
+                self._scratch = torch.empty(self._chunk_numel, dtype=tensors[0].dtype, device=tensors[0].device)
+            flat = self._scratch[:sum(numels)].split(numels)
+            self._scratch_cache[shapes] = [view.view(shape) for view, shape in zip(flat, shapes, strict=True)]
+        return self._scratch_cache[shapes]
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         for p in self._params():  # checkpoints before scaling coefficients were tensors held Python floats
@@ -200,19 +225,17 @@ class OneBitLAMB(OneBitFamily):
                                                               device=p.device)
 
 
-def momentum_scaling_coeffs(exp_avgs: list[Tensor]) -> list[Tensor]:
-    """`mean_q rms(m_q) / rms(m_p)` per tensor (0-d float64), so one worker scale suits every momentum in the buffer.
+def momentum_scaling_coeffs(exp_avgs: list[Tensor]) -> Tensor:
+    """`mean_q rms(m_q) / rms(m_p)` per tensor (float64, one entry per tensor), so one worker scale suits every
+    momentum in the buffer.
 
-    Computed once, at the first compression step, on the device in float64, summed left to right as
-    DeepSpeed's Python floats are (no host read). A zero RMS gets coefficient 1.
+    Computed once, at the first compression step, on the device in float64 (no host read). The sum is a
+    cumulative sum, left to right as DeepSpeed's Python floats are on a CPU. A zero RMS gets coefficient 1.
     """
-    rms = [norm.double() / math.sqrt(m.numel()) for norm, m in zip(torch._foreach_norm(exp_avgs), exp_avgs,
-                                                                     strict=True)]
-    total = rms[0]
-    for value in rms[1:]:
-        total = total + value
-    united = total / len(rms)
-    return [torch.where(r > 0, united / r, torch.ones_like(r)) for r in rms]
+    norms = torch.stack(torch._foreach_norm(exp_avgs)).double()
+    rms = torch.stack(torch._foreach_div(list(norms.unbind()), [math.sqrt(m.numel()) for m in exp_avgs]))
+    united = rms.cumsum(0)[-1] / len(exp_avgs)
+    return torch.where(rms > 0, united / rms, torch.ones_like(rms))
 
 
 def onebit_lamb_warmup_update_(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -232,15 +255,16 @@ def onebit_lamb_warmup_update_(params: list[Tensor], exp_avgs: list[Tensor], exp
 
 
 def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp_avgs: list[Tensor],
-                                   fresh: list[Tensor], denoms: list[Tensor], scratch_like: Callable[[Tensor], Tensor],
+                                   fresh: list[Tensor], denoms: list[Tensor], chunks: Chunks,
                                    coeff_freezes: list[Tensor], last_factors: list[Tensor], *, lr: float,
                                    betas: Sequence[float], eps: float, weight_decay: float, factor_max: float,
                                    factor_min: float, factor_threshold: float) -> Tensor:
     """One group's compression-stage update after the momenta were all-reduced; returns each tensor's coefficient.
 
     `work` (the dead gradients) holds `beta1 m_old` and then, in place, the reconstructed gradient, the ratio
-    of denominators and the update; `fresh` is `v_fresh`, `denoms` `sqrt(v) + eps`; `scratch_like(t)` gives a
-    bounded work piece shaped like `t`. Nothing is allocated at full size. Per-tensor maxima, norms and the
+    of denominators and the update; `fresh` is `v_fresh`, `denoms` `sqrt(v) + eps`; `chunks(*lists)` gives
+    aligned chunks of lists, each with bounded temporaries shaped like it. Nothing is allocated at full size, and
+    every op runs over a list, so their number does not grow with the tensors'. Per-tensor maxima, norms and the
     factor chain run over stacked 0-d tensors (float64): nothing is read on the host. The roundings are
     DeepSpeed's (negating numerator and denominator of the reconstructed gradient is exact).
     """
@@ -254,16 +278,19 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
     torch._foreach_copy_(work, fresh)
     torch._foreach_sqrt_(work)
     torch._foreach_add_(work, eps)
-    for w, denom in zip(work, denoms, strict=True):
-        torch.div(denom, w, out=w)
+    for w, denom, ratio in chunks(work, denoms):  # w <- denom / w, through the temporaries
+        torch._foreach_copy_(ratio, denom)
+        torch._foreach_div_(ratio, w)
+        torch._foreach_copy_(w, ratio)
     factor = torch.stack(torch._foreach_max(work)).double()  # max over elements of denom / fresh denom
-    for w, m, denom in zip(work, exp_avgs, denoms, strict=True):
-        torch.div(m, denom, out=w)  # update_prelim = m / denom
+    torch._foreach_zero_(work)
+    torch._foreach_addcdiv_(work, exp_avgs, denoms)  # update_prelim = m / denom (0 + m / denom: one rounding)
     if weight_decay > 0:
         prelim_norm = torch.stack(torch._foreach_norm(work))
-        for w, p in zip(work, params, strict=True):  # update = update_prelim + (weight_decay w), rounded apart
-            for w_piece, p_piece in _pieces((w, p), _scratch_numel(w.device)):
-                w_piece.add_(torch.mul(p_piece, weight_decay, out=scratch_like(p_piece)))
+        for w, p, decay in chunks(work, params):  # update = update_prelim + (weight_decay w), rounded apart
+            torch._foreach_copy_(decay, p)
+            torch._foreach_mul_(decay, weight_decay)
+            torch._foreach_add_(w, decay)
         update_norm = torch.stack(torch._foreach_norm(work))
         ratio = torch.where(update_norm > 0, prelim_norm / update_norm, 1.0).double().clamp(max=1.0)
         factor = factor * ratio + (1.0 - ratio)
@@ -277,15 +304,19 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
     return coeffs
 
 
-def _pieces(tensors: tuple[Tensor, ...], size: int) -> Iterator[tuple[Tensor, ...]]:
-    """Aligned 1-D pieces of at most `size` elements of same-shaped tensors; the tensors whole when one of them
-    is not contiguous (a channels_last gradient, say: no flat view of it exists)."""
-    if not all(t.is_contiguous() for t in tensors):
-        yield tensors
-        return
-    flats = [t.view(-1) for t in tensors]
-    for a in range(0, flats[0].numel(), size):
-        yield tuple(f[a:a + size] for f in flats)
+def _aligned_pieces(lists: Sequence[list[Tensor]], size: int) -> list[list[Tensor]]:
+    """`lists` of same-shaped tensors with each tensor of more than `size` elements replaced by its 1-D pieces of at
+    most `size`, alike in every list; kept whole where one of them is not contiguous (a channels_last gradient,
+    say: no flat view of it exists). Two ops per cut tensor: a view and one split."""
+    out: list[list[Tensor]] = [[] for _ in lists]
+    for tensors in zip(*lists, strict=True):
+        cut = tensors[0].numel() > size and all(t.is_contiguous() for t in tensors)
+        for pieces, t in zip(out, tensors, strict=True):
+            if cut:
+                pieces.extend(t.view(-1).split(size))
+            else:
+                pieces.append(t)
+    return out
 
 
 register_optimizer(OptimSpec(

@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import REPO, TINY, run_train
+from dispatched_ops import dispatched_ops
 from distributed_harness import run_on_ranks
 from host_reads import count_host_reads
 from torch import nn
@@ -372,3 +373,32 @@ def io_roundtrip(state: dict) -> dict:
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
+
+
+def _ops_per_stage(name: str, layers: int) -> dict[str, int]:
+    """Ops dispatched by the last step of each compressed stage of optimizer `name` over `layers` linear layers
+    (two param groups, weight decay, 2 loopback ranks); the full-precision stages average through `optim.comm`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    cls, kwargs = OPTIMIZERS[name]
+    optimizer = cls(param_groups_weight_decay(model, 0.01), comm=_LoopbackComm(), **kwargs)
+    counts = {}
+    for t in range(1, STEPS + 1):
+        stage = optimizer.schedule.kind(t) if name == "zero_one_adam" else \
+            "compressed" if optimizer.compressing(t) else "warmup"
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        ops = dispatched_ops(optimizer.step)
+        if stage not in ("init", "warmup", "variance"):
+            counts[stage] = sum(ops.values())
+    return counts
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_compressed_steps_dispatch_no_op_per_tensor(name: str):
+    """Issue 14: on a GPU each op dispatched from Python costs host time whatever its size, so a compressed step
+    runs foreach ops over lists: quadrupling the tensors adds at most a few ops (views of a split, say)."""
+    few, many = _ops_per_stage(name, 8), _ops_per_stage(name, 32)
+    assert set(few) == set(many) and few
+    for stage in few:
+        assert many[stage] - few[stage] <= 4, f"{name} {stage}: {few[stage]} ops for 16 tensors, {many[stage]} for 64"
