@@ -275,9 +275,10 @@ def bernoulli_plan(tensors: Sequence[tuple[int, int, int]], device: torch.device
     """The per-tensor constants of `bernoulli_rows`, built once: `tensors` holds per tensor `(n, capacity,
     offset)`, drawn from consecutive runs of `capacity` uniforms, its positions shifted by `offset`."""
     capacities = [t[1] for t in tensors]
-    table = [(first, n, offset) for (n, _, offset), first in zip(tensors, _starts(capacities), strict=True)]
-    return {"table": torch.tensor(table, dtype=torch.int64).reshape(-1, 3).to(device),
-            "count": torch.tensor(capacities, dtype=torch.int64).to(device), "picks": sum(capacities)}
+    first = torch.tensor(_starts(capacities), dtype=torch.int64)
+    n, offset = (torch.tensor([t[i] for t in tensors], dtype=torch.int64) for i in (0, 2))
+    plan = {"first": first, "shift": first - offset, "end": n + offset, "count": torch.tensor(capacities, dtype=torch.int64)}
+    return {key: value.to(device) for key, value in plan.items()} | {"picks": sum(capacities)}
 
 
 def bernoulli_rows(uniforms: Tensor, k: float, plan: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -294,16 +295,20 @@ def bernoulli_rows(uniforms: Tensor, k: float, plan: dict[str, Tensor]) -> tuple
     default capacity, and both decided on the device: more successes than the capacity (the last ones are not
     selected this step) and no success at all (position n - 1 is selected).
     """
-    total = plan["picks"]
-    first_at, n, offset = torch.repeat_interleave(plan["table"], plan["count"], dim=0, output_size=total).unbind(1)
-    local = torch.arange(total, device=uniforms.device).sub_(first_at)  # the position's index in its tensor
+    total, first = plan["picks"], plan["first"]
+
+    def spread(per_tensor: Tensor) -> Tensor:  # one value per tensor -> one per position
+        return torch.repeat_interleave(per_tensor, plan["count"], output_size=total)
+
+    rows = torch.arange(total, device=uniforms.device)  # position + offset = rows - shift within a tensor
     if k >= 1.0:
-        return local.add_(offset), torch.ones(total, device=uniforms.device)
+        return rows.sub_(spread(plan["shift"])), torch.ones(total, device=uniforms.device)
     # 1 - U lies in (0, 1], so its log is finite; log is vectorised where log1p is not (10x on the CPU).
     gaps = uniforms.neg().add_(1.0).log_().div_(math.log1p(-k)).to(torch.int64)
     sums = torch.zeros(total + 1, dtype=torch.int64, device=gaps.device)
     torch.cumsum(gaps, 0, out=sums[1:])
-    positions = (sums[1:] - sums.index_select(0, first_at)).add_(local)
-    valid = (positions < n).logical_or_(local == 0)
-    first = torch.minimum(positions.index_select(0, first_at), n - 1)
-    return torch.where(valid, positions, first).add_(offset), valid.to(torch.float32)
+    # the gaps' running sum within the tensor, plus the position's index in it, plus the offset (exact integers)
+    rows.add_(sums[1:]).sub_(spread(sums.index_select(0, first).add_(plan["shift"])))
+    valid = (rows < spread(plan["end"])).index_fill_(0, first, True)
+    first_rows = torch.minimum(rows.index_select(0, first), plan["end"] - 1)
+    return torch.where(valid, rows, spread(first_rows)), valid.to(torch.float32)
