@@ -277,7 +277,8 @@ def bernoulli_plan(tensors: Sequence[tuple[int, int, int]], device: torch.device
     capacities = [t[1] for t in tensors]
     first = torch.tensor(_starts(capacities), dtype=torch.int64)
     n, offset = (torch.tensor([t[i] for t in tensors], dtype=torch.int64) for i in (0, 2))
-    plan = {"first": first, "shift": first - offset, "end": n + offset, "count": torch.tensor(capacities, dtype=torch.int64)}
+    count = torch.tensor(capacities, dtype=torch.int64)
+    plan = {"first": first, "shift": first - offset, "end": n + offset, "count": count}
     return {key: value.to(device) for key, value in plan.items()} | {"picks": sum(capacities)}
 
 

@@ -280,7 +280,16 @@ class SLAMB(torch.optim.Optimizer):
     between dense syncs, parameters differ across ranks, so checkpoints are per rank (the trainer does this for
     ``grad_sync="self"``). Work buffers, kept between steps (`memory_bytes`): one buffer that holds the compact
     vector (about :math:`k d`) and then, chunk by chunk, the chunk's direction with its gathered fresh direction
-    and weights; and two small coefficient buffers.
+    and weights; and the coefficient buffers of one update group.
+
+    Mechanics: the flat buffers are cut into chunks (a GPU: 2^26 elements, a CPU: 2^20, cache-sized). Each masked
+    tensor starts at a multiple of 16 elements (at most 15 zero elements of padding per tensor, never gathered,
+    sent or normed), so one row view of a buffer over a chunk serves all its masked tensors of one row size: a
+    step's mask (one vectorised draw per chunk from per-tensor constants built once), the momentum gather and
+    scatter, the freshness fill and the fresh norms (`torch._foreach_norm` over one split) cost a fixed number of
+    calls per chunk, not per tensor, and the update runs as foreach calls with per-tensor 0-d coefficients. A
+    GPU step thus dispatches a number of ops independent of the number of tensors (each dispatch costs host
+    time); on a CPU the passes go by pieces of at most 2^18 elements, which keep their operands in cache.
     """
 
     def __init__(
