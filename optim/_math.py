@@ -211,31 +211,58 @@ def mask_seed(seed: int, step: int) -> int:
 
 
 def stratified_count(n: int, k: float) -> int:
-    """How many of `n` coordinates `stratified_positions` selects: round(k n), at least 1 and at most n."""
+    """How many of `n` rows `stratified_rows` selects: round(k n), at least 1 and at most n."""
     return min(n, max(1, round(k * n)))
 
 
-def stratified_positions(n: int, count: int, uniforms: Tensor) -> Tensor:
-    """Exactly `count` distinct positions in [0, n): one uniformly in each of `count` strata, at a random rotation.
+def stratified_plan(tensors: Sequence[tuple[int, int, int, int]], device: torch.device) -> dict[str, Any]:
+    """The per-tensor constants of `stratified_rows`, built once for the tensors of one draw.
 
-    The strata tile [0, n) with lengths q = n // count or q + 1 (the first n % count are the longer ones), and
-    the whole pattern is rotated by a uniform offset, so that every position is selected with probability
-    exactly count / n (unequal strata would otherwise favour the short ones). `uniforms` holds count + 1 values
-    in [0, 1): the last one draws the rotation. Masks of different steps use independent uniforms, so a
-    coordinate's selections are independent across steps, as with per-coordinate Bernoulli draws; within a
-    step the count is fixed (no host read to size the all-reduce) and selections are spread evenly.
+    `tensors` holds per tensor `(n, count, first, offset)`: `count` of its `n` rows are picked by the uniforms at
+    [first, first + count) and rotated by the one at first + count; its rows are shifted by `offset` (its first
+    row in a shared row space). Rows come out tensor by tensor, in the order of `tensors`. Per tensor, not per
+    pick: a step spreads the table over its picks (one `repeat_interleave`), so the plan costs no memory per row.
     """
-    q, long_strata = divmod(n, count)
-    picks, rotation = uniforms[:count], uniforms[count:]
-    positions = torch.empty(count, dtype=torch.int64, device=uniforms.device)
+    table = [(first, first + count, n, q, n % count, offset, pick)
+             for (n, count, first, offset), pick in zip(tensors, _starts([t[1] for t in tensors]), strict=True)
+             for q in (n // count,)]
+    return {"table": torch.tensor(table, dtype=torch.int64).reshape(-1, 7).to(device),
+            "count": torch.tensor([t[1] for t in tensors], dtype=torch.int64).to(device),
+            "picks": sum(t[1] for t in tensors)}
+
+
+def stratified_rows(uniforms: Tensor, plan: dict[str, Any]) -> Tensor:
+    """Exactly `count` distinct rows per tensor of `plan`: one uniformly in each of `count` strata, randomly rotated.
+
+    The strata tile [0, n) with lengths q = n // count or q + 1 (the first n % count are the longer ones), and the
+    whole pattern is rotated by a uniform offset, so that every row is selected with probability exactly count / n
+    (unequal strata would otherwise favour the short ones). Masks of different steps use independent uniforms, so
+    a coordinate's selections are independent across steps, as with per-coordinate Bernoulli draws; within a step
+    the count is fixed (no host read to size the all-reduce) and selections are spread evenly. A fixed number of
+    vectorised ops for all the tensors, integer arithmetic but for the two products with a uniform.
+    """
+    total = plan["picks"]
+    spread = torch.repeat_interleave(plan["table"], plan["count"], dim=0, output_size=total)
+    first, rotation_at, n, q, long_strata, offset, pick = spread.unbind(1)
+    i = torch.arange(total, device=uniforms.device).sub_(pick)  # the pick's stratum within its tensor
+    long = i < long_strata
+    length = q + long  # q + 1 for the long strata
     # Stratum i starts at i (q + 1) among the long ones, at i q + n % count after them.
-    for lo, hi, length, shift in ((0, long_strata, q + 1, 0), (long_strata, count, q, long_strata)):
-        if hi > lo:
-            out = positions[lo:hi]
-            out.copy_(picks[lo:hi].mul_(length))  # the cast truncates: floor of a non-negative value
-            out.add_(torch.arange(lo, hi, device=uniforms.device), alpha=length).add_(shift)
-    positions.add_((rotation * n).to(torch.int64))
-    return torch.where(positions >= n, positions - n, positions)
+    start = (i * length).add_(long_strata.masked_fill(long, 0))
+    # the float32 products are those of the scalar form (lengths and n exact below 2^24); the cast floors them
+    rows = uniforms.index_select(0, first.add_(i)).mul_(length.to(torch.float32)).to(torch.int64).add_(start)
+    rows.add_(uniforms.index_select(0, rotation_at).mul_(n.to(torch.float32)).to(torch.int64))
+    rows = torch.where(rows >= n, rows - n, rows)
+    return rows.add_(offset)
+
+
+def _starts(sizes: Sequence[int]) -> list[int]:
+    """Where each of consecutive runs of `sizes` elements starts."""
+    starts, position = [], 0
+    for size in sizes:
+        starts.append(position)
+        position += size
+    return starts
 
 
 def bernoulli_capacity(n: int, k: float, sigmas: float = 8.0) -> int:
@@ -244,25 +271,45 @@ def bernoulli_capacity(n: int, k: float, sigmas: float = 8.0) -> int:
     return min(n, math.ceil(mean + sigmas * math.sqrt(mean * (1.0 - k)) + 16))
 
 
-def bernoulli_positions(n: int, k: float, uniforms: Tensor) -> tuple[Tensor, Tensor]:
-    """`(positions, valid)`: each of [0, n) selected independently with probability k, padded to a fixed length.
+def bernoulli_plan(tensors: Sequence[tuple[int, int, int]], device: torch.device) -> dict[str, Any]:
+    """The per-tensor constants of `bernoulli_rows`, built once: `tensors` holds per tensor `(n, capacity,
+    offset)`, drawn from consecutive runs of `capacity` uniforms, its positions shifted by `offset`."""
+    capacities = [t[1] for t in tensors]
+    first = torch.tensor(_starts(capacities), dtype=torch.int64)
+    n, offset = (torch.tensor([t[i] for t in tensors], dtype=torch.int64) for i in (0, 2))
+    count = torch.tensor(capacities, dtype=torch.int64)
+    plan = {"first": first, "shift": first - offset, "end": n + offset, "count": count}
+    return {key: value.to(device) for key, value in plan.items()} | {"picks": sum(capacities)}
+
+
+def bernoulli_rows(uniforms: Tensor, k: float, plan: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """`(positions, valid)`: each of [0, n) selected independently with probability k, padded to a fixed length,
+    for every tensor of `plan` at once.
 
     The gaps between successive Bernoulli(k) successes are i.i.d. Geometric(k); drawing one gap per uniform
-    (inverse CDF: floor(log(1 - U) / log(1 - k)) + 1) costs about k n random numbers instead of n. Their
-    running sum gives the sorted positions. `uniforms` fixes the capacity (`bernoulli_capacity`): positions past
-    n are padding, replaced by a copy of the first position (a duplicate carries the same value through a
+    (inverse CDF: floor(log(1 - U) / log(1 - k)) + 1) costs about k n random numbers instead of n. Their running
+    sum within each tensor (one cumsum of all, minus its value before the tensor's first gap: integers, exact)
+    gives the sorted positions. The capacity fixes the length (`bernoulli_capacity`): positions past n are
+    padding, replaced by a copy of the tensor's first position (a duplicate carries the same value through a
     gather, all-reduce and scatter, so it changes nothing) and marked invalid (0) in `valid`, which keeps them
     out of norms. Two events change the mask, both with probability below 1e-15 per tensor and step at the
     default capacity, and both decided on the device: more successes than the capacity (the last ones are not
     selected this step) and no success at all (position n - 1 is selected).
     """
+    total, first = plan["picks"], plan["first"]
+
+    def spread(per_tensor: Tensor) -> Tensor:  # one value per tensor -> one per position
+        return torch.repeat_interleave(per_tensor, plan["count"], output_size=total)
+
+    rows = torch.arange(total, device=uniforms.device)  # position + offset = rows - shift within a tensor
     if k >= 1.0:
-        positions = torch.arange(n, device=uniforms.device)
-        return positions, torch.ones(n, device=uniforms.device)
+        return rows.sub_(spread(plan["shift"])), torch.ones(total, device=uniforms.device)
     # 1 - U lies in (0, 1], so its log is finite; log is vectorised where log1p is not (10x on the CPU).
     gaps = uniforms.neg().add_(1.0).log_().div_(math.log1p(-k)).to(torch.int64)
-    positions = gaps.cumsum_(0).add_(torch.arange(uniforms.numel(), device=uniforms.device))
-    valid = positions < n
-    valid[:1].fill_(True)  # not `valid[0] = True`: that copies a host scalar, a device sync on a GPU
-    first = positions[:1].clamp(max=n - 1)
-    return torch.where(valid, positions, first), valid.to(torch.float32)
+    sums = torch.zeros(total + 1, dtype=torch.int64, device=gaps.device)
+    torch.cumsum(gaps, 0, out=sums[1:])
+    # the gaps' running sum within the tensor, plus the position's index in it, plus the offset (exact integers)
+    rows.add_(sums[1:]).sub_(spread(sums.index_select(0, first).add_(plan["shift"])))
+    valid = (rows < spread(plan["end"])).index_fill_(0, first, True)
+    first_rows = torch.minimum(rows.index_select(0, first), plan["end"] - 1)
+    return torch.where(valid, rows, spread(first_rows)), valid.to(torch.float32)

@@ -6,6 +6,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -14,7 +15,8 @@ from torch import Tensor
 from conf.checks import check_choice, check_non_negative, check_positive, check_range, require
 from optim._math import (
     bernoulli_capacity,
-    bernoulli_positions,
+    bernoulli_plan,
+    bernoulli_rows,
     bias_corrections,
     check_adam_hyperparameters,
     check_flags,
@@ -22,7 +24,8 @@ from optim._math import (
     foreach_adam_moments_,
     mask_seed,
     stratified_count,
-    stratified_positions,
+    stratified_plan,
+    stratified_rows,
     trust_ratio,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
@@ -42,6 +45,7 @@ _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
 # launches (BERT-Large: about 10,000 more per step, the step's whole cost), so each tensor is one piece.
 _PIECE_NUMEL = {"cpu": 1 << 18}
 _ROW_NUMEL = 16  # coordinates per row of the stratified and cyclic masks
+_ALIGN = _ROW_NUMEL  # masked tensors start at multiples of this many elements: any row size divides it
 _GLOBAL = "slamb"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
 # Per-parameter state that lives in the flat buffers ("freshness": fp32 r, written before the scaled form).
 _BUFFERED = ("exp_avg", "exp_avg_sq", "scaled_freshness", "freshness")
@@ -62,31 +66,49 @@ class _Slot:
         """This slot's 1-D slice of `buffer`, a flat buffer whose element 0 is flat position `start`."""
         return buffer[self.offset - start:self.offset - start + self.numel]
 
-    def select(self, source: Tensor, rows: Tensor, out: Tensor) -> None:
-        """out <- the selected rows of `source` (this slot's 1-D values), one row after the other."""
-        if self.block == 1:
-            torch.index_select(source, 0, rows, out=out)
-        else:
-            torch.index_select(source.view(-1, self.block), 0, rows, out=out.view(-1, self.block))
 
-    def put(self, target: Tensor, rows: Tensor, values: Tensor) -> None:
-        """The inverse of `select`: the selected rows of `target` <- `values`."""
-        if self.block == 1:
-            target.scatter_(0, rows, values)
-        else:
-            target.view(-1, self.block).index_copy_(0, rows, values.view(-1, self.block))
+@dataclass(frozen=True)
+class _Piece:
+    """Elements [a, b) of one slot, the unit of the foreach passes: a whole tensor, or on a CPU a cache-sized part."""
 
-    def fill(self, target: Tensor, rows: Tensor, value: float) -> None:
-        """The selected rows of `target` <- `value`."""
-        if self.block == 1:
-            target.scatter_(0, rows, value)
-        else:
-            target.view(-1, self.block).index_fill_(0, rows, value)
+    slot: _Slot
+    at: int  # the slot's position in its chunk
+    a: int
+    b: int
+
+    @property
+    def whole(self) -> bool:
+        return self.a == 0 and self.b == self.slot.numel
+
+    def of(self, tensor: Tensor) -> Tensor:
+        """This piece of the parameter or of a tensor shaped like it (a whole one as it is: no op)."""
+        return tensor if self.whole else tensor.view(-1)[self.a:self.b]
+
+    def view(self, buffer: Tensor, start: int) -> Tensor:
+        """This piece of a flat buffer whose element 0 is flat position `start`, shaped as `of` shapes it."""
+        flat = buffer[self.slot.offset + self.a - start:self.slot.offset + self.b - start]
+        return flat.view_as(self.slot.param) if self.whole else flat
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Pieces that one set of foreach calls processes, with their views of the flat buffers (built once, so a step
+    dispatches no per-tensor view); [start, end) is the flat span they cover."""
+
+    pieces: tuple[_Piece, ...]
+    start: int
+    end: int
+    views: dict[str, list[Tensor]]
 
 
 @dataclass(frozen=True)
 class _Chunk:
-    """Consecutive slots of one param group: always-synced ones in [start, split), masked ones in [split, end)."""
+    """Consecutive slots of one param group: always-synced ones in [start, split), masked ones in [split, end).
+
+    Masked slots (and chunks) start at multiples of `_ALIGN` elements, so that one row view of a buffer over the
+    chunk serves every masked slot with the same row size; the padding (zeros, at most `_ALIGN` - 1 elements per
+    masked tensor) is never gathered, sent or normed.
+    """
 
     group: int
     start: int
@@ -95,24 +117,66 @@ class _Chunk:
     slots: tuple[_Slot, ...]
     masked: tuple[_Slot, ...]  # the slots in [split, end)
     one_d: Tensor  # per slot, dim <= 1 (on the device, built once: the clamp_1d switch needs no host copy)
+    order: tuple[int, ...]  # the masked slots (indices into `masked`) in compact order: by row size, then offset
+    fresh_index: Tensor  # per masked slot in compact order, its index in `slots` (on the device)
+    directions: list[Tensor]  # per slot, its view of the direction space (the work buffer), shaped like it
+    moments: tuple[_Group, ...]  # every slot, by cache-sized groups on a CPU: the passes over m, v and g
+    updates: tuple[_Group, ...]  # the masked slots, likewise: the coefficient and update passes
+
+    @property
+    def padded(self) -> int:
+        """Elements of the chunk's span rounded up to `_ALIGN`: its row views' length."""
+        return _aligned(self.end - self.start)
 
 
 @dataclass(frozen=True)
 class _Mask:
-    """S_t within one chunk: its always-synced coordinates and, per masked slot, the selected rows.
+    """S_t within one chunk: its always-synced coordinates and, for its masked slots, the selected rows.
 
-    Every row tensor has a length fixed by the slot's size (and, for the cyclic mask, the phase), so the
-    compact vector's layout (`sizes`: coordinates per masked slot) is known on the host. `valid` (Bernoulli
-    only) is 1 for a selected row and 0 for padding, a duplicate of a selected one; None without padding.
+    `rows` holds chunk-relative row indices, masked slot by masked slot in the chunk's compact order; `runs`
+    cuts it into runs of slots with one row size: (B, first row, end row, first coordinate, end coordinate),
+    where rows are counted in `rows` and coordinates in the compact vector's masked part. Every length is fixed
+    by the slots' sizes (and, for the cyclic mask, the phase), so the layout (`sizes`: coordinates per masked
+    slot in compact order) is known on the host. `valid` (Bernoulli only) is 1 for a selected row and 0 for
+    padding, a duplicate of a selected one; None without padding.
     """
 
-    positions: tuple[Tensor, ...]
+    rows: Tensor
     sizes: tuple[int, ...]
-    valid: tuple[Tensor, ...] | None
+    runs: tuple[tuple[int, int, int, int, int], ...]
+    valid: Tensor | None
 
     def size(self, chunk: _Chunk) -> int:
         """Length of this chunk's part of the compact vector: always-synced coordinates, then the masked ones."""
         return chunk.split - chunk.start + sum(self.sizes)
+
+    def select(self, region: Tensor, out: Tensor) -> None:
+        """out <- the selected rows of `region` (a chunk's flat span, padded), one run of row size B per call."""
+        for block, row_a, row_b, a, b in self.runs:
+            torch.index_select(region.view(-1, block), 0, self.rows[row_a:row_b], out=out[a:b].view(-1, block))
+
+    def put(self, region: Tensor, values: Tensor) -> None:
+        """The inverse of `select`: the selected rows of `region` <- `values`."""
+        for block, row_a, row_b, a, b in self.runs:
+            region.view(-1, block).index_copy_(0, self.rows[row_a:row_b], values[a:b].view(-1, block))
+
+    def fill(self, region: Tensor, value: float) -> None:
+        """The selected rows of `region` <- `value`."""
+        for block, row_a, row_b, _, _ in self.runs:
+            region.view(-1, block).index_fill_(0, self.rows[row_a:row_b], value)
+
+
+def _mask(rows: Tensor, blocks: Sequence[int], sizes: Sequence[int], valid: Tensor | None) -> _Mask:
+    """A chunk's mask from its rows and, per masked slot in compact order, row size and coordinates."""
+    runs: list[tuple[int, int, int, int, int]] = []
+    row, coordinate = 0, 0
+    for block, size in zip(blocks, sizes, strict=True):
+        if runs and runs[-1][0] == block:
+            runs[-1] = (block, runs[-1][1], row + size // block, runs[-1][3], coordinate + size)
+        else:
+            runs.append((block, row, row + size // block, coordinate, coordinate + size))
+        row, coordinate = row + size // block, coordinate + size
+    return _Mask(rows, tuple(sizes), tuple(runs), valid)
 
 
 class SLAMB(torch.optim.Optimizer):
@@ -216,7 +280,16 @@ class SLAMB(torch.optim.Optimizer):
     between dense syncs, parameters differ across ranks, so checkpoints are per rank (the trainer does this for
     ``grad_sync="self"``). Work buffers, kept between steps (`memory_bytes`): one buffer that holds the compact
     vector (about :math:`k d`) and then, chunk by chunk, the chunk's direction with its gathered fresh direction
-    and weights; and two small coefficient buffers.
+    and weights; and the coefficient buffers of one update group.
+
+    Mechanics: the flat buffers are cut into chunks (a GPU: 2^26 elements, a CPU: 2^20, cache-sized). Each masked
+    tensor starts at a multiple of 16 elements (at most 15 zero elements of padding per tensor, never gathered,
+    sent or normed), so one row view of a buffer over a chunk serves all its masked tensors of one row size: a
+    step's mask (one vectorised draw per chunk from per-tensor constants built once), the momentum gather and
+    scatter, the freshness fill and the fresh norms (`torch._foreach_norm` over one split) cost a fixed number of
+    calls per chunk, not per tensor, and the update runs as foreach calls with per-tensor 0-d coefficients. A
+    GPU step thus dispatches a number of ops independent of the number of tensors (each dispatch costs host
+    time); on a CPU the passes go by pieces of at most 2^18 elements, which keep their operands in cache.
     """
 
     def __init__(
@@ -327,29 +400,19 @@ class SLAMB(torch.optim.Optimizer):
         return loss
 
     def _local_moments(self, layout: _Layout, chunk: _Chunk) -> None:
-        """m and v of the chunk's slots that have a gradient, in groups of at most `piece_numel` elements: the
-        three passes of a group find its m, v and g in cache (15 % faster on a CPU than whole tensors)."""
-        slots = [s for s in chunk.slots if s.param.grad is not None]
-        for s in slots:
-            if s.param.grad.is_sparse:
+        """m and v of the chunk's slots that have a gradient, one foreach group at a time: on a CPU groups of at
+        most `piece_numel` elements, whose three passes find m, v and g in cache (15 % faster than whole tensors)."""
+        for s in chunk.slots:
+            if s.param.grad is not None and s.param.grad.is_sparse:
                 raise RuntimeError("SLAMB does not support sparse gradients")
         beta1, beta2 = self.param_groups[chunk.group]["betas"]
-        groups: list[tuple[list[Tensor], list[Tensor], list[Tensor]]] = []
-        room, piece = 0, layout.piece_numel or chunk.end - chunk.start
-        for s in slots:
-            grad = s.param.grad.reshape(-1)
-            grad = grad if grad.dtype == torch.float32 else grad.float()
-            m, v = s.flat(layout.exp_avg), s.flat(layout.exp_avg_sq)
-            for a in range(0, s.numel, piece):
-                b = min(a + piece, s.numel)
-                if b - a > room:
-                    groups.append(([], [], []))
-                    room = piece
-                for pieces, tensor in zip(groups[-1], (m, v, grad), strict=True):
-                    pieces.append(tensor[a:b])
-                room -= b - a
-        for exp_avgs, exp_avg_sqs, grads in groups:
-            foreach_adam_moments_(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
+        flat_grads: dict[int, Tensor] = {}  # a split slot's fp32 gradient, flattened once
+        for group in chunk.moments:
+            active = [i for i, piece in enumerate(group.pieces) if piece.slot.param.grad is not None]
+            if active:
+                grads = [_grad_piece(group.pieces[i], flat_grads) for i in active]
+                foreach_adam_moments_([group.views["m"][i] for i in active], [group.views["v"][i] for i in active],
+                                      grads, beta1, beta2)
 
     def _all_reduce_mean(self, compact: Tensor) -> None:
         """m[S_t] <- the rank mean, in buckets of at most bucket_mb (see `comm_dtype` for the half-precision path)."""
@@ -369,120 +432,104 @@ class SLAMB(torch.optim.Optimizer):
     def _update_chunk(self, layout: _Layout, chunk: _Chunk, mask: _Mask, step: int) -> None:
         """Freshness, Adam direction, fresh/stale trust ratios and the rescaled update of one chunk."""
         start, end = chunk.start, chunk.end
-        scaled = layout.scaled_freshness[start:end]
+        scaled = layout.scaled_freshness[start:start + chunk.padded]
         phase = step % layout.rebase_interval
         if phase == 0:  # a new epoch E = t: q <- q beta3^R keeps r = beta3^(t - E) q (one pass every R steps)
-            scaled[chunk.split - start:].mul_(self.beta3 ** layout.rebase_interval)
+            scaled[chunk.split - start:end - start].mul_(self.beta3 ** layout.rebase_interval)
         synced = layout.synced_value(self.beta3, step)  # q at a coordinate synced now (r = 1)
         scaled[:chunk.split - start].fill_(synced)
-        for slot, rows in zip(chunk.masked, mask.positions, strict=True):
-            slot.fill(slot.flat(scaled, start), rows, synced)
+        mask.fill(scaled, synced)
         to_freshness = 1.0 / synced  # r = q / synced (1 to fp32 rounding where synced now), in the coefficients
 
         group = self.param_groups[chunk.group]
         beta1, beta2 = group["betas"]
         lr, weight_decay = group["lr"], group["weight_decay"]
         bc1, bc2 = bias_corrections(step, beta1, beta2, enabled=self.bias_correction_form != "none")
-        # The direction buffer holds u~ up to a scalar `unit` (u~ = unit * buffer), folded into the norms and
-        # the step sizes instead of costing a pass: buffer = m / (sqrt(v) + eps') with unit = sqrt(bc2) / bc1
-        # and, when the norms include the decay, buffer = w + m / (lambda' (sqrt(v) + eps')) with unit = lambda,
-        # one addcdiv instead of a division and an addition. Every slot's direction is formed (the ratios are
-        # computed for the whole chunk at once); only slots with a gradient are updated.
+        # The direction buffer holds u~ up to the scalar `scale` (u~ = scale * buffer), folded into the norms and
+        # the step sizes instead of costing a pass: buffer = m / (sqrt(v) + eps') + (lambda / scale) w, the decay
+        # added before the norms or after them (wd_in_trust_ratio). Every slot's direction is formed (the ratios
+        # are computed for the whole chunk at once); only slots with a gradient are updated.
         scale = math.sqrt(bc2) / bc1
         eps = group["eps"] * (math.sqrt(bc2) if self.bias_correction_form == "full" else 1.0)
+        layout.gather_weights(chunk, mask)  # before the direction takes the work space
         direction = layout.work[:end - start]
         torch.sqrt(layout.exp_avg_sq[start:end], out=direction)
         direction.add_(eps)
+        torch.div(layout.exp_avg[start:end], direction, out=direction)
         params = [s.param for s in chunk.slots]
-        updates = [s.flat(direction, start).view_as(s.param) for s in chunk.slots]
-        decay_in_norms = weight_decay != 0 and self.wd_in_trust_ratio
-        if decay_in_norms:
-            for slot, p, u in zip(chunk.slots, params, updates, strict=True):
-                torch.addcdiv(p, layout.view(layout.exp_avg, slot), u, value=scale / weight_decay, out=u)
-            unit = weight_decay
-        else:
-            torch.div(layout.exp_avg[start:end], direction, out=direction)
-            unit = scale
-        fresh, stale = self._trust_ratios(layout, chunk, mask, direction, unit)
-        if weight_decay != 0 and not decay_in_norms:
-            torch._foreach_add_(updates, params, alpha=weight_decay / scale)
+        if weight_decay != 0 and self.wd_in_trust_ratio:
+            torch._foreach_add_(chunk.directions, params, alpha=weight_decay / scale)
+        fresh, stale = self._trust_ratios(layout, chunk, mask, scale)
+        if weight_decay != 0 and not self.wd_in_trust_ratio:
+            torch._foreach_add_(chunk.directions, params, alpha=weight_decay / scale)
 
-        lr_fresh, lr_stale = lr * unit, lr * unit / math.sqrt(self.world_size)
+        lr_fresh, lr_stale = lr * scale, lr * scale / math.sqrt(self.world_size)
         fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
         fresh_coef = fresh_clamped * -lr_fresh  # per slot, on the device: no host read
-        active = [i for i, s in enumerate(chunk.slots) if s.param.grad is not None]
-        always = [i for i in active if chunk.slots[i].always]
+        always = [i for i, s in enumerate(chunk.slots) if s.always and s.param.grad is not None]
         if always:  # r == 1 on every coordinate: plain LAMB steps with the fresh ratio
             coefs = fresh_coef.unbind()
-            torch._foreach_addcmul_([params[i] for i in always], [updates[i] for i in always],
+            torch._foreach_addcmul_([params[i] for i in always], [chunk.directions[i] for i in always],
                                     [coefs[i] for i in always])
+        if not chunk.masked:
+            return
         if self.rescale == "sum_of_products":  # coef = -[lr_stale phi_U + r (lr_fresh phi_F - lr_stale phi_U)]
             stale_coef = stale_clamped * -lr_stale
             bases, slopes = stale_coef.unbind(), ((fresh_coef - stale_coef) * to_freshness).unbind()
         else:  # naive: coef = -clamp(phi_U + r (phi_F - phi_U)) (lr_stale + r (lr_fresh - lr_stale))
             bases, slopes = stale.unbind(), ((fresh - stale) * to_freshness).unbind()
-        for i in active:
-            slot = chunk.slots[i]
-            if not slot.always:
-                self._apply(layout, params[i], slot.flat(direction, start), slot.flat(scaled, start),
-                            bases[i], slopes[i], (lr_stale - lr_fresh) * to_freshness, lr_stale)
+        for pieces in chunk.updates:
+            self._apply(layout, pieces, bases, slopes, (lr_stale - lr_fresh) * to_freshness, lr_stale)
 
-    def _apply(self, layout: _Layout, param: Tensor, update: Tensor, scaled: Tensor, base: Tensor,
-               slope: Tensor, lr_slope: float, lr_stale: float) -> None:
-        """w -= coef * u with the per-element coef of the rescale form, piece by piece through a small buffer.
+    def _apply(self, layout: _Layout, group: _Group, bases: Sequence[Tensor], slopes: Sequence[Tensor],
+               lr_slope: float, lr_stale: float) -> None:
+        """w -= coef * u over one group of masked pieces, coef per element from the rescale form, through a buffer.
 
-        Pieces of at most `piece_numel` elements (on a CPU) keep the coefficient in cache between the passes that
-        form and use it, and the buffer small (no full-size ratio tensor per masked tensor). `slope` and `lr_slope` are
-        per unit of the scaled freshness q (see `_Layout`).
+        The coefficients of the whole group are formed at once: a copy of the scaled freshness q, a foreach
+        multiply and add with the per-tensor 0-d slopes and bases (a loop in C++, not in Python), and for the
+        product form three passes over the group. On a CPU a group has at most `piece_numel` elements, so the
+        coefficients stay in cache until used and the buffer stays small. `slopes` and `lr_slope` are per unit of q.
         """
-        flat = param.view(-1) if param.is_contiguous() else None
-        if flat is None:  # a strided parameter: one piece, through temporaries
-            coef = torch.empty(scaled.shape, device=scaled.device)
-            self._coefficients(scaled, base, slope, lr_slope, lr_stale, coef, torch.empty_like(coef))
-            param.addcmul_(update.view_as(param), coef.view_as(param))
+        active = [i for i, piece in enumerate(group.pieces) if piece.slot.param.grad is not None]
+        if not active:
             return
-        piece = layout.piece_numel or flat.numel()
-        for a in range(0, flat.numel(), piece):
-            b = min(a + piece, flat.numel())
-            coef = layout.coef[:b - a]
-            self._coefficients(scaled[a:b], base, slope, lr_slope, lr_stale, coef, layout.spare[:b - a])
-            flat[a:b].addcmul_(update[a:b], coef)
-
-    def _coefficients(self, scaled: Tensor, base: Tensor, slope: Tensor, lr_slope: float, lr_stale: float,
-                      out: Tensor, spare: Tensor) -> None:
-        """out <- the (negative) step per unit direction at each coordinate, from its scaled freshness q."""
-        out.copy_(scaled)  # to fp32 first: a product with a 0-d fp32 tensor would be computed in fp16
-        out.mul_(slope).add_(base)  # twice as fast as one addcmul with 0-d operands on a CPU
+        scaled = layout.scaled_freshness[group.start:group.end]
+        coef = layout.coef[:group.end - group.start]
+        coef.copy_(scaled)  # to fp32 first: a product with a 0-d fp32 tensor would be computed in fp16
+        coefs = [group.views["coef"][i] for i in active]
+        # twice as fast as one addcmul with 0-d operands on a CPU
+        torch._foreach_mul_(coefs, [slopes[group.pieces[i].at] for i in active])
+        torch._foreach_add_(coefs, [bases[group.pieces[i].at] for i in active])
         if self.rescale == "product_of_interpolations":  # interpolate the raw ratios, clamp, times the mixed lr
-            out.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
+            coef.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
             # ratio (-lr_stale - r (lr_fresh - lr_stale)), in two passes through the second buffer
-            torch.mul(out, -lr_stale, out=spare)
-            torch.addcmul(spare, out, scaled, value=lr_slope, out=out)
+            spare = layout.spare[:coef.numel()]
+            torch.mul(coef, -lr_stale, out=spare)
+            torch.addcmul(spare, coef, scaled, value=lr_slope, out=coef)
+        torch._foreach_addcmul_([group.pieces[i].of(group.pieces[i].slot.param) for i in active],
+                                [group.views["direction"][i] for i in active], coefs)
 
-    def _trust_ratios(
-        self, layout: _Layout, chunk: _Chunk, mask: _Mask, direction: Tensor, scale: float
-    ) -> tuple[Tensor, Tensor]:
+    def _trust_ratios(self, layout: _Layout, chunk: _Chunk, mask: _Mask, scale: float) -> tuple[Tensor, Tensor]:
         """Per slot the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
         their fallbacks for zero norms.
 
-        Fresh norms come from the few selected coordinates, gathered into compact buffers; stale ones by
-        difference from the whole-tensor norms, so no pass touches the stale 90 % twice.
+        Fresh norms come from the few selected coordinates, gathered into compact buffers (the weights by
+        `_Layout.gather_weights`); stale ones by difference from the whole-tensor norms, so no pass touches the
+        stale 90 % twice.
         """
         params = [s.param for s in chunk.slots]
-        updates = [s.flat(direction, chunk.start) for s in chunk.slots]
-        w_norms = list(torch._foreach_norm(params, 2, dtype=torch.float32))
-        u_norms = list(torch._foreach_norm(updates))
-        w_total, u_total = torch.stack(w_norms), torch.stack(u_norms)
-        masked = [i for i, s in enumerate(chunk.slots) if not s.always]
-        if masked:
-            u_parts, w_parts = layout.gathered(chunk, mask, direction)
+        w_total = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
+        u_total = torch.stack(torch._foreach_norm(chunk.directions))
+        w_fresh, u_fresh = w_total, u_total
+        if chunk.masked:
+            u_selected, w_selected = layout.selected(chunk, mask)
+            mask.select(layout.work[:chunk.padded], u_selected)
             if mask.valid is not None:  # padding duplicates a selected coordinate: count it once
-                torch._foreach_mul_(u_parts, list(mask.valid))
-                torch._foreach_mul_(w_parts, list(mask.valid))
-            for i, w_norm, u_norm in zip(masked, torch._foreach_norm(w_parts), torch._foreach_norm(u_parts),
-                                         strict=True):
-                w_norms[i], u_norms[i] = w_norm, u_norm
-        w_fresh, u_fresh = torch.stack(w_norms), torch.stack(u_norms)
+                u_selected.mul_(mask.valid)
+                w_selected.mul_(mask.valid)
+            w_parts, u_parts = w_selected.split(mask.sizes), u_selected.split(mask.sizes)
+            w_fresh = w_total.index_copy(0, chunk.fresh_index, torch.stack(torch._foreach_norm(w_parts)))
+            u_fresh = u_total.index_copy(0, chunk.fresh_index, torch.stack(torch._foreach_norm(u_parts)))
         u_total, u_fresh = u_total * scale, u_fresh * scale
         w_stale = (w_total.square() - w_fresh.square()).clamp_(min=0).sqrt_()
         u_stale = (u_total.square() - u_fresh.square()).clamp_(min=0).sqrt_()
@@ -502,24 +549,27 @@ class SLAMB(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------ masks
     def _masks(self, layout: _Layout, step: int) -> list[_Mask]:
-        """S_t chunk by chunk: a pure function of (seed, step), drawn from the layout's private generator."""
+        """S_t chunk by chunk: a pure function of (seed, step), drawn from the layout's private generator.
+
+        One draw of uniforms per chunk (its masked slots' draws, in slot order) and a few vectorised ops turn
+        them into the rows of all its masked slots, with constants the layout built once (`_Layout.plans`).
+        """
         k = self.compress_ratio
         if self.mask == "cyclic":
             return layout.cyclic_masks(self.state[_GLOBAL]["seed"], k, step)
         generator = layout.generator
         generator.manual_seed(mask_seed(self.state[_GLOBAL]["seed"], step))
         masks = []
-        for chunk in layout.chunks:
-            sizes = [_draw_size(self.mask, s, k) for s in chunk.masked]
-            uniforms = mask_uniforms(generator, sum(sizes), layout.exp_avg.device).split(sizes)
-            coordinates = tuple(_mask_size(self.mask, s, k) for s in chunk.masked)
+        for chunk, plan in zip(layout.chunks, layout.plans, strict=True):
+            uniforms = mask_uniforms(generator, sum(_draw_size(self.mask, s, k) for s in chunk.masked),
+                                     layout.exp_avg.device)
+            blocks = [chunk.masked[j].block for j in chunk.order]
+            sizes = [_mask_size(self.mask, chunk.masked[j], k) for j in chunk.order]
             if self.mask == "stratified":
-                rows = tuple(stratified_positions(s.numel // s.block, stratified_count(s.numel // s.block, k), u)
-                             for s, u in zip(chunk.masked, uniforms, strict=True))
-                masks.append(_Mask(rows, coordinates, None))
+                masks.append(_mask(stratified_rows(uniforms, plan), blocks, sizes, None))
             else:
-                drawn = [bernoulli_positions(s.numel, k, u) for s, u in zip(chunk.masked, uniforms, strict=True)]
-                masks.append(_Mask(tuple(p for p, _ in drawn), coordinates, tuple(v for _, v in drawn)))
+                rows, valid = bernoulli_rows(uniforms, k, plan)
+                masks.append(_mask(rows, blocks, sizes, valid))
         return masks
 
     def sync_masks(self, step: int) -> list[Tensor]:
@@ -531,10 +581,10 @@ class SLAMB(torch.optim.Optimizer):
         flat = torch.zeros(layout.numel, dtype=torch.bool, device=layout.exp_avg.device)
         for chunk, mask in zip(layout.chunks, self._masks(layout, step), strict=True):
             flat[chunk.start:chunk.split] = True
-            valid = mask.valid or (None,) * len(mask.positions)
-            for slot, rows, keep in zip(chunk.masked, mask.positions, valid, strict=True):
-                selected = rows if keep is None else rows[keep.bool()]
-                slot.flat(flat).view(-1, slot.block)[selected] = True
+            region = flat[chunk.start:chunk.start + chunk.padded]
+            for block, row_a, row_b, _, _ in mask.runs:
+                rows = mask.rows[row_a:row_b]
+                region.view(-1, block)[rows if mask.valid is None else rows[mask.valid[row_a:row_b].bool()]] = True
         return [flat[s.offset:s.offset + s.numel].view_as(s.param) for s in layout.slots_in_group_order]
 
     def freshness(self) -> list[Tensor]:
@@ -555,7 +605,7 @@ class SLAMB(torch.optim.Optimizer):
         if self._layout is None:
             self._layout = _Layout(self.param_groups, self.state, self.min_compress_numel, self.mask,
                                    self.compress_ratio, self.beta3, self.freshness_dtype,
-                                   self.state[_GLOBAL]["step"])
+                                   self.state[_GLOBAL]["step"], self.rescale == "product_of_interpolations")
         return self._layout
 
 
@@ -602,7 +652,7 @@ def mask_uniforms(generator: torch.Generator, count: int, device: torch.device) 
 def mask_fingerprint(masks: Sequence[_Mask]) -> tuple[int, int]:
     """(selected rows, an integer hash of their positions in order): equal on two ranks iff, but for a hash
     collision, they drew the same masks. Integer arithmetic only, so exact on any device; one host read."""
-    positions = [p.reshape(-1) for mask in masks for p in mask.positions]
+    positions = [mask.rows for mask in masks]
     if not positions:
         return 0, 0
     flat = torch.cat(positions)
@@ -660,12 +710,11 @@ def _spans(chunks: list[_Chunk], masks: list[_Mask]) -> list[tuple[int, int]]:
 
 
 def _gather(layout: _Layout, chunk: _Chunk, mask: _Mask, out: Tensor) -> None:
-    """out <- m at the chunk's synced coordinates: always-synced ones first, then each masked slot's positions."""
+    """out <- m at the chunk's synced coordinates: always-synced ones first, then the masked slots' rows."""
     m = layout.exp_avg
     always = chunk.split - chunk.start
     out[:always].copy_(m[chunk.start:chunk.split])
-    for slot, rows, part in zip(chunk.masked, mask.positions, _parts(out[always:], mask), strict=True):
-        slot.select(slot.flat(m), rows, part)
+    mask.select(m[chunk.start:chunk.start + chunk.padded], out[always:])
 
 
 def _scatter(layout: _Layout, chunk: _Chunk, mask: _Mask, values: Tensor) -> None:
@@ -673,74 +722,139 @@ def _scatter(layout: _Layout, chunk: _Chunk, mask: _Mask, values: Tensor) -> Non
     m = layout.exp_avg
     always = chunk.split - chunk.start
     m[chunk.start:chunk.split].copy_(values[:always])
-    for slot, rows, part in zip(chunk.masked, mask.positions, _parts(values[always:], mask), strict=True):
-        slot.put(slot.flat(m), rows, part)
+    mask.put(m[chunk.start:chunk.start + chunk.padded], values[always:])
 
 
-def _parts(buffer: Tensor, mask: _Mask) -> tuple[Tensor, ...]:
-    """`buffer` cut into one piece per masked slot, as long as its selected coordinates."""
-    return buffer[:sum(mask.sizes)].split(list(mask.sizes))
+def _grad_piece(piece: _Piece, flat_grads: dict[int, Tensor]) -> Tensor:
+    """The piece's fp32 gradient; a split slot's gradient is flattened (and cast) once per step, in `flat_grads`."""
+    grad = piece.slot.param.grad
+    if piece.whole:
+        return grad if grad.dtype == torch.float32 else grad.float()
+    if piece.slot.index not in flat_grads:
+        flat_grads[piece.slot.index] = grad.reshape(-1).float()
+    return flat_grads[piece.slot.index][piece.a:piece.b]
+
+
+def _groups(slots: Sequence[tuple[int, _Slot]], piece_numel: int | None) -> list[list[_Piece]]:
+    """(position in the chunk, slot) pairs cut into foreach groups of at most `piece_numel` elements, a larger
+    contiguous tensor into pieces of that size (a strided one stays whole); None: one group of whole tensors."""
+    if piece_numel is None:
+        return [[_Piece(s, at, 0, s.numel) for at, s in slots]] if slots else []
+    groups: list[list[_Piece]] = []
+    room = 0
+    for at, s in slots:
+        size = piece_numel if s.param.is_contiguous() else max(s.numel, 1)
+        for a in range(0, s.numel, size):
+            b = min(a + size, s.numel)
+            if b - a > room:
+                groups.append([])
+                room = piece_numel
+            groups[-1].append(_Piece(s, at, a, b))
+            room -= b - a
+    return groups
+
+
+def _aligned(n: int) -> int:
+    """n rounded up to a multiple of `_ALIGN`."""
+    return -(-n // _ALIGN) * _ALIGN
 
 
 class _Layout:
     """Flat buffers for m, v (fp32) and the scaled freshness, each parameter's state a view into them; work buffers.
 
     Order: param group by param group, always-synced tensors first, so that each chunk's always-synced
-    coordinates are one slice and its masked ones another.
+    coordinates are one slice and its masked ones another; chunks and masked tensors start at multiples of
+    `_ALIGN` elements. Every view a step needs of these buffers (per tensor or piece) is built here, once.
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], state: dict, min_compress_numel: int, mask: str,
-                 k: float, beta3: float, freshness_dtype: torch.dtype, step: int) -> None:
+                 k: float, beta3: float, freshness_dtype: torch.dtype, step: int, product: bool) -> None:
         params = [p for g in param_groups for p in g["params"]]
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"SLAMB needs all parameters on one device, got {sorted(map(str, devices))}")
         device = devices.pop()
-        limit = _CHUNK_NUMEL.get(device.type)
-        self.slots: list[_Slot] = []
-        self.chunks: list[_Chunk] = []
-        by_param: dict[int, _Slot] = {}
-        offset = 0
-        for gi, group in enumerate(param_groups):
-            ordered = sorted(group["params"], key=lambda p: not _always(p, min_compress_numel))  # stable
-            current: list[_Slot] = []
-            for p in ordered:
-                numel = p.numel()
-                if current and limit is not None and offset + numel - current[0].offset > limit:
-                    self._close(gi, current, device)
-                    current = []
-                slot = _Slot(p, offset, numel, _always(p, min_compress_numel), len(by_param), _block(mask, numel))
-                current.append(slot)
-                by_param[id(p)] = slot
-                offset += numel
-            if current:
-                self._close(gi, current, device)
-        self.numel = offset
+        spans = self._place(param_groups, min_compress_numel, mask, _CHUNK_NUMEL.get(device.type))
+        self.slots: list[_Slot] = [s for _, slots in spans for s in slots]
+        by_param = {id(s.param): s for s in self.slots}
         self.slots_in_group_order = [by_param[id(p)] for p in params]
+        self.numel = _aligned(max((s.offset + s.numel for s in self.slots), default=0))
 
-        self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(self.numel, dtype=torch.float32, device=device)
         # r = beta3^(t mod R) q: q is rescaled once every R steps instead of r decaying every step (one pass
         # saved), and q is exact to fp16's 2^-11 at each write, with no error carried from step to step.
         self.rebase_interval = _rebase_interval(beta3)
-        self.scaled_freshness = torch.ones(offset, dtype=freshness_dtype, device=device)
+        self.scaled_freshness = torch.ones(self.numel, dtype=freshness_dtype, device=device)
         # Work buffers, kept between steps (a fresh allocation would be page-faulted in again every step).
-        masked = [s for s in self.slots if not s.always]
         # One buffer serves, in turn, as the compact vector (about k d: the momenta that are all-reduced) and,
-        # once they are back in m, as each chunk's work space: its direction, then the direction and the weights
-        # gathered at its selected coordinates.
-        compact = sum(c.split - c.start for c in self.chunks) + sum(_mask_size(mask, s, k) for s in masked)
-        work = max((c.end - c.start + 2 * sum(_mask_size(mask, s, k) for s in c.masked) for c in self.chunks),
+        # once they are back in m, as each chunk's work space: its masked weights (to gather them), then its
+        # direction, with the direction and the weights gathered at its selected coordinates after it.
+        compact = sum(_split(slots) - slots[0].offset + sum(_mask_size(mask, s, k) for s in slots if not s.always)
+                      for _, slots in spans)
+        work = max((_aligned(slots[-1].offset + slots[-1].numel - slots[0].offset)
+                    + 2 * sum(_mask_size(mask, s, k) for s in slots if not s.always) for _, slots in spans),
                    default=0)
         self.work = torch.empty(max(compact, work), device=device)
         self.compact = self.work[:compact]
         self.piece_numel = _PIECE_NUMEL.get(device.type)
-        largest = max((s.numel for s in masked), default=0)
-        self.coef = torch.empty(min(self.piece_numel or largest, largest), device=device)
-        self.spare = torch.empty_like(self.coef)  # the product form's second factor
+        updates = [_groups([(at, s) for at, s in enumerate(slots) if not s.always], self.piece_numel)
+                   for _, slots in spans]
+        largest = max((_span(pieces)[1] - _span(pieces)[0] for groups in updates for pieces in groups), default=0)
+        self.coef = torch.empty(largest, device=device)  # the coefficients of one group of `updates`
+        self.spare = torch.empty(largest if product else 0, device=device)  # the product form's second factor
+        self.chunks = [self._chunk(gi, slots, groups, device) for (gi, slots), groups in zip(spans, updates,
+                                                                                             strict=True)]
+        self.plans = [_plan(mask, chunk, k, device) for chunk in self.chunks]
         self.generator = torch.Generator()  # on the host whatever the device: see `mask_uniforms`
-        self.cyclic: list[list[tuple[Tensor, ...]]] | None = None  # per chunk, per phase, per masked slot
+        self.cyclic: list[list[_Mask]] | None = None  # per chunk, per phase
         self.adopt(state, beta3, step)
+
+    @staticmethod
+    def _place(param_groups: list[dict[str, Any]], min_compress_numel: int, mask: str,
+               limit: int | None) -> list[tuple[int, list[_Slot]]]:
+        """The slots' offsets, cut into chunks of at most `limit` elements: (param group, slots) per chunk."""
+        spans: list[tuple[int, list[_Slot]]] = []
+        offset, index = 0, 0
+        for gi, group in enumerate(param_groups):
+            ordered = sorted(group["params"], key=lambda p: not _always(p, min_compress_numel))  # stable
+            current: list[_Slot] = []
+            for p in ordered:
+                numel, always = p.numel(), _always(p, min_compress_numel)
+                if current and limit is not None and offset + numel - current[0].offset > limit:
+                    spans.append((gi, current))
+                    current = []
+                if not current or not always:
+                    offset = _aligned(offset)
+                current.append(_Slot(p, offset, numel, always, index, _block(mask, numel)))
+                offset, index = offset + numel, index + 1
+            if current:
+                spans.append((gi, current))
+        return spans
+
+    def _chunk(self, group: int, slots: list[_Slot], updates: list[list[_Piece]], device: torch.device) -> _Chunk:
+        start, split, end = slots[0].offset, _split(slots), slots[-1].offset + slots[-1].numel
+        masked = tuple(s for s in slots if not s.always)
+        order = tuple(sorted(range(len(masked)), key=lambda j: masked[j].block))  # stable: then by offset
+        always = len(slots) - len(masked)
+        moments = [self._group(pieces, {"m": (self.exp_avg, 0), "v": (self.exp_avg_sq, 0)})
+                   for pieces in _groups(list(enumerate(slots)), self.piece_numel)]
+        return _Chunk(
+            group, start, split, end, tuple(slots), masked,
+            one_d=torch.tensor([s.param.dim() <= 1 for s in slots], device=device),
+            order=order, fresh_index=torch.tensor([always + j for j in order], dtype=torch.int64, device=device),
+            directions=[s.flat(self.work, start).view_as(s.param) for s in slots], moments=tuple(moments),
+            updates=tuple(self._group(pieces, {"direction": (self.work, start), "coef": (self.coef, None)})
+                          for pieces in updates))
+
+    @staticmethod
+    def _group(pieces: list[_Piece], buffers: dict[str, tuple[Tensor, int | None]]) -> _Group:
+        """A group with its pieces' views of `buffers`: name -> (buffer, its element 0's flat position; None: the
+        group's start)."""
+        start, end = _span(pieces)
+        views = {name: [piece.view(buffer, start if origin is None else origin) for piece in pieces]
+                 for name, (buffer, origin) in buffers.items()}
+        return _Group(tuple(pieces), start, end, views)
 
     def adopt(self, state: dict, beta3: float, step: int) -> None:
         """Copy any loaded m, v and freshness in `state` into the flat buffers, then point `state` at them."""
@@ -758,14 +872,6 @@ class _Layout:
                     view.copy_(entry[key])
                 entry[key] = view
 
-    def _close(self, group: int, slots: list[_Slot], device: torch.device) -> None:
-        split = next((s.offset for s in slots if not s.always), slots[-1].offset + slots[-1].numel)
-        end = slots[-1].offset + slots[-1].numel
-        one_d = torch.tensor([s.param.dim() <= 1 for s in slots], device=device)
-        masked = tuple(s for s in slots if not s.always)
-        self.chunks.append(_Chunk(group, slots[0].offset, split, end, tuple(slots), masked, one_d))
-        self.slots.extend(slots)
-
     def synced_value(self, beta3: float, step: int) -> float:
         """q of a coordinate synced at `step`: beta3^-(step mod R) as stored (rounded to the buffer's dtype)."""
         code = "e" if self.scaled_freshness.dtype == torch.float16 else "f"
@@ -775,51 +881,91 @@ class _Layout:
     def view(buffer: Tensor, slot: _Slot) -> Tensor:
         return slot.flat(buffer).view_as(slot.param)
 
-    def gathered(
-        self, chunk: _Chunk, mask: _Mask, direction: Tensor
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        """The direction and the weights at each masked slot's positions, in the work space after the direction."""
-        numel, selected = chunk.end - chunk.start, sum(mask.sizes)
-        u_parts = list(_parts(self.work[numel:numel + selected], mask))
-        w_parts = list(_parts(self.work[numel + selected:numel + 2 * selected], mask))
-        for slot, rows, u, w in zip(chunk.masked, mask.positions, u_parts, w_parts, strict=True):
-            slot.select(slot.flat(direction, chunk.start), rows, u)
-            flat = slot.param.reshape(-1)
-            if flat.dtype == torch.float32:
-                slot.select(flat, rows, w)
-            else:
-                slot.select(flat.float(), rows, w)
-        return u_parts, w_parts
+    def selected(self, chunk: _Chunk, mask: _Mask) -> tuple[Tensor, Tensor]:
+        """Where the direction and the weights at the selected coordinates go: the work space after the direction."""
+        a, n = chunk.padded, sum(mask.sizes)
+        return self.work[a:a + n], self.work[a + n:a + 2 * n]
+
+    def gather_weights(self, chunk: _Chunk, mask: _Mask) -> None:
+        """The masked weights at the selected coordinates, into `selected`'s second buffer.
+
+        The weights are separate tensors. With whole-tensor pieces (a GPU, where each call costs host time) they
+        are copied into the chunk's work space (one foreach copy, in fp32) and gathered by one row gather per row
+        size for all the chunk's tensors. On a CPU calls are cheap and that copy, a pass over every masked
+        weight, is not (about 10 % of a BERT-base step): each tensor's rows are gathered from it directly.
+        """
+        if not chunk.masked:
+            return
+        out = self.selected(chunk, mask)[1]
+        if self.piece_numel is None:
+            always = len(chunk.slots) - len(chunk.masked)
+            torch._foreach_copy_(chunk.directions[always:], [s.param for s in chunk.masked])
+            mask.select(self.work[:chunk.padded], out)
+            return
+        slots = [chunk.masked[j] for j in chunk.order]
+        parts = out.split(mask.sizes)
+        rows = mask.rows.split([size // s.block for s, size in zip(slots, mask.sizes, strict=True)])
+        for slot, part, selected in zip(slots, parts, rows, strict=True):
+            weights = slot.param.detach().reshape(-1, slot.block).float()
+            torch.index_select(weights, 0, selected - (slot.offset - chunk.start) // slot.block,
+                               out=part.view(-1, slot.block))
 
     def cyclic_masks(self, seed: int, k: float, step: int) -> list[_Mask]:
         """Phase t mod n_c of a fixed random partition of each masked tensor into n_c = floor(1/k) near-equal parts.
 
-        Built once from the seed (each tensor's permutation of its rows from its own generator seed), as sorted
-        row lists (8 bytes per row of up to 16 coordinates); only the seed goes into the state_dict.
+        Built once from the seed (each tensor's permutation of its rows from its own generator seed), per chunk
+        and phase as one row list (8 bytes per row of up to 16 coordinates); only the seed goes into the state_dict.
         """
         parts = _cyclic_parts(k)
         if self.cyclic is None:
-            self.cyclic = [[() for _ in range(parts)] for _ in self.chunks]
-            for ci, chunk in enumerate(self.chunks):
-                phases: list[list[Tensor]] = [[] for _ in range(parts)]
-                for slot in chunk.masked:
-                    generator = self.generator.manual_seed(mask_seed(seed, 0x80000000 + slot.index))
-                    rows = slot.numel // slot.block
-                    perm = torch.randperm(rows, generator=generator).to(self.exp_avg.device)
-                    for phase, piece in enumerate(perm.tensor_split(parts)):
-                        phases[phase].append(piece.sort().values)
-                self.cyclic[ci] = [tuple(p) for p in phases]
-        phase = step % parts
-        return [_Mask(pieces[phase], tuple(p.numel() * s.block for p, s in zip(pieces[phase], chunk.masked,
-                                                                                strict=True)), None)
-                for pieces, chunk in zip(self.cyclic, self.chunks, strict=True)]
+            self.cyclic = [self._cyclic_phases(chunk, seed, parts) for chunk in self.chunks]
+        return [phases[step % parts] for phases in self.cyclic]
+
+    def _cyclic_phases(self, chunk: _Chunk, seed: int, parts: int) -> list[_Mask]:
+        """One chunk's mask in each phase: its masked slots' parts, in compact order, as chunk-relative rows."""
+        phases: list[list[Tensor]] = [[] for _ in range(parts)]
+        for j in chunk.order:
+            slot = chunk.masked[j]
+            generator = self.generator.manual_seed(mask_seed(seed, 0x80000000 + slot.index))
+            perm = torch.randperm(slot.numel // slot.block, generator=generator)
+            for phase, piece in enumerate(perm.tensor_split(parts)):
+                phases[phase].append(piece.sort().values + (slot.offset - chunk.start) // slot.block)
+        blocks = [chunk.masked[j].block for j in chunk.order]
+        device = self.exp_avg.device
+        return [_mask(torch.cat(rows).to(device) if rows else torch.empty(0, dtype=torch.int64, device=device),
+                      blocks, [r.numel() * b for r, b in zip(rows, blocks, strict=True)], None) for rows in phases]
 
     def scratch_bytes(self) -> int:
-        buffers = [self.work, self.coef, self.spare]
-        total = sum(t.numel() * t.element_size() for t in buffers)
-        for chunk_phases in self.cyclic or []:
-            total += sum(t.numel() * t.element_size() for phase in chunk_phases for t in phase)
-        return total
+        tensors = [self.work, self.coef, self.spare]
+        tensors += [mask.rows for phases in self.cyclic or [] for mask in phases]
+        tensors += [t for plan in self.plans if plan for t in plan.values() if isinstance(t, Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _split(slots: list[_Slot]) -> int:
+    """The end of a chunk's always-synced slots (its start if none)."""
+    return max((s.offset + s.numel for s in slots if s.always), default=slots[0].offset)
+
+
+def _span(pieces: list[_Piece]) -> tuple[int, int]:
+    """The flat [start, end) that consecutive pieces cover."""
+    return pieces[0].slot.offset + pieces[0].a, pieces[-1].slot.offset + pieces[-1].b
+
+
+def _plan(mask: str, chunk: _Chunk, k: float, device: torch.device) -> dict[str, Any] | None:
+    """The constants that turn a chunk's uniforms into its rows (None for the cyclic mask: fixed lists)."""
+    if mask == "cyclic":
+        return None
+    firsts = list(accumulate((_draw_size(mask, s, k) for s in chunk.masked), initial=0))  # per slot, slot order
+    if mask == "bernoulli":  # single coordinates: compact order is slot order
+        return bernoulli_plan([(s.numel, _draw_size(mask, s, k), s.offset - chunk.start) for s in chunk.masked],
+                              device)
+    tensors = []
+    for j in chunk.order:
+        s = chunk.masked[j]
+        rows = s.numel // s.block
+        tensors.append((rows, stratified_count(rows, k), firsts[j], (s.offset - chunk.start) // s.block))
+    return stratified_plan(tensors, device)
 
 
 def _rebase_interval(beta3: float) -> int:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, TINY, compose, run_train
+from dispatched_ops import dispatched_ops
 from distributed_harness import run_on_ranks
 from host_reads import count_host_reads
 from omegaconf import OmegaConf
@@ -512,6 +513,33 @@ def test_cuda_step_makes_no_device_sync(options):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(p).all() for p in params)
+
+
+# --------------------------------------------------------------------------------------------- host cost
+STEP_VARIANTS = [dict(), dict(mask="bernoulli"), dict(mask="cyclic"), dict(rescale="product_of_interpolations"),
+                 dict(mask="cyclic", rescale="product_of_interpolations", wd_in_trust_ratio=False)]
+
+
+def _ops_per_step(tensors: int, options: dict) -> int:
+    """Ops one multi-rank step dispatches from Python over `tensors` masked matrices (two row sizes: 16 and 4)."""
+    generator = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn((32, 32) if i % 2 else (34, 30), generator=generator)) for i in range(tensors)]
+    params.append(nn.Parameter(torch.randn(32, generator=generator)))  # always synced
+    optimizer = SLAMB(params, comm=_MirrorComm(2), min_compress_numel=500, **options)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+    optimizer.step()  # the first builds the layout and checks that the ranks agree on the masks
+    return sum(dispatched_ops(optimizer.step).values())
+
+
+@pytest.mark.parametrize("options", STEP_VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_step_dispatches_a_number_of_ops_independent_of_the_number_of_tensors(monkeypatch, options):
+    """On a GPU each op Python dispatches costs microseconds of host time whatever its size: with a GPU's layout
+    (whole tensors, one chunk) four times the masked tensors may not cost more than a few ops more."""
+    monkeypatch.delitem(slamb_module._PIECE_NUMEL, "cpu")
+    monkeypatch.setitem(slamb_module._CHUNK_NUMEL, "cpu", 1 << 26)
+    few, many = _ops_per_step(8, options), _ops_per_step(32, options)
+    assert many - few <= 4, (few, many)
 
 
 # --------------------------------------------------------------------------------------------- N ranks
