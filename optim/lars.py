@@ -82,20 +82,22 @@ class LARS(torch.optim.Optimizer):
                 continue
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("LARS does not support sparse gradients")
-            buffers = None
-            if group["momentum"] != 0:
-                buffers = [self._momentum_buffer(p) for p in params]
-            lars(
-                params, [p.grad for p in params], buffers,
-                adapt=[p.dim() > 1 or not group["exclude_1d"] for p in params],
-                lr=group["lr"],
-                momentum=group["momentum"],
-                weight_decay=group["weight_decay"],
-                trust_coefficient=group["trust_coefficient"],
-                eps=group["eps"],
-                nesterov=group["nesterov"],
-                direction_scale=group.get("direction_scale", 1.0),
-            )
+            buffers = [self._momentum_buffer(p) for p in params] if group["momentum"] != 0 else None
+            adapt = [p.dim() > 1 or not group["exclude_1d"] for p in params]
+            # Every quantity is per tensor: in chunks of the device's FOREACH_CHUNK_NUMEL, the temporaries are
+            # one chunk's, not the group's.
+            for chunk in foreach_chunks(params):
+                lars(
+                    params[chunk], [p.grad for p in params[chunk]], None if buffers is None else buffers[chunk],
+                    adapt=adapt[chunk],
+                    lr=group["lr"],
+                    momentum=group["momentum"],
+                    weight_decay=group["weight_decay"],
+                    trust_coefficient=group["trust_coefficient"],
+                    eps=group["eps"],
+                    nesterov=group["nesterov"],
+                    direction_scale=group.get("direction_scale", 1.0),
+                )
         return loss
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:
@@ -119,31 +121,9 @@ def lars(
     nesterov: bool,
     direction_scale: float = 1.0,
 ) -> None:
-    """Functional LARS over one param group (see `LARS`) with foreach kernels; `adapt[i]`: tensor i gets the
-    trust ratio and weight decay. `direction_scale` multiplies :math:`d` before the momentum (JointSpar's 1/p).
-    `grads` are read, never written. Every quantity is per tensor, so the group goes through in chunks of the
-    device's `FOREACH_CHUNK_NUMEL`: its temporaries (the directions) are one chunk's, not the group's."""
-    for chunk in foreach_chunks(params):
-        _lars_chunk(params[chunk], grads[chunk], None if momentum_buffers is None else momentum_buffers[chunk],
-                    adapt=adapt[chunk], lr=lr, momentum=momentum, weight_decay=weight_decay,
-                    trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov, direction_scale=direction_scale)
-
-
-def _lars_chunk(
-    params: list[Tensor],
-    grads: list[Tensor],
-    momentum_buffers: list[Tensor] | None,
-    *,
-    adapt: list[bool],
-    lr: float,
-    momentum: float,
-    weight_decay: float,
-    trust_coefficient: float,
-    eps: float,
-    nesterov: bool,
-    direction_scale: float,
-) -> None:
-    """`lars` over tensors whose temporaries may be alive at once; the adapted ones first, in one foreach run."""
+    """Functional LARS over tensors of one param group (see `LARS`) with foreach kernels; `adapt[i]`: tensor i gets
+    the trust ratio and weight decay. `direction_scale` multiplies :math:`d` before the momentum (JointSpar's 1/p).
+    `grads` are read, never written. Its temporaries (the directions) are as large as the tensors given."""
     order = [i for i, a in enumerate(adapt) if a] + [i for i, a in enumerate(adapt) if not a]
     n_adapted = sum(adapt)
     params = [params[i] for i in order]
