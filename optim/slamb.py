@@ -445,25 +445,34 @@ class SLAMB(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr, weight_decay = group["lr"], group["weight_decay"]
         bc1, bc2 = bias_corrections(step, beta1, beta2, enabled=self.bias_correction_form != "none")
-        # The direction buffer holds u~ up to the scalar `scale` (u~ = scale * buffer), folded into the norms and
-        # the step sizes instead of costing a pass: buffer = m / (sqrt(v) + eps') + (lambda / scale) w, the decay
-        # added before the norms or after them (wd_in_trust_ratio). Every slot's direction is formed (the ratios
-        # are computed for the whole chunk at once); only slots with a gradient are updated.
-        scale = math.sqrt(bc2) / bc1
+        # The direction buffer holds u~ up to a scalar `unit` (u~ = unit * buffer), folded into the norms and the
+        # step sizes instead of costing a pass: buffer = m / (sqrt(v) + eps') + (lambda / scale) w with
+        # unit = scale, the decay added before the norms or after them (wd_in_trust_ratio). Every slot's direction
+        # is formed (the ratios are computed for the whole chunk at once); only slots with a gradient are updated.
+        scale = unit = math.sqrt(bc2) / bc1
         eps = group["eps"] * (math.sqrt(bc2) if self.bias_correction_form == "full" else 1.0)
         layout.gather_weights(chunk, mask)  # before the direction takes the work space
         direction = layout.work[:end - start]
         torch.sqrt(layout.exp_avg_sq[start:end], out=direction)
         direction.add_(eps)
-        torch.div(layout.exp_avg[start:end], direction, out=direction)
         params = [s.param for s in chunk.slots]
-        if weight_decay != 0 and self.wd_in_trust_ratio:
-            torch._foreach_add_(chunk.directions, params, alpha=weight_decay / scale)
-        fresh, stale = self._trust_ratios(layout, chunk, mask, scale)
+        decay_in_norms = weight_decay != 0 and self.wd_in_trust_ratio
+        if decay_in_norms and layout.piece_numel is not None:
+            # On a CPU, where a step is not bound by the host: buffer = w + m / ((lambda / scale)(sqrt(v) + eps'))
+            # with unit = lambda, one addcdiv pass per tensor where the foreach form takes a division and an
+            # addition (a pass more, about 8 % of the BERT-base step).
+            for slot, p, u in zip(chunk.slots, params, chunk.directions, strict=True):
+                torch.addcdiv(p, layout.view(layout.exp_avg, slot), u, value=scale / weight_decay, out=u)
+            unit = weight_decay
+        else:
+            torch.div(layout.exp_avg[start:end], direction, out=direction)
+            if decay_in_norms:
+                torch._foreach_add_(chunk.directions, params, alpha=weight_decay / scale)
+        fresh, stale = self._trust_ratios(layout, chunk, mask, unit)
         if weight_decay != 0 and not self.wd_in_trust_ratio:
             torch._foreach_add_(chunk.directions, params, alpha=weight_decay / scale)
 
-        lr_fresh, lr_stale = lr * scale, lr * scale / math.sqrt(self.world_size)
+        lr_fresh, lr_stale = lr * unit, lr * unit / math.sqrt(self.world_size)
         fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
         fresh_coef = fresh_clamped * -lr_fresh  # per slot, on the device: no host read
         always = [i for i, s in enumerate(chunk.slots) if s.always and s.param.grad is not None]
@@ -509,7 +518,7 @@ class SLAMB(torch.optim.Optimizer):
         torch._foreach_addcmul_([group.pieces[i].of(group.pieces[i].slot.param) for i in active],
                                 [group.views["direction"][i] for i in active], coefs)
 
-    def _trust_ratios(self, layout: _Layout, chunk: _Chunk, mask: _Mask, scale: float) -> tuple[Tensor, Tensor]:
+    def _trust_ratios(self, layout: _Layout, chunk: _Chunk, mask: _Mask, unit: float) -> tuple[Tensor, Tensor]:
         """Per slot the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
         their fallbacks for zero norms.
 
@@ -530,7 +539,7 @@ class SLAMB(torch.optim.Optimizer):
             w_parts, u_parts = w_selected.split(mask.sizes), u_selected.split(mask.sizes)
             w_fresh = w_total.index_copy(0, chunk.fresh_index, torch.stack(torch._foreach_norm(w_parts)))
             u_fresh = u_total.index_copy(0, chunk.fresh_index, torch.stack(torch._foreach_norm(u_parts)))
-        u_total, u_fresh = u_total * scale, u_fresh * scale
+        u_total, u_fresh = u_total * unit, u_fresh * unit
         w_stale = (w_total.square() - w_fresh.square()).clamp_(min=0).sqrt_()
         u_stale = (u_total.square() - u_fresh.square()).clamp_(min=0).sqrt_()
         fresh = trust_ratio(w_fresh, u_fresh)  # 1 when a norm is 0
