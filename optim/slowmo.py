@@ -138,12 +138,16 @@ class SlowMo(BaseWrapper):
             average_tensors_(params + (self._base_buffers(params) if self.average_buffers else []), self.comm,
                              self.bucket_numel)
         for group in self.param_groups:
-            slow_momentum_step_(
-                group["params"],
-                [self.state[p]["anchor"] for p in group["params"]],
-                [self.state[p]["slow_momentum"] for p in group["params"]],
-                lr=group["lr"], slow_momentum=self.slow_momentum, slow_lr=self.slow_lr,
-            )
+            # In chunks of the device's FOREACH_CHUNK_NUMEL: the drift is a temporary of one chunk, not of the
+            # group (12 GB for BERT-XL's 2.9B parameters).
+            for chunk in foreach_chunks(group["params"]):
+                params = group["params"][chunk]
+                slow_momentum_step_(
+                    params,
+                    [self.state[p]["anchor"] for p in params],
+                    [self.state[p]["slow_momentum"] for p in params],
+                    lr=group["lr"], slow_momentum=self.slow_momentum, slow_lr=self.slow_lr,
+                )
 
     def _base_buffers(self, params: list[Tensor]) -> list[Tensor]:
         """The base's per-parameter state tensors shaped like their parameter, in a rank-independent order."""
@@ -161,17 +165,8 @@ def slow_momentum_step_(
     slow_lr: float,
 ) -> None:
     """The outer step of one param group, in place: `params` hold the average on entry and the new anchor on
-    exit; `anchors` and `momenta` (u) are updated (see `SlowMo`). In chunks of the device's `FOREACH_CHUNK_NUMEL`:
-    the drift is a temporary of one chunk, not of the group (12 GB for BERT-XL's 2.9B parameters)."""
-    for chunk in foreach_chunks(params):
-        _slow_momentum_chunk_(params[chunk], anchors[chunk], momenta[chunk], lr=lr, slow_momentum=slow_momentum,
-                              slow_lr=slow_lr)
-
-
-def _slow_momentum_chunk_(
-    params: list[Tensor], anchors: list[Tensor], momenta: list[Tensor], *, lr: float, slow_momentum: float,
-    slow_lr: float,
-) -> None:
+    exit; `anchors` and `momenta` (u) are updated (see `SlowMo`). Its temporary (the drift) is as large as the
+    tensors given."""
     drift = torch._foreach_sub(anchors, [p.float() for p in params])  # x_{t,0} - x_bar
     torch._foreach_mul_(momenta, slow_momentum)
     if lr > 0:
