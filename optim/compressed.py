@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm
 
 _SCALE_BYTES = 4  # one float32 scale per chunk on the wire
@@ -123,18 +124,30 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
             f"compressed_allreduce_: buffer of {buffer.numel()} elements is not padded for {world} ranks "
             f"(use padded_numel) or its error buffers do not match ({worker_error.numel()}, {server_error.numel()})"
         )
+    # Temporaries are of at most `block` elements (the device's foreach chunk), not of the buffer's size: at
+    # BERT-XL's 2.9B parameters a decoded copy of the buffer would be 11.6 GB.
+    block = FOREACH_CHUNK_NUMEL.get(buffer.device.type) or buffer.numel()
     # Phase 1: worker compression, chunk j of the signs (and this rank's scale) to rank j.
     z = buffer.add_(worker_error)
     worker_scale = compress_(z, worker_error)
-    send = _with_scale(pack_signs(z).reshape(world, chunk // 8), worker_scale)
+    packed = torch.empty(buffer.numel() // 8, dtype=torch.uint8, device=buffer.device)
+    for a in range(0, buffer.numel(), block):
+        packed[a // 8:(a + block) // 8] = pack_signs(z[a:a + block])
+    send = _with_scale(packed.view(world, chunk // 8), worker_scale)
+    del packed
     received = torch.empty_like(send)
     comm.all_to_all_single(received, send)
+    del send
     signs, scales = _split_scale(received)
-    # Server stage on this rank's chunk: the scale-weighted mean of the W sign vectors, compressed again.
+    # Server stage on this rank's chunk: the scale-weighted mean of the W sign vectors, compressed again, a
+    # block of columns at a time.
     weights = scales.to(buffer.dtype) * (1.0 / world)  # DeepSpeed multiplies by 1/W rather than dividing
-    weighted = torch.empty(world, chunk, dtype=buffer.dtype, device=buffer.device)
-    _decode_into(weighted, signs, weights)
-    server = weighted.sum(0)
+    server = torch.empty(chunk, dtype=buffer.dtype, device=buffer.device)
+    columns = max(8, block // world // 8 * 8)
+    for a in range(0, chunk, columns):
+        weighted = torch.empty(world, min(columns, chunk - a), dtype=buffer.dtype, device=buffer.device)
+        _decode_into(weighted, signs[:, a // 8:(a + columns) // 8], weights)
+        torch.sum(weighted, 0, out=server[a:a + columns])
     server.add_(server_error)
     server_scale = compress_(server, server_error)
     # Phase 2: every rank gets every compressed chunk and decodes the same bytes, straight into the buffer.
