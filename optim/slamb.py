@@ -214,10 +214,9 @@ def _runs(blocks: Sequence[int], sizes: Sequence[int]) -> tuple[tuple[int, int, 
 
 @dataclass(frozen=True)
 class _Draw:
-    """What turns one step's uniforms into every chunk's mask, built once (the stratified and Bernoulli masks).
-
-    One draw serves all chunks: `uniforms` of them, turned into rows by `constants` (`stratified_rows` or
-    `bernoulli_rows`), cut into `picks` rows per chunk; per chunk the host-side `sizes` and `runs` of its mask.
+    """What turns a step's uniforms into the masks of a run of consecutive chunks, built once (the stratified and
+    Bernoulli masks): `uniforms` of them, turned into rows by `constants` (`stratified_rows` or `bernoulli_rows`),
+    cut into `picks` rows per chunk; per chunk the host-side `sizes` and `runs` of its mask.
     """
 
     uniforms: int
@@ -1012,24 +1011,28 @@ def _span(pieces: list[_Piece]) -> tuple[int, int]:
 
 def _draws(mask: str, chunks: Sequence[_Chunk], k: float, device: torch.device) -> list[_Draw]:
     """The constants of every chunk's stratified or Bernoulli mask (none for the cyclic mask: fixed lists), for
-    runs of consecutive chunks of at most `_DRAW_PICKS` picks. Uniforms are drawn chunk by chunk, each chunk's
-    masked slots in slot order; rows come out chunk by chunk in compact order, relative to the chunk."""
+    runs of consecutive chunks of at most `_DRAW_PICKS` picks (a larger chunk: alone)."""
     if mask == "cyclic":
         return []
     limit = _DRAW_PICKS.get(device.type)
-    draws: list[list[tuple[_Chunk, int]]] = []  # per draw, its chunks with their picks
+    runs: list[list[tuple[_Chunk, int]]] = []  # per draw, its chunks with their picks
+    total = 0
     for chunk in chunks:
         picks = sum(_mask_size(mask, s, k) // s.block for s in chunk.masked)
-        if draws and (limit is None or sum(p for _, p in draws[-1]) + picks <= limit):
-            draws[-1].append((chunk, picks))
+        if runs and (limit is None or total + picks <= limit):
+            runs[-1].append((chunk, picks))
+            total += picks
         else:
-            draws.append([(chunk, picks)])
-    return [_draw(mask, [c for c, _ in run], k, device) for run in draws]
+            runs.append([(chunk, picks)])
+            total = picks
+    return [_draw(mask, run, k, device) for run in runs]
 
 
-def _draw(mask: str, chunks: Sequence[_Chunk], k: float, device: torch.device) -> _Draw:
+def _draw(mask: str, run: Sequence[tuple[_Chunk, int]], k: float, device: torch.device) -> _Draw:
+    """One draw for consecutive chunks (with their picks). Uniforms are drawn chunk by chunk, each chunk's
+    masked slots in slot order; rows come out chunk by chunk in compact order, relative to the chunk."""
     tensors, sizes, runs, first = [], [], [], 0
-    for chunk in chunks:
+    for chunk, _ in run:
         firsts = list(accumulate((_draw_size(mask, s, k) for s in chunk.masked), initial=first))  # slot order
         first = firsts[-1]
         slots = [(chunk.masked[j], firsts[j]) for j in chunk.order]
@@ -1040,10 +1043,8 @@ def _draw(mask: str, chunks: Sequence[_Chunk], k: float, device: torch.device) -
                          (s.offset - chunk.start) // s.block) for s, at in slots]
         sizes.append(tuple(_mask_size(mask, s, k) for s, _ in slots))
         runs.append(_runs([s.block for s, _ in slots], sizes[-1]))
-    picks = tuple(sum(size // s.block for s, size in zip((c.masked[j] for j in c.order), chunk_sizes, strict=True))
-                  for c, chunk_sizes in zip(chunks, sizes, strict=True))
     constants = bernoulli_plan(tensors, device) if mask == "bernoulli" else stratified_plan(tensors, device)
-    return _Draw(first, constants, picks, tuple(sizes), tuple(runs))
+    return _Draw(first, constants, tuple(picks for _, picks in run), tuple(sizes), tuple(runs))
 
 
 def _rebase_interval(beta3: float) -> int:
