@@ -61,7 +61,9 @@ def test_bad_arguments_are_one_line_user_errors(capsys):
 def test_a_small_study_joins_its_runs_summaries(tmp_path, capsys):
     study = ["--out", str(tmp_path), "--corpus", "demo", "--optimizers", "lamb", "slamb", "--steps", "4",
              "--ranks", "2", "--squad-epochs", "1", "--swin-optimizers", "adamw", "--swin-epochs", "1",
-             "--override", "model.hidden_size=32", "--override", "model.intermediate_size=64"]
+             *(f"--override={o}" for o in ("model.hidden_size=32", "model.intermediate_size=64", "data.dupe_factor=1",
+                                           "data.max_seq_len=32", "data.max_predictions=5",
+                                           "trainer.global_batch_size=8"))]
     reproduce.main(study)
     table = (tmp_path / "comparison.md").read_text()
     capsys.readouterr()
