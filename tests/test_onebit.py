@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import REPO, TINY, compose, run_train
+from conftest import REPO, TINY, run_train
 from dispatched_ops import dispatched_ops
 from distributed_harness import run_on_ranks
 from host_reads import count_host_reads
@@ -220,13 +220,12 @@ def test_two_rank_trainer_killed_and_resumed_repeats_the_loss_series(tmp_path):
     # Imported here, not at the top: spawned ranks import this module, and need no transformers or trainer.
     from test_trainer import _popen, _wait_for_step
 
-    from train.run import run
-
     # freeze_step 4: warm-up on steps 2-4, compression from step 5; the kill lands in the compressed stage.
     args = [*TINY, "optim=onebit_lamb", "optim.freeze_step=4", "optim.lr=1.0e-2", "trainer.nproc_per_node=2",
             "trainer.micro_batch_size=2", "trainer.max_steps=10", "trainer.checkpoint_every=3",
             "data.masking=dynamic"]
-    run(compose(args), tmp_path / "ref")  # the uninterrupted run in-process: one interpreter start-up less
+    reference = run_train([*args, f"hydra.run.dir={tmp_path / 'ref'}"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
     killed_dir = tmp_path / "killed"
     proc = _popen([*args, f"hydra.run.dir={killed_dir}"])
     _wait_for_step(killed_dir, 7, proc)
