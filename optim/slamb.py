@@ -65,6 +65,11 @@ class _Slot:
     always: bool  # 1-D or smaller than min_compress_numel: synced every step
     index: int  # position among all slots: seeds the tensor's cyclic partition
     block: int  # the mask selects rows of this many consecutive coordinates (1: single coordinates)
+    row: int  # where its freshness starts in the freshness buffer, which holds one value per row
+
+    @property
+    def rows(self) -> int:
+        return self.numel // self.block
 
     def flat(self, buffer: Tensor, start: int = 0) -> Tensor:
         """This slot's 1-D slice of `buffer`, a flat buffer whose element 0 is flat position `start`."""
@@ -93,25 +98,56 @@ class _Piece:
         flat = buffer[self.slot.offset + self.a - start:self.slot.offset + self.b - start]
         return flat.view_as(self.slot.param) if self.whole else flat
 
+    @property
+    def rows(self) -> tuple[int, int]:
+        """Its [first, last) rows in the freshness buffer (pieces start at multiples of the row size)."""
+        return self.slot.row + self.a // self.slot.block, self.slot.row + self.b // self.slot.block
+
 
 @dataclass(frozen=True)
 class _Group:
     """Pieces that one set of foreach calls processes, with their views of the flat buffers (built once, so a step
-    dispatches no per-tensor view); [start, end) is the flat span they cover."""
+    dispatches no per-tensor view); [start, end) is the flat span they cover, [first, last) their freshness rows."""
 
     pieces: tuple[_Piece, ...]
     start: int
     end: int
+    first: int
+    last: int
     views: dict[str, list[Tensor]]
+    # Runs of pieces of one row size: (B, first element, end element, first row, end row) relative to the group
+    # (an update group of a GPU layout only: see `_Layout._update_group`).
+    segments: tuple[tuple[int, int, int, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class _Span:
+    """A chunk's masked slots of one row size. A chunk places its masked slots by row size, so they are consecutive
+    in the flat buffers; the freshness buffer holds their rows in the same order and spacing, so a row index
+    relative to the span addresses a row of coordinates and its freshness alike."""
+
+    block: int
+    start: int  # chunk-relative elements [start, end)
+    end: int
+    row: int  # the freshness buffer's row of `start`
+    slots: tuple[int, int]  # its masked slots' [first, last) indices in the chunk's `masked`
+
+    def of(self, region: Tensor) -> Tensor:
+        """The span's rows of a chunk's region of a flat buffer."""
+        return region[self.start:self.end].view(-1, self.block)
+
+    def freshness(self, scaled_freshness: Tensor) -> Tensor:
+        """The span's rows of the freshness buffer."""
+        return scaled_freshness[self.row:self.row + (self.end - self.start) // self.block]
 
 
 @dataclass(frozen=True)
 class _Chunk:
     """Consecutive slots of one param group: always-synced ones in [start, split), masked ones in [split, end).
 
-    Masked slots (and chunks) start at multiples of `_ALIGN` elements, so that one row view of a buffer over the
-    chunk serves every masked slot with the same row size; the padding (zeros, at most `_ALIGN` - 1 elements per
-    masked tensor) is never gathered, sent or normed.
+    Masked slots (and chunks) start at multiples of `_ALIGN` elements, and are placed by row size, so that one row
+    view of a buffer over a span serves every masked slot with that row size; the padding (zeros, at most
+    `_ALIGN` - 1 elements per masked tensor) is never gathered, sent or normed.
     """
 
     group: int
@@ -121,8 +157,9 @@ class _Chunk:
     slots: tuple[_Slot, ...]
     masked: tuple[_Slot, ...]  # the slots in [split, end)
     one_d: Tensor  # per slot, dim <= 1 (on the device, built once: the clamp_1d switch needs no host copy)
-    order: tuple[int, ...]  # the masked slots (indices into `masked`) in compact order: by row size, then offset
-    fresh_index: Tensor  # per masked slot in compact order, its index in `slots` (on the device)
+    spans: tuple[_Span, ...]  # the masked slots by row size
+    bases: tuple[int, ...]  # per masked slot, the span-relative index of its first row
+    rows: tuple[int, int, int]  # freshness rows: the always-synced slots' in [first, split), masked in [split, end)
     directions: list[Tensor]  # per slot, its view of the direction space (the work buffer), shaped like it
     moments: tuple[_Group, ...]  # every slot, by cache-sized groups on a CPU: the passes over m, v, g, direction
     updates: tuple[_Group, ...]  # the masked slots, likewise: the coefficient and update passes
@@ -137,17 +174,15 @@ class _Chunk:
 class _Mask:
     """S_t within one chunk: its always-synced coordinates and, for its masked slots, the selected rows.
 
-    `rows` holds chunk-relative row indices, masked slot by masked slot in the chunk's compact order; `runs`
-    cuts it into runs of slots with one row size: (B, first row, end row, first coordinate, end coordinate),
-    where rows are counted in `rows` and coordinates in the compact vector's masked part. Every length is fixed
-    by the slots' sizes (and, for the cyclic mask, the phase), so the layout (`sizes`: coordinates per masked
-    slot in compact order) is known on the host. `valid` (Bernoulli only) is 1 for a selected row and 0 for
-    padding, a duplicate of a selected one; None without padding.
+    `rows` holds span-relative row indices, masked slot by masked slot in slot order; `runs` cuts it by span.
+    Every length is fixed by the slots' sizes (and, for the cyclic mask, the phase), so the layout (`sizes`:
+    coordinates per masked slot) is known on the host. `valid` (Bernoulli only) is 1 for a selected row and 0
+    for padding, a duplicate of a selected one; None without padding.
     """
 
     rows: Tensor
     sizes: tuple[int, ...]
-    runs: tuple[tuple[int, int, int, int, int], ...]
+    runs: tuple[_Run, ...]
     valid: Tensor | None
 
     def size(self, chunk: _Chunk) -> int:
@@ -155,28 +190,33 @@ class _Mask:
         return chunk.split - chunk.start + sum(self.sizes)
 
     def select(self, region: Tensor, out: Tensor) -> None:
-        """out <- the selected rows of `region` (a chunk's flat span, padded), one run of row size B per call."""
-        for block, row_a, row_b, a, b in self.runs:
-            source, target = _words(region.view(-1, block), out[a:b].view(-1, block))
-            torch.index_select(source, 0, self.rows[row_a:row_b], out=target)
+        """out <- the selected rows of `region` (a chunk's flat span, padded), one call per span."""
+        for run in self.runs:
+            source, target = _words(run.span.of(region), out[run.a:run.b].view(-1, run.span.block))
+            torch.index_select(source, 0, self.rows[run.first:run.last], out=target)
 
     def put(self, region: Tensor, values: Tensor) -> None:
         """The inverse of `select`: the selected rows of `region` <- `values`."""
-        for block, row_a, row_b, a, b in self.runs:
-            target, source = _words(region.view(-1, block), values[a:b].view(-1, block))
-            target.index_copy_(0, self.rows[row_a:row_b], source)
+        for run in self.runs:
+            target, source = _words(run.span.of(region), values[run.a:run.b].view(-1, run.span.block))
+            target.index_copy_(0, self.rows[run.first:run.last], source)
 
-    def fill(self, region: Tensor, value: float) -> None:
-        """The selected rows of `region` <- `value`."""
-        for block, row_a, row_b, _, _ in self.runs:
-            rows = region.view(-1, block)
-            (words,) = _words(rows) if rows.dtype in _STRUCT_CODES else (rows,)
-            if words is rows:
-                words.index_fill_(0, self.rows[row_a:row_b], value)
-            else:  # the value's bit pattern repeated over a word, formed on the host
-                code = _STRUCT_CODES[rows.dtype] * (words.element_size() // rows.element_size())
-                word = struct.unpack("d", struct.pack(code, *[value] * len(code)))[0]
-                words.index_fill_(0, self.rows[row_a:row_b], word)
+    def fill(self, scaled_freshness: Tensor, value: float) -> None:
+        """The freshness of the selected rows <- `value`: one scalar per row."""
+        for run in self.runs:
+            run.span.freshness(scaled_freshness).index_fill_(0, self.rows[run.first:run.last], value)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A mask's selection in one span: `rows[first:last]` of the mask, coordinates [a, b) of the compact vector's
+    masked part."""
+
+    span: _Span
+    first: int
+    last: int
+    a: int
+    b: int
 
 
 def _words(*row_views: Tensor) -> tuple[Tensor, ...]:
@@ -194,21 +234,14 @@ def _words(*row_views: Tensor) -> tuple[Tensor, ...]:
     return row_views
 
 
-def _mask(rows: Tensor, blocks: Sequence[int], sizes: Sequence[int], valid: Tensor | None) -> _Mask:
-    """A chunk's mask from its rows and, per masked slot in compact order, row size and coordinates."""
-    return _Mask(rows, tuple(sizes), _runs(blocks, sizes), valid)
-
-
-def _runs(blocks: Sequence[int], sizes: Sequence[int]) -> tuple[tuple[int, int, int, int, int], ...]:
-    """`_Mask.runs` from per masked slot (compact order) its row size and coordinates."""
-    runs: list[tuple[int, int, int, int, int]] = []
+def _runs(spans: Sequence[_Span], sizes: Sequence[int]) -> tuple[_Run, ...]:
+    """`_Mask.runs` from a chunk's spans and per masked slot its selected coordinates."""
+    runs: list[_Run] = []
     row, coordinate = 0, 0
-    for block, size in zip(blocks, sizes, strict=True):
-        if runs and runs[-1][0] == block:
-            runs[-1] = (block, runs[-1][1], row + size // block, runs[-1][3], coordinate + size)
-        else:
-            runs.append((block, row, row + size // block, coordinate, coordinate + size))
-        row, coordinate = row + size // block, coordinate + size
+    for span in spans:
+        size = sum(sizes[span.slots[0]:span.slots[1]])
+        runs.append(_Run(span, row, row + size // span.block, coordinate, coordinate + size))
+        row, coordinate = row + size // span.block, coordinate + size
     return tuple(runs)
 
 
@@ -223,7 +256,7 @@ class _Draw:
     constants: dict[str, Any]
     picks: tuple[int, ...]
     sizes: tuple[tuple[int, ...], ...]
-    runs: tuple[tuple[tuple[int, int, int, int, int], ...], ...]
+    runs: tuple[tuple[_Run, ...], ...]
 
 
 class SLAMB(torch.optim.Optimizer):
@@ -478,13 +511,11 @@ class SLAMB(torch.optim.Optimizer):
 
     def _update_chunk(self, layout: _Layout, chunk: _Chunk, mask: _Mask, step: int) -> None:
         """Freshness, Adam direction, fresh/stale trust ratios and the rescaled update of one chunk."""
-        start, end = chunk.start, chunk.end
-        scaled = layout.scaled_freshness[start:start + chunk.padded]
-        phase = step % layout.rebase_interval
-        if phase == 0:  # a new epoch E = t: q <- q beta3^R keeps r = beta3^(t - E) q (one pass every R steps)
-            scaled[chunk.split - start:end - start].mul_(self.beta3 ** layout.rebase_interval)
+        start, scaled, (first, split, end) = chunk.start, layout.scaled_freshness, chunk.rows
+        if step % layout.rebase_interval == 0:  # a new epoch E = t: q <- q beta3^R keeps r = beta3^(t - E) q
+            scaled[split:end].mul_(self.beta3 ** layout.rebase_interval)
         synced = layout.synced_value(self.beta3, step)  # q at a coordinate synced now (r = 1)
-        scaled[:chunk.split - start].fill_(synced)
+        scaled[first:split].fill_(synced)
         mask.fill(scaled, synced)
         to_freshness = 1.0 / synced  # r = q / synced (1 to fp32 rounding where synced now), in the coefficients
 
@@ -542,18 +573,19 @@ class SLAMB(torch.optim.Optimizer):
 
     def _apply(self, layout: _Layout, group: _Group, bases: Sequence[Tensor], slopes: Sequence[Tensor],
                lr_slope: float, lr_stale: float) -> None:
-        """w -= coef * u over one group of masked pieces, coef per element from the rescale form, through a buffer.
+        """w -= coef * u over one group of masked pieces, coef per row from the rescale form, through a buffer.
 
-        The coefficients of the whole group are formed at once: a copy of the scaled freshness q, a foreach
-        multiply and add with the per-tensor 0-d slopes and bases (a loop in C++, not in Python), and for the
-        product form three passes over the group. On a CPU a group has at most `piece_numel` elements, so the
-        coefficients stay in cache until used and the buffer stays small. `slopes` and `lr_slope` are per unit of q.
+        The freshness, hence the coefficient, is constant over a row of the mask, so the coefficients of the whole
+        group are formed per row at once (a sixteenth of the work per coordinate): a copy of the scaled freshness
+        q, a foreach multiply and add with the per-tensor 0-d slopes and bases (a loop in C++, not in Python), and
+        for the product form three passes more. The update broadcasts each row's coefficient over the row.
+        `slopes` and `lr_slope` are per unit of q.
         """
         active = [i for i, piece in enumerate(group.pieces) if piece.slot.param.grad is not None]
         if not active:
             return
-        scaled = layout.scaled_freshness[group.start:group.end]
-        coef = layout.coef[:group.end - group.start]
+        scaled = layout.scaled_freshness[group.first:group.last]
+        coef = layout.coef[:group.last - group.first]
         coef.copy_(scaled)  # to fp32 first: a product with a 0-d fp32 tensor would be computed in fp16
         coefs = [group.views["coef"][i] for i in active]
         # twice as fast as one addcmul with 0-d operands on a CPU
@@ -565,8 +597,21 @@ class SLAMB(torch.optim.Optimizer):
             spare = layout.spare[:coef.numel()]
             torch.mul(coef, -lr_stale, out=spare)
             torch.addcmul(spare, coef, scaled, value=lr_slope, out=coef)
-        torch._foreach_addcmul_([group.pieces[i].of(group.pieces[i].slot.param) for i in active],
-                                [group.views["direction"][i] for i in active], coefs)
+        pieces = [group.pieces[i] for i in active]
+        directions = [group.views["direction"][i] for i in active]
+        if group.segments:  # a GPU layout: spread the coefficients, then one fused update
+            for block, a, b, row_a, row_b in group.segments:
+                layout.spread[a:b].view(-1, block).copy_(coef[row_a:row_b, None].expand(-1, block))
+            torch._foreach_addcmul_([piece.slot.param for piece in pieces], directions,
+                                    [group.views["spread"][i] for i in active])
+        elif all(piece.slot.param.is_contiguous() for piece in pieces):
+            torch._foreach_addcmul_([piece.of(piece.slot.param).view(-1, piece.slot.block) for piece in pieces],
+                                    directions, coefs)
+        else:  # a strided parameter (channels_last) has no row view: scale the direction's rows, then add
+            torch._foreach_mul_(directions, coefs)
+            torch._foreach_add_([piece.of(piece.slot.param) for piece in pieces],
+                                [u.view_as(piece.of(piece.slot.param)) for piece, u in zip(pieces, directions,
+                                                                                           strict=True)])
 
     def _trust_ratios(self, layout: _Layout, chunk: _Chunk, mask: _Mask, unit: float) -> tuple[Tensor, Tensor]:
         """Per slot the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
@@ -587,8 +632,9 @@ class SLAMB(torch.optim.Optimizer):
                 u_selected.mul_(mask.valid)
                 w_selected.mul_(mask.valid)
             w_parts, u_parts = w_selected.split(mask.sizes), u_selected.split(mask.sizes)
-            w_fresh = w_total.index_copy(0, chunk.fresh_index, torch.stack(torch._foreach_norm(w_parts)))
-            u_fresh = u_total.index_copy(0, chunk.fresh_index, torch.stack(torch._foreach_norm(u_parts)))
+            always = len(chunk.slots) - len(chunk.masked)
+            w_fresh = torch.cat([w_total[:always], torch.stack(torch._foreach_norm(w_parts))])
+            u_fresh = torch.cat([u_total[:always], torch.stack(torch._foreach_norm(u_parts))])
         u_total, u_fresh = u_total * unit, u_fresh * unit
         w_stale = (w_total.square() - w_fresh.square()).clamp_(min=0).sqrt_()
         u_stale = (u_total.square() - u_fresh.square()).clamp_(min=0).sqrt_()
@@ -639,16 +685,18 @@ class SLAMB(torch.optim.Optimizer):
         for chunk, mask in zip(layout.chunks, self._masks(layout, step), strict=True):
             flat[chunk.start:chunk.split] = True
             region = flat[chunk.start:chunk.start + chunk.padded]
-            for block, row_a, row_b, _, _ in mask.runs:
-                rows = mask.rows[row_a:row_b]
-                region.view(-1, block)[rows if mask.valid is None else rows[mask.valid[row_a:row_b].bool()]] = True
+            for run in mask.runs:
+                rows = mask.rows[run.first:run.last]
+                valid = rows if mask.valid is None else rows[mask.valid[run.first:run.last].bool()]
+                run.span.of(region)[valid] = True
         return [flat[s.offset:s.offset + s.numel].view_as(s.param) for s in layout.slots_in_group_order]
 
     def freshness(self) -> list[Tensor]:
         """The freshness r = beta3^staleness of every parameter (param_groups order), in fp32: for tests, analysis."""
         layout = self._ensure_layout()
         to_freshness = 1.0 / layout.synced_value(self.beta3, self.state[_GLOBAL]["step"])
-        return [self.state[s.param]["scaled_freshness"].float() * to_freshness for s in layout.slots_in_group_order]
+        return [(self.state[s.param]["scaled_freshness"].float() * to_freshness).repeat_interleave(s.block)
+                .view_as(s.param) for s in layout.slots_in_group_order]
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the optimizer's persistent tensors: `state` (m, v, freshness) and `scratch` (work buffers)."""
@@ -749,7 +797,7 @@ def _mask_size(mask: str, slot: _Slot, k: float) -> int:
 def _block(mask: str, numel: int) -> int:
     """Rows of the stratified and cyclic masks: up to 16 consecutive coordinates (one 64-byte cache line of
     fp32), the largest power of two dividing the tensor's size; single coordinates for Slamb_V2's Bernoulli."""
-    return min(_ROW_NUMEL, numel & -numel) if mask != "bernoulli" else 1
+    return min(_ROW_NUMEL, numel & -numel) or 1 if mask != "bernoulli" else 1
 
 
 def _cyclic_parts(k: float) -> int:
@@ -842,7 +890,8 @@ class _Layout:
         # r = beta3^(t mod R) q: q is rescaled once every R steps instead of r decaying every step (one pass
         # saved), and q is exact to fp16's 2^-11 at each write, with no error carried from step to step.
         self.rebase_interval = _rebase_interval(beta3)
-        self.scaled_freshness = torch.ones(self.numel, dtype=freshness_dtype, device=device)
+        rows = max((s.row + s.rows for s in self.slots), default=0)  # one per row of the masks
+        self.scaled_freshness = torch.ones(rows, dtype=freshness_dtype, device=device)
         # Work buffers, kept between steps (a fresh allocation would be page-faulted in again every step).
         # One buffer serves, in turn, as the compact vector (about k d: the momenta that are all-reduced) and,
         # once they are back in m, as each chunk's work space: its masked weights (to gather them), then its
@@ -857,9 +906,12 @@ class _Layout:
         self.piece_numel = _PIECE_NUMEL.get(device.type)
         updates = [_groups([(at, s) for at, s in enumerate(slots) if not s.always], self.piece_numel)
                    for _, slots in spans]
-        largest = max((_span(pieces)[1] - _span(pieces)[0] for groups in updates for pieces in groups), default=0)
-        self.coef = torch.empty(largest, device=device)  # the coefficients of one group of `updates`
+        largest = max((pieces[-1].rows[1] - pieces[0].rows[0] for groups in updates for pieces in groups), default=0)
+        self.coef = torch.empty(largest, device=device)  # the coefficients of one group of `updates`, per row
         self.spare = torch.empty(largest if product else 0, device=device)  # the product form's second factor
+        widest = max((_span(pieces)[1] - _span(pieces)[0] for groups in updates for pieces in groups), default=0)
+        # A GPU layout spreads the coefficients over the coordinates of one group of `updates`
+        self.spread = torch.empty(widest if self.piece_numel is None else 0, device=device)
         self.chunks = [self._chunk(gi, slots, groups, device) for (gi, slots), groups in zip(spans, updates,
                                                                                              strict=True)]
         self.draws = _draws(mask, self.chunks, k, device)
@@ -870,62 +922,118 @@ class _Layout:
     @staticmethod
     def _place(param_groups: list[dict[str, Any]], min_compress_numel: int, mask: str,
                limit: int | None) -> list[tuple[int, list[_Slot]]]:
-        """The slots' offsets, cut into chunks of at most `limit` elements: (param group, slots) per chunk."""
-        spans: list[tuple[int, list[_Slot]]] = []
-        offset, index = 0, 0
+        """The slots, cut into chunks of at most `limit` elements: (param group, slots) per chunk.
+
+        A chunk holds its always-synced slots, then its masked ones by row size (stable), each masked one at a
+        multiple of `_ALIGN`. The freshness buffer holds the slots' rows in the same order, a masked slot's first
+        row as far (in rows) from its span's as its first element (so one span-relative row index serves both).
+        """
+        members: list[tuple[int, list[tuple[Tensor, int]]]] = []  # (param group, [(param, index)]) per chunk
+        index = 0
         for gi, group in enumerate(param_groups):
-            ordered = sorted(group["params"], key=lambda p: not _always(p, min_compress_numel))  # stable
-            current: list[_Slot] = []
-            for p in ordered:
-                numel, always = p.numel(), _always(p, min_compress_numel)
-                if current and limit is not None and offset + numel - current[0].offset > limit:
-                    spans.append((gi, current))
-                    current = []
-                if not current or not always:
-                    offset = _aligned(offset)
-                current.append(_Slot(p, offset, numel, always, index, _block(mask, numel)))
-                offset, index = offset + numel, index + 1
+            current: list[tuple[Tensor, int]] = []
+            size = 0
+            for p in sorted(group["params"], key=lambda p: not _always(p, min_compress_numel)):  # stable
+                grown = (size if _always(p, min_compress_numel) else _aligned(size)) + p.numel()
+                if current and limit is not None and grown > limit:
+                    members.append((gi, current))
+                    current, grown = [], p.numel()
+                current.append((p, index))
+                size, index = grown, index + 1
             if current:
-                spans.append((gi, current))
-        return spans
+                members.append((gi, current))
+        chunks: list[tuple[int, list[_Slot]]] = []
+        offset, row = 0, 0
+        for gi, current in members:
+            offset, slots = _aligned(offset), []
+            for p, i in current:
+                if _always(p, min_compress_numel):
+                    slots.append(_Slot(p, offset, p.numel(), True, i, _block(mask, p.numel()), row))
+                    offset, row = offset + p.numel(), row + slots[-1].rows
+            masked = sorted(((p, i) for p, i in current if not _always(p, min_compress_numel)),
+                            key=lambda pair: _block(mask, pair[0].numel()))
+            for p, i in masked:
+                block, offset = _block(mask, p.numel()), _aligned(offset)
+                if not slots or slots[-1].always or slots[-1].block != block:  # a new span: its first row
+                    span_offset, span_row = offset, row
+                slots.append(_Slot(p, offset, p.numel(), False, i, block, span_row + (offset - span_offset) // block))
+                offset = offset + p.numel()
+                row = span_row + (offset - span_offset) // block
+            chunks.append((gi, slots))
+        return chunks
 
     def _chunk(self, group: int, slots: list[_Slot], updates: list[list[_Piece]], device: torch.device) -> _Chunk:
         start, split, end = slots[0].offset, _split(slots), slots[-1].offset + slots[-1].numel
         masked = tuple(s for s in slots if not s.always)
-        order = tuple(sorted(range(len(masked)), key=lambda j: masked[j].block))  # stable: then by offset
-        always = len(slots) - len(masked)
-        buffers = {"m": (self.exp_avg, 0), "v": (self.exp_avg_sq, 0), "direction": (self.work, start)}
-        moments = [self._group(pieces, buffers) for pieces in _groups(list(enumerate(slots)), self.piece_numel)]
+        spans: list[_Span] = []
+        bases: list[int] = []
+        for j, s in enumerate(masked):
+            if spans and spans[-1].block == s.block:
+                last = spans[-1]
+                spans[-1] = _Span(s.block, last.start, s.offset + s.numel - start, last.row, (last.slots[0], j + 1))
+            else:
+                spans.append(_Span(s.block, s.offset - start, s.offset + s.numel - start, s.row, (j, j + 1)))
+            bases.append(s.row - spans[-1].row)
+        rows = (slots[0].row, masked[0].row if masked else slots[-1].row + slots[-1].rows,
+                slots[-1].row + slots[-1].rows)
+        moments = [self._group(pieces, {"m": self.exp_avg, "v": self.exp_avg_sq}, start)
+                   for pieces in _groups(list(enumerate(slots)), self.piece_numel)]
         return _Chunk(
             group, start, split, end, tuple(slots), masked,
             one_d=torch.tensor([s.param.dim() <= 1 for s in slots], device=device),
-            order=order, fresh_index=torch.tensor([always + j for j in order], dtype=torch.int64, device=device),
+            spans=tuple(spans), bases=tuple(bases), rows=rows,
             directions=[s.flat(self.work, start).view_as(s.param) for s in slots], moments=tuple(moments),
-            updates=tuple(self._group(pieces, {"direction": (self.work, start), "coef": (self.coef, None)})
-                          for pieces in updates))
+            updates=tuple(self._update_group(pieces, start) for pieces in updates))
 
-    @staticmethod
-    def _group(pieces: list[_Piece], buffers: dict[str, tuple[Tensor, int | None]]) -> _Group:
-        """A group with its pieces' views of `buffers`: name -> (buffer, its element 0's flat position; None: the
-        group's start)."""
-        start, end = _span(pieces)
-        views = {name: [piece.view(buffer, start if origin is None else origin) for piece in pieces]
-                 for name, (buffer, origin) in buffers.items()}
-        return _Group(tuple(pieces), start, end, views)
+    def _group(self, pieces: list[_Piece], buffers: dict[str, Tensor], start: int) -> _Group:
+        """A group with its pieces' views of the flat `buffers` and of the work space (whose element 0 is the
+        chunk's first, flat position `start`) as "direction"."""
+        views = {name: [piece.view(buffer, 0) for piece in pieces] for name, buffer in buffers.items()}
+        views["direction"] = [piece.view(self.work, start) for piece in pieces]
+        return _Group(tuple(pieces), *_span(pieces), pieces[0].rows[0], pieces[-1].rows[1], views)
+
+    def _update_group(self, pieces: list[_Piece], start: int) -> _Group:
+        """A group of masked pieces with "coef" (one coefficient per row, in the coefficient buffer from the
+        group's first row) and "direction", the work space's rows (pieces of a CPU layout: the update broadcasts
+        a row's coefficient over the row) or, in a GPU layout, shaped like the tensors, with "spread": the
+        coefficients spread over the coordinates by one copy per segment, then one fused foreach update (a
+        broadcasting foreach op would launch a kernel per tensor)."""
+        first, last = pieces[0].rows[0], pieces[-1].rows[1]
+        coefs = [self.coef[piece.rows[0] - first:piece.rows[1] - first].view(-1, 1) for piece in pieces]
+        if self.piece_numel is not None:
+            directions = [piece.view(self.work, start).view(-1, piece.slot.block) for piece in pieces]
+            return _Group(tuple(pieces), *_span(pieces), first, last, {"direction": directions, "coef": coefs})
+        origin = _span(pieces)[0]
+        segments: list[tuple[int, int, int, int, int]] = []
+        for piece in pieces:  # same-size rows of consecutive pieces are as far apart as their elements
+            block, a, b = piece.slot.block, piece.slot.offset + piece.a - origin, piece.slot.offset + piece.b - origin
+            row_a, row_b = piece.rows[0] - first, piece.rows[1] - first
+            if segments and segments[-1][0] == block:
+                segments[-1] = (block, segments[-1][1], b, segments[-1][3], row_b)
+            else:
+                segments.append((block, a, b, row_a, row_b))
+        views = {"direction": [piece.view(self.work, start) for piece in pieces], "coef": coefs,
+                 "spread": [piece.view(self.spread, origin) for piece in pieces]}
+        return _Group(tuple(pieces), *_span(pieces), first, last, views, tuple(segments))
 
     def adopt(self, state: dict, beta3: float, step: int) -> None:
-        """Copy any loaded m, v and freshness in `state` into the flat buffers, then point `state` at them."""
+        """Copy any loaded m, v and freshness in `state` into the flat buffers, then point `state` at them.
+
+        Freshness written per coordinate (before it was kept per row; constant over each row) is read row by row.
+        """
         for slot in self.slots:
             entry = state[slot.param]
             if "freshness" in entry:  # written before q: fp32 r = q / synced_value
                 entry["scaled_freshness"] = entry.pop("freshness") * self.synced_value(beta3, step)
-            for key, buffer in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq),
-                                ("scaled_freshness", self.scaled_freshness)):
-                view = self.view(buffer, slot)
+            if "scaled_freshness" in entry and entry["scaled_freshness"].numel() == slot.numel != slot.rows:
+                entry["scaled_freshness"] = entry["scaled_freshness"].reshape(-1)[::slot.block]
+            views = {"exp_avg": self.view(self.exp_avg, slot), "exp_avg_sq": self.view(self.exp_avg_sq, slot),
+                     "scaled_freshness": self.scaled_freshness[slot.row:slot.row + slot.rows]}
+            for key, view in views.items():
                 if key in entry:
                     if entry[key].shape != view.shape:
-                        raise ValueError(f"SLAMB: loaded {key} of shape {tuple(entry[key].shape)} for a parameter "
-                                         f"of shape {tuple(view.shape)}")
+                        raise ValueError(f"SLAMB: loaded {key} of shape {tuple(entry[key].shape)} where this "
+                                         f"parameter's is {tuple(view.shape)}")
                     view.copy_(entry[key])
                 entry[key] = view
 
@@ -959,13 +1067,11 @@ class _Layout:
             torch._foreach_copy_(chunk.directions[always:], [s.param for s in chunk.masked])
             mask.select(self.work[:chunk.padded], out)
             return
-        slots = [chunk.masked[j] for j in chunk.order]
         parts = out.split(mask.sizes)
-        rows = mask.rows.split([size // s.block for s, size in zip(slots, mask.sizes, strict=True)])
-        for slot, part, selected in zip(slots, parts, rows, strict=True):
+        rows = mask.rows.split([size // s.block for s, size in zip(chunk.masked, mask.sizes, strict=True)])
+        for slot, base, part, selected in zip(chunk.masked, chunk.bases, parts, rows, strict=True):
             weights = slot.param.detach().reshape(-1, slot.block).float()
-            torch.index_select(weights, 0, selected - (slot.offset - chunk.start) // slot.block,
-                               out=part.view(-1, slot.block))
+            torch.index_select(weights, 0, selected - base, out=part.view(-1, slot.block))
 
     def cyclic_masks(self, seed: int, k: float, step: int) -> list[_Mask]:
         """Phase t mod n_c of a fixed random partition of each masked tensor into n_c = floor(1/k) near-equal parts.
@@ -979,21 +1085,23 @@ class _Layout:
         return [phases[step % parts] for phases in self.cyclic]
 
     def _cyclic_phases(self, chunk: _Chunk, seed: int, parts: int) -> list[_Mask]:
-        """One chunk's mask in each phase: its masked slots' parts, in compact order, as chunk-relative rows."""
+        """One chunk's mask in each phase: its masked slots' parts, in slot order, as span-relative rows."""
         phases: list[list[Tensor]] = [[] for _ in range(parts)]
-        for j in chunk.order:
-            slot = chunk.masked[j]
+        for slot, base in zip(chunk.masked, chunk.bases, strict=True):
             generator = self.generator.manual_seed(mask_seed(seed, 0x80000000 + slot.index))
-            perm = torch.randperm(slot.numel // slot.block, generator=generator)
+            perm = torch.randperm(slot.rows, generator=generator)
             for phase, piece in enumerate(perm.tensor_split(parts)):
-                phases[phase].append(piece.sort().values + (slot.offset - chunk.start) // slot.block)
-        blocks = [chunk.masked[j].block for j in chunk.order]
+                phases[phase].append(piece.sort().values + base)
         device = self.exp_avg.device
-        return [_mask(torch.cat(rows).to(device) if rows else torch.empty(0, dtype=torch.int64, device=device),
-                      blocks, [r.numel() * b for r, b in zip(rows, blocks, strict=True)], None) for rows in phases]
+        masks = []
+        for rows in phases:
+            sizes = [r.numel() * s.block for r, s in zip(rows, chunk.masked, strict=True)]
+            flat = torch.cat(rows).to(device) if rows else torch.empty(0, dtype=torch.int64, device=device)
+            masks.append(_Mask(flat, tuple(sizes), _runs(chunk.spans, sizes), None))
+        return masks
 
     def scratch_bytes(self) -> int:
-        tensors = [self.work, self.coef, self.spare]
+        tensors = [self.work, self.coef, self.spare, self.spread]
         tensors += [mask.rows for phases in self.cyclic or [] for mask in phases]
         tensors += [t for draw in self.draws for t in draw.constants.values() if isinstance(t, Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -1030,19 +1138,21 @@ def _draws(mask: str, chunks: Sequence[_Chunk], k: float, device: torch.device) 
 
 def _draw(mask: str, run: Sequence[tuple[_Chunk, int]], k: float, device: torch.device) -> _Draw:
     """One draw for consecutive chunks (with their picks). Uniforms are drawn chunk by chunk, each chunk's
-    masked slots in slot order; rows come out chunk by chunk in compact order, relative to the chunk."""
+    masked slots in parameter order; rows come out in slot order, relative to their span."""
     tensors, sizes, runs, first = [], [], [], 0
     for chunk, _ in run:
-        firsts = list(accumulate((_draw_size(mask, s, k) for s in chunk.masked), initial=first))  # slot order
+        # uniforms in parameter order, whatever the placement by row size (Bernoulli's: all of one size)
+        by_index = sorted(chunk.masked, key=lambda s: s.index)
+        firsts = list(accumulate((_draw_size(mask, s, k) for s in by_index), initial=first))
+        at = {s.index: a for s, a in zip(by_index, firsts, strict=False)}
+        for s, base in zip(chunk.masked, chunk.bases, strict=True):
+            if mask == "bernoulli":  # single coordinates
+                tensors.append((s.numel, _draw_size(mask, s, k), base))
+            else:
+                tensors.append((s.rows, stratified_count(s.rows, k), at[s.index], base))
         first = firsts[-1]
-        slots = [(chunk.masked[j], firsts[j]) for j in chunk.order]
-        if mask == "bernoulli":  # single coordinates: compact order is slot order
-            tensors += [(s.numel, _draw_size(mask, s, k), s.offset - chunk.start) for s, _ in slots]
-        else:
-            tensors += [(s.numel // s.block, stratified_count(s.numel // s.block, k), at,
-                         (s.offset - chunk.start) // s.block) for s, at in slots]
-        sizes.append(tuple(_mask_size(mask, s, k) for s, _ in slots))
-        runs.append(_runs([s.block for s, _ in slots], sizes[-1]))
+        sizes.append(tuple(_mask_size(mask, s, k) for s in chunk.masked))
+        runs.append(_runs(chunk.spans, sizes[-1]))
     constants = bernoulli_plan(tensors, device) if mask == "bernoulli" else stratified_plan(tensors, device)
     return _Draw(first, constants, tuple(picks for _, picks in run), tuple(sizes), tuple(runs))
 
