@@ -11,7 +11,7 @@ step count the optimizers keep:
   rebuilds a missing group count);
 - `state[<name>]["step"]`, the optimizer-wide entries of SLAMB (`"slamb"`), SlowMo (`"slowmo"`) and JointSpar
   (`"jointspar"`), and inside SlowMo's and JointSpar's base optimizer the same again. SLAMB's freshness is stored
-  relative to its step (`scaled_freshness`), so it is re-expressed for step 0, keeping each coordinate's r.
+  relative to its step (`scaled_freshness`), so it is re-expressed for step 0, keeping each row's r.
 
 SlowMo's anchors are positions, not moments: they are set to the weights the new run starts from (the same
 weights when the saved run ended on an average), so its first outer step sees only its own displacement; its
@@ -93,7 +93,8 @@ def _anchor_at_the_weights(optimizer: SlowMo) -> None:
 
 
 def _freshness_for_step_zero(optimizer: SLAMB) -> None:
-    """Store each coordinate's freshness r as SLAMB stores it at step 0 (q = r: nothing to rescale there)."""
+    """Store each row's freshness r as SLAMB stores it at step 0 (q = r: nothing to rescale there)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for p, freshness in zip(params, optimizer.freshness(), strict=True):
-        optimizer.state[p]["scaled_freshness"].copy_(freshness)
+        scaled = optimizer.state[p]["scaled_freshness"]  # one value per row of the mask
+        scaled.copy_(freshness.reshape(-1)[::freshness.numel() // max(scaled.numel(), 1)])

@@ -338,9 +338,9 @@ class SLAMB(torch.optim.Optimizer):
             range), the backend sums half-precision values (partial sums rounded to the wire dtype, not fp32),
             and the mean is cast back into the fp32 momentum; the bytes counted are the half-precision
             payload's, 2 per synced coordinate.
-        freshness_dtype: storage of the freshness, ``"fp16"`` (2 bytes per parameter; r within a relative
+        freshness_dtype: storage of the freshness, ``"fp16"`` (2 bytes per row of the mask; r within a relative
             :math:`2^{-11}` of :math:`\beta_3^j`, plus one such rounding per rescaling below, with no error
-            carried from step to step) or ``"fp32"`` (4 bytes; the parity preset, within 1e-5 of the official
+            carried from step to step) or ``"fp32"`` (4 bytes per row; the parity preset, within 1e-5 of the official
             transcriptions). Either way the state holds :math:`q = r / \beta_3^{t \bmod R}` and multiplies q by
             :math:`\beta_3^R` once every R steps (R: the largest with :math:`\beta_3^{-(R-1)} \le 2^{15}`, 1035
             for 0.99, 10393 for 0.999) instead of multiplying r by :math:`\beta_3` every step: a synced coordinate
@@ -353,21 +353,24 @@ class SLAMB(torch.optim.Optimizer):
         comm: the communication layer (`optim.comm.Comm`); None builds one over the default process group,
             or a world of one when there is none.
 
-    State: per parameter ``exp_avg``, ``exp_avg_sq`` (fp32) and ``scaled_freshness`` (q, ``freshness_dtype``),
-    views of flat buffers, and under the key ``"slamb"`` the step and the mask seed, all in `state_dict()`; masks
-    are pure functions of (seed, step) and R of beta3, so nothing else is needed to resume exactly (`freshness`
-    gives r; a state_dict with the fp32 ``freshness`` of earlier versions is converted on load). Moments and,
+    State: per parameter ``exp_avg``, ``exp_avg_sq`` (fp32, shaped like it) and ``scaled_freshness`` (q, in
+    ``freshness_dtype``, one value per row of the mask: a synced row is synced whole, so its coordinates share
+    their freshness; 1-D, of numel / row size), views of flat buffers, and under the key ``"slamb"`` the step and
+    the mask seed, all in `state_dict()`; masks are pure functions of (seed, step) and R of beta3, so nothing else
+    is needed to resume exactly (`freshness` gives r per coordinate; a state_dict of earlier versions, with the
+    fp32 ``freshness`` or a per-coordinate ``scaled_freshness``, is converted on load). Moments and,
     between dense syncs, parameters differ across ranks, so checkpoints are per rank (the trainer does this for
     ``grad_sync="self"``). Work buffers, kept between steps (`memory_bytes`): one buffer that holds the compact
     vector (about :math:`k d`) and then, chunk by chunk, the chunk's direction with its gathered fresh direction
-    and weights; and the coefficient buffers of one update group.
+    and weights; and the per-row coefficient buffers of one update group.
 
     Mechanics: the flat buffers are cut into chunks (a GPU: 2^26 elements, a CPU: 2^20, cache-sized). Each masked
     tensor starts at a multiple of 16 elements (at most 15 zero elements of padding per tensor, never gathered,
-    sent or normed), so one row view of a buffer over a chunk serves all its masked tensors of one row size: a
-    step's mask (one vectorised draw per chunk from per-tensor constants built once), the momentum gather and
-    scatter, the freshness fill and the fresh norms (`torch._foreach_norm` over one split) cost a fixed number of
-    calls per chunk, not per tensor, and the update runs as foreach calls with per-tensor 0-d coefficients. A
+    sent or normed) and a chunk places its masked tensors by row size, so one row view of a buffer over a span
+    serves all its masked tensors of one row size: a step's mask (one vectorised draw per run of chunks from
+    per-tensor constants built once), the momentum gather and scatter, the freshness fill and the fresh norms
+    (`torch._foreach_norm` over one split) cost a fixed number of calls per chunk, not per tensor, and the
+    update runs as foreach calls with per-tensor 0-d coefficients, formed per row and broadcast over it. A
     GPU step thus dispatches a number of ops independent of the number of tensors (each dispatch costs host
     time); on a CPU the passes go by pieces of at most 2^18 elements, which keep their operands in cache.
     """
@@ -1172,8 +1175,10 @@ def _always(p: Tensor, min_compress_numel: int) -> bool:
 
 
 def slamb_state_bytes(options: dict[str, Any], world_size: int) -> float:
-    """m and v in fp32 and the freshness in `freshness_dtype`; the chunk scratch is bounded (`memory_bytes`)."""
-    return 8.0 + _FRESHNESS_DTYPES[options["freshness_dtype"]].itemsize
+    """m and v in fp32 and the freshness in `freshness_dtype`, one per row of the mask (rows of 16 coordinates
+    for tensors whose size 16 divides; Bernoulli: single coordinates); the chunk scratch is bounded."""
+    row = 1 if options["mask"] == "bernoulli" else _ROW_NUMEL
+    return 8.0 + _FRESHNESS_DTYPES[options["freshness_dtype"]].itemsize / row
 
 
 register_optimizer(OptimSpec(

@@ -77,9 +77,10 @@ CASES = [  # (registry name, config kwargs, world size, bytes per parameter expe
     ("onebit_lamb", {"freeze_step": 2}, 1, 25),  # and the fresh variance
     ("onebit_lamb", {"freeze_step": 2}, 4, 22),
     ("zero_one_adam", {"var_freeze_step": 2}, 4, 22),  # and the sync anchor
-    ("slamb", {}, 4, 10),  # fp16 freshness
-    ("slamb", {"freshness_dtype": "fp32"}, 1, 12),
-    ("slamb_v2_official", {"freshness_dtype": "fp32"}, 4, 12),
+    ("slamb", {}, 4, 8.125),  # fp16 freshness, one per row of 16 coordinates
+    ("slamb", {"freshness_dtype": "fp32"}, 1, 8.25),
+    ("slamb_v2_official", {"freshness_dtype": "fp32"}, 4, 8.25),
+    ("slamb", {"mask": "bernoulli", "freshness_dtype": "fp32"}, 4, 12),  # rows of one coordinate
     ("slowmo", {"base": "lamb"}, 4, 16),  # anchor and slow momentum on top of LAMB's m, v
     ("slowmo", {"base": "sgd", "base_options": {"momentum": 0.9}}, 4, 12),
     ("slowmo", {"base": "sgd"}, 4, 8),

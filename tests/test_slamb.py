@@ -210,17 +210,23 @@ def test_freshness_is_beta3_to_the_staleness(beta3, steps):
             torch.testing.assert_close(r[mask], torch.ones_like(r[mask]), rtol=2.0**-23, atol=0)  # 1 where synced
 
 
-def test_freshness_from_a_checkpoint_with_fp32_freshness_is_adopted():
-    """A state_dict written when SLAMB stored r in fp32 (key "freshness") loads as the same r to fp16 rounding."""
+@pytest.mark.parametrize("written_as", ["fp32 r", "per-coordinate q"])
+def test_freshness_from_a_checkpoint_of_an_earlier_version_is_adopted(written_as):
+    """A state_dict written when SLAMB stored r in fp32 (key "freshness"), or q per coordinate (before it kept
+    one per row of the mask), loads as the same r to fp16 rounding."""
     model = _small_model()
     optimizer = _slamb(model, beta3=0.93)
     _steps(model, optimizer, range(7))
     freshness = optimizer.freshness()
     assert any(bool((r < 1).any()) for r in freshness)
     saved = optimizer.state_dict()
+    synced = optimizer._layout.synced_value(0.93, 7)
     for index, r in enumerate(freshness):  # state_dict numbers the parameters in param_groups order
         del saved["state"][index]["scaled_freshness"]
-        saved["state"][index]["freshness"] = r.clone()
+        if written_as == "fp32 r":
+            saved["state"][index]["freshness"] = r.clone()
+        else:
+            saved["state"][index]["scaled_freshness"] = (r * synced).half()
     resumed = _slamb(model, beta3=0.93)
     resumed.load_state_dict(saved)
     for got, want in zip(resumed.freshness(), freshness, strict=True):
