@@ -22,6 +22,10 @@ import torch.distributed as dist
 
 from optim.network import KINDS, Cluster, collective_seconds
 
+# torch 2.14 deprecates all_gather_into_tensor for all_gather_single; the images' older torch builds have only the
+# former
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class Comm:
     """Collectives over one process group with byte counters.
@@ -103,7 +107,7 @@ class Comm:
             return
         self._count(tensor, "all_gather")
         deadline = self._deadline("all_gather", tensor)
-        dist.all_gather_into_tensor(output, tensor, group=self.group)
+        _all_gather_single(output, tensor, group=self.group)
         _sleep_until(deadline, output)
 
     def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
