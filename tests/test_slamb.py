@@ -196,9 +196,17 @@ def test_ranks_that_draw_different_masks_fail_at_their_first_step():
 FP16_ROUNDING = 2.0**-11
 
 
-@pytest.mark.parametrize(("beta3", "steps"), [(0.93, 15), (0.7, 100)])  # 0.7: R = 30, three rescalings
-def test_freshness_is_beta3_to_the_staleness(beta3, steps):
-    model = _small_model()
+def _mixed_rows_model() -> nn.Module:
+    """Masked weights of 12060 and 6030 elements: rows of 4 and 2 coordinates, placed after the 1-D tensors."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        return nn.Sequential(nn.Linear(60, 201), nn.GELU(), nn.Linear(201, 30))
+
+
+@pytest.mark.parametrize(("beta3", "steps", "build"), [(0.93, 15, _small_model), (0.7, 100, _small_model),
+                                                       (0.93, 15, _mixed_rows_model)])  # 0.7: R = 30
+def test_freshness_is_beta3_to_the_staleness(beta3, steps, build):
+    model = build()
     optimizer = _slamb(model, beta3=beta3)
     staleness = [torch.zeros_like(p) for p in _params(optimizer)]
     for step in range(1, steps + 1):
