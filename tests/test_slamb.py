@@ -159,6 +159,31 @@ def test_masks_do_not_depend_on_the_chunking(monkeypatch, mask):
     assert all(torch.equal(a, b) for big, small in zip(*masks, strict=True) for a, b in zip(big, small, strict=True))
 
 
+@pytest.mark.parametrize("options", [{}, {"mask": "cyclic", "rescale": "product_of_interpolations"},
+                                     {"mask": "bernoulli", "wd_in_trust_ratio": False}])
+def test_a_gpu_layout_steps_like_the_cpu_layout(monkeypatch, options):
+    """A GPU's layout (whole tensors, one chunk, one draw, the coefficients spread over the coordinates before one
+    foreach update) and a CPU's (cache-sized pieces, each row's coefficient broadcast over the row) take the
+    same steps, to rounding, with masked tensors of mixed row sizes."""
+    results = []
+    for gpu in (False, True):
+        if gpu:
+            monkeypatch.delitem(slamb_module._PIECE_NUMEL, "cpu")
+            monkeypatch.delitem(slamb_module._DRAW_PICKS, "cpu")
+            monkeypatch.setitem(slamb_module._CHUNK_NUMEL, "cpu", 1 << 26)
+        else:
+            monkeypatch.setitem(slamb_module._PIECE_NUMEL, "cpu", 1000)  # several pieces per tensor
+            monkeypatch.setitem(slamb_module._CHUNK_NUMEL, "cpu", 8000)
+        model = _mixed_rows_model()
+        optimizer = _slamb(model, beta3=0.9, **options)
+        _steps(model, optimizer, range(6))
+        results.append((list(model.parameters()), optimizer.freshness()))
+    (cpu_params, cpu_freshness), (gpu_params, gpu_freshness) = results
+    assert all(torch.equal(a, b) for a, b in zip(cpu_freshness, gpu_freshness, strict=True))
+    for a, b in zip(cpu_params, gpu_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mask", ["stratified", "bernoulli", "cyclic"])
