@@ -1,12 +1,15 @@
-"""Model builders keyed by config name (`conf/model/*.yaml` -> `create_model`)."""
+"""Model builders keyed by config name (`conf/model/*.yaml` -> `create_model`).
+
+Importing this package loads no model library (transformers, timm): the builders do, so a process that only
+checks a config stays light. The BERT module class is `models.bert_heads.BertForPreTrainingMaskedLM`.
+"""
 
 from models._registry import check_model_config, create_model, list_models, register_model
-from models.bert import BERT_SIZES, BertForPreTrainingMaskedLM, build_bert_config, pad_vocab_size
+from models.bert import BERT_SIZES, build_bert_config, pad_vocab_size
 from models.swin import export_timm_model, swin
 
 __all__ = [
     "BERT_SIZES",
-    "BertForPreTrainingMaskedLM",
     "build_bert_config",
     "check_model_config",
     "create_model",

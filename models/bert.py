@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
-from transformers import BertConfig, BertForPreTraining, BertForQuestionAnswering
 
 from conf.checks import NVIDIA_APEX_HINT, InvalidOption, missing_nvidia_apex
 from models._registry import register_model
+
+if TYPE_CHECKING:
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    from models.bert_heads import BertForPreTrainingMaskedLM
 
 # hidden size, layers, attention heads, feed-forward size. "xl" is the SLAMB paper's 2.8B-parameter scale:
 # 36 x 12 x 2560^2 ≈ 2.83B in the encoder [derived from the paper's parameter count; the exact shape is
@@ -53,6 +56,8 @@ def build_bert_config(
     `config_from` takes the whole architecture from a transformers directory's config.json instead (to
     fine-tune any Hugging Face BERT); only the dropout rates and attention kernel are then set here.
     """
+    from transformers import BertConfig  # here: the launcher and Swin runs need not import transformers
+
     if config_from is not None:
         config = BertConfig.from_pretrained(config_from)
         config.hidden_dropout_prob = hidden_dropout_prob
@@ -77,43 +82,6 @@ def build_bert_config(
         attention_probs_dropout_prob=attention_probs_dropout_prob,
         attn_implementation="sdpa",
     )
-
-
-class BertForPreTrainingMaskedLM(BertForPreTraining):
-    """`BertForPreTraining` whose forward decodes only the given masked positions.
-
-    `masked_lm_positions` has a fixed width P (max predictions per sequence), so the gather has a static
-    shape: no host sync and no data-dependent shapes, unlike boolean indexing of the labels.
-    """
-
-    def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        masked_lm_positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return MLM logits [B, P, V] at `masked_lm_positions` [B, P] and NSP logits [B, 2]."""
-        sequence_output, pooled_output = self.bert(
-            input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask, return_dict=False
-        )[:2]
-        index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, sequence_output.size(-1))
-        masked_output = torch.gather(sequence_output, 1, index)
-        return self.cls.predictions(masked_output), self.cls.seq_relationship(pooled_output)
-
-    def save_pretrained(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        """`BertForPreTraining.save_pretrained`, with `config.architectures` naming the stock class.
-
-        transformers writes `[type(self).__name__]`, which would leak this project-private subclass into
-        config.json; the weights are plain `BertForPreTraining` weights, so that is the class users get from
-        `AutoModelForPreTraining`. The config is rewritten once the weights are saved (no hub upload here).
-        """
-        if kwargs.get("push_to_hub"):
-            raise ValueError("push_to_hub is not supported here: save, then upload the directory")
-        super().save_pretrained(save_directory, *args, **kwargs)
-        self.config.architectures = [BertForPreTraining.__name__]
-        if kwargs.get("is_main_process", True):
-            self.config.save_pretrained(save_directory)
 
 
 def check_bert_options(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
@@ -156,6 +124,8 @@ def _use_fused_layer_norm(model: nn.Module) -> None:
 def bert_pretraining(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
                      **config_kwargs) -> BertForPreTrainingMaskedLM:
     """BERT with MLM + NSP heads; the other keyword arguments are those of `build_bert_config`."""
+    from models.bert_heads import BertForPreTrainingMaskedLM  # the modeling stack: only where a model is built
+
     model = BertForPreTrainingMaskedLM(build_bert_config(**config_kwargs))
     # Exports name the stock class so any transformers install can load them.
     model.config.architectures = ["BertForPreTraining"]
@@ -166,6 +136,8 @@ def bert_pretraining(fused_layer_norm: bool = False, activation_checkpointing: b
 def bert_question_answering(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
                             **config_kwargs) -> BertForQuestionAnswering:
     """BERT with a span start/end head (SQuAD); the other keyword arguments are those of `build_bert_config`."""
+    from transformers import BertForQuestionAnswering
+
     model = BertForQuestionAnswering(build_bert_config(**config_kwargs))
     return _with_options(model, fused_layer_norm, activation_checkpointing)
 

@@ -201,6 +201,28 @@ def test_a_plain_run_in_an_sbatch_script_starts_its_own_workers(launch_env, star
     assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
 
 
+# What the launcher of local workers checks and records, in a fresh interpreter: it never builds a model.
+_LAUNCHER_ONLY = """
+import sys
+from conftest import TINY, compose
+import train.run
+train.run.launch_local_workers = lambda *args: print("local workers")
+train.run.run(compose([*TINY, "trainer.nproc_per_node=2"]), sys.argv[1])
+print(sorted(m for m in ("transformers.modeling_utils", "torch._dynamo", "timm") if m in sys.modules))
+"""
+
+
+def test_the_launcher_checks_a_run_without_importing_the_modeling_stack(tmp_path):
+    """Each local worker imports transformers' modeling stack itself; the launcher before them would pay those
+    seconds for nothing (on every `python -m train trainer.nproc_per_node=N`)."""
+    result = subprocess.run([sys.executable, "-c", _LAUNCHER_ONLY, str(tmp_path)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["local workers", "[]"]
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()  # the run was accepted and recorded
+
+
 @pytest.mark.parametrize("step_variable", ["SLURM_STEP_ID", "SLURM_STEPID"])  # the second: Slurm before 20.11
 def test_an_srun_task_joins_the_world_srun_describes(launch_env, started, tmp_path, step_variable):
     task = {k: v for k, v in SRUN_TASK.items() if k != "SLURM_STEP_ID"}
