@@ -71,7 +71,7 @@ def _with_current_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict[
 def _zero_steps(optimizer: torch.optim.Optimizer) -> None:
     """Every step count of `optimizer` (and of its base) to 0; see the module docstring for where they are."""
     if isinstance(optimizer, SLAMB):  # before its step changes: r is read relative to it
-        _freshness_for_step_zero(optimizer)
+        optimizer.restart_freshness()
     for group in optimizer.param_groups:
         if "step" in group:
             group["step"] = 0
@@ -90,11 +90,3 @@ def _anchor_at_the_weights(optimizer: SlowMo) -> None:
             for p in group["params"]:
                 if "anchor" in optimizer.state[p]:
                     optimizer.state[p]["anchor"].copy_(p)
-
-
-def _freshness_for_step_zero(optimizer: SLAMB) -> None:
-    """Store each row's freshness r as SLAMB stores it at step 0 (q = r: nothing to rescale there)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for p, freshness in zip(params, optimizer.freshness(), strict=True):
-        scaled = optimizer.state[p]["scaled_freshness"]  # one value per row of the mask
-        scaled.copy_(freshness.reshape(-1)[::freshness.numel() // max(scaled.numel(), 1)])

@@ -600,20 +600,18 @@ class SLAMB(torch.optim.Optimizer):
             torch.mul(coef, -lr_stale, out=spare)
             torch.addcmul(spare, coef, scaled, value=lr_slope, out=coef)
         pieces = [group.pieces[i] for i in active]
+        weights = [piece.of(piece.slot.param) for piece in pieces]
         directions = [group.views["direction"][i] for i in active]
         if group.segments:  # a GPU layout: spread the coefficients, then one fused update
             for block, a, b, row_a, row_b in group.segments:
                 layout.spread[a:b].view(-1, block).copy_(coef[row_a:row_b, None].expand(-1, block))
-            torch._foreach_addcmul_([piece.slot.param for piece in pieces], directions,
-                                    [group.views["spread"][i] for i in active])
-        elif all(piece.slot.param.is_contiguous() for piece in pieces):
-            torch._foreach_addcmul_([piece.of(piece.slot.param).view(-1, piece.slot.block) for piece in pieces],
+            torch._foreach_addcmul_(weights, directions, [group.views["spread"][i] for i in active])
+        elif all(w.is_contiguous() for w in weights):
+            torch._foreach_addcmul_([w.view(-1, piece.slot.block) for w, piece in zip(weights, pieces, strict=True)],
                                     directions, coefs)
         else:  # a strided parameter (channels_last) has no row view: scale the direction's rows, then add
             torch._foreach_mul_(directions, coefs)
-            torch._foreach_add_([piece.of(piece.slot.param) for piece in pieces],
-                                [u.view_as(piece.of(piece.slot.param)) for piece, u in zip(pieces, directions,
-                                                                                           strict=True)])
+            torch._foreach_add_(weights, [u.view_as(w) for u, w in zip(directions, weights, strict=True)])
 
     def _trust_ratios(self, layout: _Layout, chunk: _Chunk, mask: _Mask, unit: float) -> tuple[Tensor, Tensor]:
         """Per slot the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
@@ -699,6 +697,12 @@ class SLAMB(torch.optim.Optimizer):
         to_freshness = 1.0 / layout.synced_value(self.beta3, self.state[_GLOBAL]["step"])
         return [(self.state[s.param]["scaled_freshness"].float() * to_freshness).repeat_interleave(s.block)
                 .view_as(s.param) for s in layout.slots_in_group_order]
+
+    def restart_freshness(self) -> None:
+        """Store each row's freshness r as at step 0 (q = r there), before a run continues this state with a fresh
+        step count: q / beta3^-(t mod R) in one pass (rounded once, as `freshness` rounds it)."""
+        layout = self._ensure_layout()
+        layout.scaled_freshness.mul_(1.0 / layout.synced_value(self.beta3, self.state[_GLOBAL]["step"]))
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the optimizer's persistent tensors: `state` (m, v, freshness) and `scratch` (work buffers)."""
@@ -799,7 +803,7 @@ def _mask_size(mask: str, slot: _Slot, k: float) -> int:
 def _block(mask: str, numel: int) -> int:
     """Rows of the stratified and cyclic masks: up to 16 consecutive coordinates (one 64-byte cache line of
     fp32), the largest power of two dividing the tensor's size; single coordinates for Slamb_V2's Bernoulli."""
-    return min(_ROW_NUMEL, numel & -numel) or 1 if mask != "bernoulli" else 1
+    return (min(_ROW_NUMEL, numel & -numel) or 1) if mask != "bernoulli" else 1  # 1 for an empty tensor
 
 
 def _cyclic_parts(k: float) -> int:

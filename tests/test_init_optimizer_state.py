@@ -94,7 +94,7 @@ def test_every_continuable_optimizer_restarts_its_step_counts(phase1, tmp_path, 
     assert moments and _moments(loaded).keys() == moments.keys()
     for key, value in _moments(loaded).items():
         assert torch.equal(value, moments[key]), key
-    if optimizer == "slamb":  # each coordinate's freshness r is kept, stored as SLAMB stores it at step 0
+    if optimizer == "slamb":  # each row's freshness r is kept, stored as SLAMB stores it at step 0
         kwargs = {k: v for k, v in OmegaConf.to_container(trainer.cfg.optim).items() if k != "name"}
         reference = build_optimizer(trainer.model, "slamb", kwargs, comm=Comm())
         reference.load_state_dict(saved)
