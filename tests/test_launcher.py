@@ -23,6 +23,7 @@ from train.distributed import (
     init_distributed,
     launch_local_workers,
     launched_externally,
+    local_worker_threads,
     pick_device,
 )
 
@@ -51,6 +52,22 @@ def test_a_user_error_in_workers_is_reported_once_in_one_line():
 def test_a_crash_in_a_worker_keeps_the_launchers_report():
     with pytest.raises(ChildFailedError, match="ZeroDivisionError"):
         launch_local_workers(_worker, 2, [1], "crash")
+
+
+def _record_threads(out_dir: str) -> None:
+    Path(out_dir, os.environ["RANK"]).write_text(str(torch.get_num_threads()))
+
+
+def test_local_workers_share_the_machines_cores(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(train.distributed, "_visible_cores", lambda: 8)
+    launch_local_workers(_record_threads, 2, str(tmp_path))
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["4", "4"]
+
+
+def test_the_cores_share_is_at_least_one_thread_and_an_explicit_omp_num_threads_wins():
+    assert local_worker_threads(3, {}, 2) == 1
+    assert local_worker_threads(2, {"OMP_NUM_THREADS": "3"}, 8) is None
 
 
 ENTRYPOINT = Path(__file__).resolve().parents[1] / "docker" / "entrypoint.sh"

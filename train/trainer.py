@@ -96,8 +96,9 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- set-up
     def _announce(self, resumed_from: Path | None) -> None:
         g = self.geometry
+        threads = f" ({torch.get_num_threads()} thread(s) each)" if self.device.type == "cpu" else ""
         self.logger.info(
-            f"run dir {self.run_dir} | {self.comm.world_size} rank(s) on {self.device} | "
+            f"run dir {self.run_dir} | {self.comm.world_size} rank(s) on {self.device}{threads} | "
             f"model {self.num_params / 1e6:.1f}M params | optimizer {self.spec.name} (grad sync: {self.grad_sync.kind})"
         )
         self.logger.info(
