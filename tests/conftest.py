@@ -15,19 +15,18 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Share the cores between pytest-xdist's workers instead of letting each worker's torch take all of them.
-
-    Oversubscribed, torch's OpenMP threads spin against each other: two concurrent MiniLM fine-tunings on this
-    2-core box took 204-208 s each with torch's default of 2 threads, 69-72 s with 1 thread each.
-    """
+    """Share the cores between pytest-xdist's workers as the local launcher shares them between its workers:
+    each worker's torch taking every core made the suite about 20 % slower, and some tests 2x slower."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // workers)
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # processes a test starts inherit the share
-        torch.set_num_threads(threads)
+        from train.distributed import local_worker_threads, visible_cores
+
+        threads = local_worker_threads(workers, os.environ, visible_cores())
+        if threads is not None:  # else the OMP_NUM_THREADS the user set
+            os.environ["OMP_NUM_THREADS"] = str(threads)  # processes a test starts inherit the share
+            torch.set_num_threads(threads)
 
 REPO = Path(__file__).resolve().parents[1]
 

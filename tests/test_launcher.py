@@ -60,7 +60,7 @@ def _record_threads(out_dir: str) -> None:
 
 def test_local_workers_share_the_machines_cores(monkeypatch, tmp_path):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(train.distributed, "_visible_cores", lambda: 8)
+    monkeypatch.setattr(train.distributed, "visible_cores", lambda: 8)
     launch_local_workers(_record_threads, 2, str(tmp_path))
     assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["4", "4"]
 

@@ -151,7 +151,8 @@ def local_worker_threads(nproc: int, environ: Mapping[str, str], cores: int) -> 
     return max(1, cores // nproc)
 
 
-def _visible_cores() -> int:
+def visible_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the platform has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -178,7 +179,7 @@ def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any)
     )
     with tempfile.TemporaryDirectory(prefix="train-user-errors-") as report_dir:
         try:
-            threads = local_worker_threads(nproc, os.environ, _visible_cores())
+            threads = local_worker_threads(nproc, os.environ, visible_cores())
             elastic_launch(config, _reporting_user_errors)(report_dir, threads, entrypoint, *args)
         except SignalException:
             # SIGTERM / SIGINT reached the launcher, which passed it on to the workers and waited for them: they
