@@ -177,10 +177,10 @@ def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any)
         max_restarts=0,
         monitor_interval=0.5,
     )
+    threads = local_worker_threads(nproc, os.environ, visible_cores())
     with tempfile.TemporaryDirectory(prefix="train-user-errors-") as report_dir:
         try:
-            threads = local_worker_threads(nproc, os.environ, visible_cores())
-            elastic_launch(config, _reporting_user_errors)(report_dir, threads, entrypoint, *args)
+            elastic_launch(config, _local_worker)(report_dir, threads, entrypoint, *args)
         except SignalException:
             # SIGTERM / SIGINT reached the launcher, which passed it on to the workers and waited for them: they
             # stopped with a checkpoint. A scheduler's notice is not a failure of the run.
@@ -192,7 +192,7 @@ def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any)
             raise ReportedError("\n".join(dict.fromkeys(p.read_text() for p in reports))) from None
 
 
-def _reporting_user_errors(report_dir: str, threads: int | None, entrypoint: Callable[..., Any], *args: Any) -> Any:
+def _local_worker(report_dir: str, threads: int | None, entrypoint: Callable[..., Any], *args: Any) -> Any:
     """A local worker: `entrypoint(*args)` on `threads` intra-op threads (None: torch's choice), leaving a user
     error's line in `report_dir` for the launcher."""
     if threads is not None:
