@@ -1,0 +1,1 @@
+"""Data pipeline throughput: corpus preparation and the resumable loader."""

@@ -1,0 +1,1 @@
+"""Optimizer step time, memory, bandwidth and agreement with reference implementations."""

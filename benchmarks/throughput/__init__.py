@@ -1,0 +1,1 @@
+"""Training throughput of whole models: BERT and Swin steps, with FLOPs and MFU."""
