@@ -240,7 +240,7 @@ def test_unsampled_layers_compute_no_gradient_and_keep_their_weights(unsampled):
 
 def test_backward_skips_the_weight_gradients_of_unsampled_layers():
     """FLOPs, not time: backward must cost less when layers are left out (dW skipped, and nothing computed
-    below the lowest sampled layer); benchmarks/optimizers.py times it."""
+    below the lowest sampled layer); benchmarks/optim/optimizers.py times it."""
     model = _mlp(depth=8, width=64)
     optimizer = _jointspar(model, sample_ratio=0.25, p_min=0.05)
     x, y = torch.randn(64, 64), torch.randint(0, 3, (64,))

@@ -16,10 +16,9 @@ from distributed_harness import run_on_ranks
 from host_reads import count_host_reads
 from torch import nn
 
-from benchmarks.deepspeed_reference import compare_on_rank, deepspeed_available
-from benchmarks.slamb_step import LoopbackComm
+from benchmarks.optim.deepspeed_reference import compare_on_rank, deepspeed_available
 from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, param_groups_weight_decay
-from optim.comm import Comm, average_tensors_
+from optim.comm import Comm, MirrorComm, average_tensors_
 from optim.zero_one_adam import zero_one_adam_step_kinds
 from train.metrics import read_metrics
 
@@ -248,7 +247,7 @@ def test_two_rank_trainer_killed_and_resumed_repeats_the_loss_series(tmp_path):
 @pytest.mark.skipif(not deepspeed_available(), reason="deepspeed==0.19.6 is not installed (reference runs only: "
                     "pip install --no-deps deepspeed==0.19.6 hjson msgpack ninja psutil py-cpuinfo einops)")
 def test_trajectories_match_deepspeed_0_19_6():
-    # benchmarks/deepspeed_reference.py with fewer steps: every stage of every optimizer is visited.
+    # benchmarks/optim/deepspeed_reference.py with fewer steps: every stage of every optimizer is visited.
     per_rank = run_on_ranks(compare_on_rank, 2, 40)
     for rank_rows in per_rank:
         for name, rows in rank_rows.items():
@@ -266,23 +265,6 @@ SYNC_FREE = {**OPTIMIZERS, "lamb": (LAMB, dict(lr=0.01, weight_decay=0.01)),
              "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.01))}
 
 
-class _LoopbackComm(LoopbackComm):
-    """Two pretend ranks whose collectives hand this rank its own data back: the whole multi-rank code path of a
-    step (packing, both compressed phases, decoding) runs in one process, with nothing to wait for."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.world_size = 2
-
-    def all_to_all_single(self, output, tensor):
-        self._count(tensor)
-        output.copy_(tensor.reshape(output.shape))
-
-    def all_gather_into_tensor(self, output, tensor):
-        self._count(tensor)
-        output.copy_(tensor.expand_as(output))
-
-
 def _build_sync_free(name: str, model: nn.Module, comm: Comm):
     cls, kwargs = SYNC_FREE[name]
     groups = param_groups_weight_decay(model, kwargs["weight_decay"])
@@ -298,10 +280,10 @@ def host_reads(monkeypatch):
 
 @pytest.mark.parametrize("name", list(SYNC_FREE))
 def test_every_step_reads_nothing_on_the_host(name: str, host_reads: list[str]):
-    """No `.item()` or `bool(tensor)` in any stage of a step, compressed ones included (2 loopback ranks):
+    """No `.item()` or `bool(tensor)` in any stage of a step, compressed ones included (2 mirrored ranks):
     on a GPU each would make the host wait for the device."""
     model = _model()
-    optimizer = _build_sync_free(name, model, _LoopbackComm())
+    optimizer = _build_sync_free(name, model, MirrorComm(2))
     for step in range(1, STEPS + 1):  # every stage of each schedule: init, warm-up, compression, syncs, local
         optimizer.zero_grad(set_to_none=True)
         _loss(model, 0, step).backward()
@@ -322,7 +304,7 @@ def test_the_host_read_counter_sees_a_read(host_reads: list[str]):
 def test_every_step_makes_no_cuda_sync(name: str):
     """Every step of every stage under `torch.cuda.set_sync_debug_mode("error")`: a synchronising call raises."""
     model = _model().cuda()
-    optimizer = _build_sync_free(name, model, _LoopbackComm())
+    optimizer = _build_sync_free(name, model, MirrorComm(2))
     for step in range(1, STEPS + 1):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", enabled=False):
@@ -345,8 +327,8 @@ def _loss_on(model: nn.Module, step: int, device: torch.device) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_loading_a_state_replaces_cached_denominators_and_flat_state(name: str):
     """An optimizer deep in its compressed stage (denominators and masks cached, state in flat buffers) that loads
-    another run's state continues exactly as that run (2 loopback ranks)."""
-    comm = _LoopbackComm()
+    another run's state continues exactly as that run (2 mirrored ranks)."""
+    comm = MirrorComm(2)
     models = [_model(), _model()]
     optimizers = [_build(name, model, comm) for model in models]
 
@@ -377,11 +359,11 @@ def io_roundtrip(state: dict) -> dict:
 
 def _ops_per_stage(name: str, layers: int) -> dict[str, int]:
     """Ops dispatched by the last step of each compressed stage of optimizer `name` over `layers` linear layers
-    (two param groups, weight decay, 2 loopback ranks); the full-precision stages average through `optim.comm`."""
+    (two param groups, weight decay, 2 mirrored ranks); the full-precision stages average through `optim.comm`."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
     cls, kwargs = OPTIMIZERS[name]
-    optimizer = cls(param_groups_weight_decay(model, 0.01), comm=_LoopbackComm(), **kwargs)
+    optimizer = cls(param_groups_weight_decay(model, 0.01), comm=MirrorComm(2), **kwargs)
     counts = {}
     for t in range(1, STEPS + 1):
         stage = optimizer.schedule.kind(t) if name == "zero_one_adam" else \

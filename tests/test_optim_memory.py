@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from optim import LAMB, LARS, SLAMB, OneBitLAMB, SlowMo
 from optim._math import FOREACH_CHUNK_NUMEL
-from optim.comm import Comm
+from optim.comm import Comm, MirrorComm
 from optim.compressed import compressed_allreduce_
 
 
@@ -192,21 +192,6 @@ def test_onebit_lamb_keeps_no_twin_of_the_momentum():
     assert len(momentum_sized) == len(optimizer._flats) + 2
 
 
-class _MirrorComm(Comm):
-    """Four ranks that all hold this rank's tensors: the collectives copy, so the compressed all-reduce runs its
-    whole multi-rank path in one process."""
-
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.world_size = 4
-
-    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        output.copy_(tensor)
-
-    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        output.copy_(tensor.expand_as(output))
-
-
 def test_compressed_allreduce_temporaries_are_bounded_by_the_chunk(monkeypatch):
     """The server stage decodes the W received sign vectors a block of columns at a time, and the signs are
     packed a block at a time: no temporary of the buffer's size (a decoded copy is 11.6 GB at BERT-XL)."""
@@ -215,7 +200,7 @@ def test_compressed_allreduce_temporaries_are_bounded_by_the_chunk(monkeypatch):
     buffer = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     worker_error, server_error = torch.zeros(numel), torch.zeros(numel // world)
     with _NewStorageBytes() as counted:
-        compressed_allreduce_(buffer, worker_error, server_error, _MirrorComm())
+        compressed_allreduce_(buffer, worker_error, server_error, MirrorComm(4))
     server = 4 * numel // world  # the server stage's own chunk, fp32
     signs = 3 * (numel // 8 + 64)  # packed signs: sent, received, gathered
     assert counted.peak <= server + signs + 16 * 4096

@@ -1,10 +1,12 @@
-"""`python -m benchmarks.optimizers`: a row per optimizer in each part, with numbers that follow from the setup."""
+"""`python -m benchmarks.optim.optimizers`: a row per optimizer in each part, with numbers that follow from the
+setup."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.optimizers import main, runnable_optimizers
+from benchmarks.common import runnable_optimizers
+from benchmarks.optim.optimizers import main
 
 
 def _rows(out: str, section: str) -> dict[str, list[str]]:

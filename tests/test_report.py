@@ -1,4 +1,4 @@
-"""Run records for reporting: time stamps, summary.json, and `python -m benchmarks.report` over real tiny runs."""
+"""Run records for reporting: time stamps, summary.json, and `python -m benchmarks.paper.report` over real tiny runs."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from conftest import TINY, compose, run_train
 from omegaconf import OmegaConf
 
-from benchmarks.plots import PLOTS
-from benchmarks.report import main
+from benchmarks.paper.plots import PLOTS
+from benchmarks.paper.report import main
 from train.metrics import read_metrics
 from train.run import run
 from train.summary import SUMMARY_FILE, best_values, final_values

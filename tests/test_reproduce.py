@@ -1,4 +1,4 @@
-"""`python -m benchmarks.reproduce`: every algorithm's stages happen within the study's steps, the commands
+"""`python -m benchmarks.paper.reproduce`: every algorithm's stages happen within the study's steps, the commands
 compose, and a small study writes a comparison whose numbers are its runs' summaries."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 from conftest import compose
 
-from benchmarks import reproduce
-from benchmarks.onebit_step import freeze_kinds
+from benchmarks.common import freeze_kinds
+from benchmarks.paper import reproduce
 from optim.zero_one_adam import zero_one_adam_step_kinds
 from train.config import validate
 

@@ -99,7 +99,7 @@ def test_cli_rejects_a_bad_preset_with_exit_2(tmp_path):
 
 
 def test_scaled_step_cost_splits_buckets_and_shares_the_all_gather():
-    from benchmarks.scaling import DDP_BUCKET_BYTES, Profile, comm_cost
+    from benchmarks.paper.scaling import DDP_BUCKET_BYTES, Profile, comm_cost
 
     one_per_node = Cluster(LINKS["10gbe"])
     # fp32 gradients of 100M parameters: 4e8 bytes in 25 MiB buckets -> 16 all-reduces of 2.5e7 bytes on 4 ranks
@@ -118,7 +118,7 @@ def test_scaled_step_cost_splits_buckets_and_shares_the_all_gather():
 
 
 def test_measured_onebit_lamb_profile_is_one_bit_plus_the_gathered_share():
-    from benchmarks.scaling import MEASURE_WORLD, measure_profile
+    from benchmarks.paper.scaling import MEASURE_WORLD, measure_profile
 
     profile = measure_profile("onebit_lamb", "fp32")
     (compressed,) = {tuple(kind for kind, _ in step) for step in profile.steps["compressed"]}
@@ -130,7 +130,7 @@ def test_measured_onebit_lamb_profile_is_one_bit_plus_the_gathered_share():
 
 
 def test_scaling_plot_is_a_png_with_a_panel_per_model(tmp_path):
-    from benchmarks.plots import write_scaling_plot
+    from benchmarks.paper.plots import write_scaling_plot
 
     rows = [dict(model=model, optimizer=opt, gpus=g, network="10gbe", efficiency=1 / (1 + g / 64))
             for model in ("bert_large", "swin_base") for opt in ("lamb", "slamb") for g in (8, 64, 1024)]

@@ -1,5 +1,5 @@
-"""`python -m benchmarks.throughput` runs the trainer's step on CPU and counts FLOPs that match the model's size;
-`python -m benchmarks.bandwidth_bound` counts the bytes an optimizer step must touch."""
+"""`python -m benchmarks.throughput.training` runs the trainer's step on CPU and counts FLOPs that match the model's
+size; `python -m benchmarks.optim.bandwidth_bound` counts the bytes an optimizer step must touch."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from benchmarks.bandwidth_bound import main as bandwidth_bound
-from benchmarks.throughput import main
+from benchmarks.optim.bandwidth_bound import main as bandwidth_bound
+from benchmarks.throughput.training import main
 
 
 def test_bert_step_is_timed_and_its_flops_counted(capsys):

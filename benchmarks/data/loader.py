@@ -1,7 +1,7 @@
 """Loader throughput over prepared shards: sequences per second for one rank, beside what an A100 consumes.
 
-    python -m benchmarks.data_loader                          # prepares the pydoc corpus in a temp dir
-    python -m benchmarks.data_loader --path data/prepared/python_docs --workers 0 2
+    python -m benchmarks.data.loader                          # prepares the pydoc corpus in a temp dir
+    python -m benchmarks.data.loader --path data/prepared/python_docs --workers 0 2
 
 For seq 128 and 512 it times rank 0 of an 8-rank job (micro-batch 64 / 8, NVIDIA's V100 preset) reading
 statically masked shards through `ResumableLoader` (shard-blocked shuffle, sha256-verified shard loads,

@@ -1,8 +1,8 @@
 """Corpus preparation throughput per core, and the projected time for Wikipedia + BooksCorpus on a 64-core node.
 
-    python -m benchmarks.data_prepare                        # pydoc topics (465 KB, offline), dupe factor 5
-    python -m benchmarks.data_prepare --corpus python_docs   # the 11 MB medium corpus (fetched once)
-    python -m benchmarks.data_prepare --dupe-factor 10
+    python -m benchmarks.data.prepare                        # pydoc topics (465 KB, offline), dupe factor 5
+    python -m benchmarks.data.prepare --corpus python_docs   # the 11 MB medium corpus (fetched once)
+    python -m benchmarks.data.prepare --dupe-factor 10
 
 One worker process prepares both phases (seq 128 / 20 predictions and seq 512 / 80) with static masking,
 exactly as `python -m data.prepare` does. The reference measured in the same run is the WordPiece

@@ -1,15 +1,16 @@
 """Each optimizer's step time as a ratio to its memory-bandwidth bound, on BERT-sized parameters.
 
-    python -m benchmarks.bandwidth_bound --size large                 # BERT-Large on the GPU
-    python -m benchmarks.bandwidth_bound --size tiny --device cpu     # what the tests run
+    python -m benchmarks.optim.bandwidth_bound --size large                 # BERT-Large on the GPU
+    python -m benchmarks.optim.bandwidth_bound --size tiny --device cpu     # what the tests run
 
 An optimizer step reads and writes memory far more than it computes, so its floor is set by bandwidth. The
 bound of a step is the bytes a single fused pass must touch (read the parameters, the gradients and the
 optimizer's persistent state; write the parameters and the state back) divided by the device's copy bandwidth,
 measured in the same run (a large device-to-device copy, bytes read plus written). A ratio of 1 is the best any
 implementation could do. Optimizers that synchronise themselves take their multi-rank path through a loopback
-communication layer whose collectives return at once (their compressed stages included), so no network time is
-counted; the 1-bit optimizers are timed after their warm-up stage, in the compressed one.
+communication layer (`optim.comm.MirrorComm` of one rank) whose collectives return at once (their compressed
+stages included), so no network time is counted; the 1-bit optimizers are timed after their warm-up stage, in the
+compressed one.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.optim_step import SIZES, bert_parameters
-from benchmarks.slamb_step import LoopbackComm, config_kwargs
+from benchmarks.common import SIZES, bert_parameters, config_kwargs
 from optim import build_optimizer
+from optim.comm import MirrorComm
 from optim.memory import state_bytes
 
 OPTIMIZERS = ["lamb", "slamb", "onebit_lamb", "zero_one_adam", "adamw"]
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'optimizer':<15} {'GB touched':>10} {'bound ms':>9} {'min ms':>8} {'median ms':>10} {'min x bound':>12}")
     for name in args.optimizers:
         optimizer = build_optimizer(model, name, config_kwargs(name, **COMPRESSED_FROM.get(name, {})),
-                                    comm=LoopbackComm())
+                                    comm=MirrorComm(1))
         times = time_steps(optimizer, device, args.warmup, args.repeats)
         touched = bytes_touched(params, optimizer)
         bound = touched / bandwidth

@@ -1,7 +1,7 @@
 """Agreement of our 1-bit Adam, 1-bit LAMB and 0/1 Adam with DeepSpeed 0.19.6's, on CPU over gloo.
 
     pip install --no-deps deepspeed==0.19.6 hjson msgpack ninja psutil py-cpuinfo einops   # DS_BUILD_OPS=0
-    python -m benchmarks.deepspeed_reference --steps 60 --world-size 2
+    python -m benchmarks.optim.deepspeed_reference --steps 60 --world-size 2
 
 DeepSpeed's optimizers cannot run on a CPU as shipped; a test-only adapter,
 applied here and never in the product, makes them: (1) a pure-torch sign packer stands in for the
@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from benchmarks.common import run_on_ranks
 
 # Settings that visit every stage within 60 steps (each optimizer's boundaries are printed).
 CASES: dict[str, dict[str, Any]] = {
@@ -202,9 +204,6 @@ def main() -> int:
         sys.stderr.write("deepspeed==0.19.6 is not installed: pip install --no-deps deepspeed==0.19.6 hjson msgpack "
                          "ninja psutil py-cpuinfo einops (DS_BUILD_OPS=0)\n")
         return 1
-    sys.path.insert(0, "tests")
-    from distributed_harness import run_on_ranks
-
     per_rank = run_on_ranks(compare_on_rank, args.world_size, args.steps)
     sys.stdout.write(f"DeepSpeed 0.19.6 vs ours, fp32, {args.world_size} gloo ranks, {args.steps} steps, "
                      f"settings {CASES}\n\n")

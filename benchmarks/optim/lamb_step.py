@@ -1,7 +1,7 @@
 """Optimizer step time of our LAMB (foreach and for-loop paths) against timm's `Lamb` on BERT-sized parameters.
 
-    python -m benchmarks.optim_step --size base              # BERT-base, 110M parameters, on the CPU
-    python -m benchmarks.optim_step --size large --device cuda
+    python -m benchmarks.optim.lamb_step --size base              # BERT-base, 110M parameters, on the CPU
+    python -m benchmarks.optim.lamb_step --size large --device cuda
 
 Every implementation steps the same parameters with the same random gradients and NVLAMB settings
 (lr 6e-3, weight decay 0.01 off biases and LayerNorm, global-norm pre-normalisation to 1.0). Steps are
@@ -14,37 +14,17 @@ fused kernel, 28 bytes per fp32 parameter (read grad, param, two moments; write 
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 from timm.optim import Lamb as TimmLamb
 from torch import nn
-from transformers import BertConfig, BertForPreTraining
 
+from benchmarks.common import SIZES, bert_parameters, step_times
 from optim import LAMB, param_groups_weight_decay
 
-SIZES = {  # BertConfig fields; base is BertConfig's defaults
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
-    "base": dict(),
-    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
-}
 NVLAMB = dict(lr=6e-3, betas=(0.9, 0.999), eps=1e-6, bias_correction=True, max_grad_norm=1.0)
 MIN_BYTES_PER_PARAM = 28
-
-
-def bert_parameters(size: str, device: torch.device) -> nn.Module:
-    """BertForPreTraining of `size` with random weights and gradients (built on `meta`, then filled)."""
-    with torch.device("meta"):
-        model = BertForPreTraining(BertConfig(**SIZES[size]))
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty gives the tied decoder its own tensor; BERT shares it with the embeddings
-    g = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02, generator=g)
-            p.grad = torch.empty_like(p).normal_(0.0, 1e-3, generator=g)
-    return model
 
 
 def candidates(model: nn.Module) -> dict[str, torch.optim.Optimizer]:
@@ -57,35 +37,6 @@ def candidates(model: nn.Module) -> dict[str, torch.optim.Optimizer]:
         "ours LAMB, foreach=True": LAMB(groups(), foreach=True, **NVLAMB),
         "ours LAMB, foreach=False": LAMB(groups(), foreach=False, **NVLAMB),
     }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def step_times(
-    optimizers: dict[str, torch.optim.Optimizer], device: torch.device, warmup: int, repeats: int,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, list[float]]:
-    """Times of `repeats` `step()` calls per optimizer, in seconds of `clock`, measured in interleaved rounds.
-
-    Interleaving spreads drifting machine load over all optimizers alike; callers keep the best (the least
-    disturbed step) and the median (the typical one). On a shared CPU, `time.process_time` leaves out the time
-    the process waits for a core (not the memory bandwidth other processes take).
-    """
-    for optimizer in optimizers.values():
-        for _ in range(warmup):  # creates the state and warms caches and allocators
-            optimizer.step()
-    times: dict[str, list[float]] = {name: [] for name in optimizers}
-    for _ in range(repeats):
-        for name, optimizer in optimizers.items():
-            _sync(device)
-            start = clock()
-            optimizer.step()
-            _sync(device)
-            times[name].append(clock() - start)
-    return times
 
 
 def best_step_times(

@@ -1,8 +1,8 @@
 """Step time of 1-bit Adam, 1-bit LAMB and 0/1 Adam against LAMB, and their bits per parameter per step.
 
-    python -m benchmarks.onebit_step                     # BERT-base shapes, 2 gloo ranks, 5 timed steps per stage
-    python -m benchmarks.onebit_step --size tiny --repeats 3 --optimizers "1-bit LAMB"
-    python -m benchmarks.onebit_step --volume-only
+    python -m benchmarks.optim.onebit_step                     # BERT-base shapes, 2 gloo ranks, 5 timed steps per stage
+    python -m benchmarks.optim.onebit_step --size tiny --repeats 3 --optimizers "1-bit LAMB"
+    python -m benchmarks.optim.onebit_step --volume-only
 
 Step time: each 1-bit optimizer steps BERT-shaped parameters with random gradients on `--world-size` gloo
 ranks (one thread each), in its own processes so that only one optimizer's state is in memory. Its schedule
@@ -24,10 +24,8 @@ expectation). Full-precision traffic is shown in fp32 and in fp16, so SLAMB and 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -37,18 +35,21 @@ import torch
 import yaml
 from transformers import BertConfig, BertForPreTraining
 
-from benchmarks.slamb_step import CONF_OPTIM
+from benchmarks.common import (
+    CONF_OPTIM,
+    PHASE1_STEPS,
+    PHASE1_WARMUP,
+    PUBLISHED_STEPS,
+    SIZES,
+    freeze_kinds,
+    phase1_schedules,
+    run_on_ranks,
+    scaled_to_phase1,
+    stage_kinds,
+)
 from optim.compressed import bucket_layout, compressed_bytes_per_call
 from optim.param_groups import param_groups_weight_decay
 from optim.zero_one_adam import zero_one_adam_step_kinds
-
-SIZES = {
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
-    "base": dict(),
-    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
-}
-PHASE1_STEPS = 7038
-PUBLISHED_STEPS = 152511
 
 
 def bert(size: str, device: str = "meta") -> torch.nn.Module:
@@ -78,10 +79,6 @@ def onebit_bits_per_step(kinds: list[str], model: torch.nn.Module, bucketing: st
     return 8 * sum(per_kind[k] for k in kinds) / len(kinds) / numel
 
 
-def freeze_kinds(steps: int, freeze_step: int) -> list[str]:
-    return ["init"] + ["dense" if t <= freeze_step else "compressed" for t in range(2, steps + 1)]
-
-
 def slamb_bits_per_step(model: torch.nn.Module, steps: int, cfg: dict[str, Any]) -> float:
     """Per step k of the masked coordinates plus every always-synced one in the communication dtype, and
     a dense fp32 parameter average every H steps."""
@@ -96,31 +93,12 @@ def slamb_bits_per_step(model: torch.nn.Module, steps: int, cfg: dict[str, Any])
     return (steps * per_step + syncs * 32 * numel) / steps / numel
 
 
-PHASE1_WARMUP = round(0.2843 * PHASE1_STEPS)  # the phase-1 LR warm-up of conf/experiment/bert_large_phase1.yaml
-
-
-def _scaled(n: int) -> int:
-    """A step count of the published 152,511-step schedule at the same fraction of phase 1."""
-    return round(n / PUBLISHED_STEPS * PHASE1_STEPS)
-
-
-def phase1_schedules() -> dict[str, tuple[str, list[str]]]:
-    """Registry name -> (settings, kind of each step) of the 1-bit family over BERT-Large phase 1."""
-    return {
-        "onebit_lamb": ("freeze_step 1000", freeze_kinds(PHASE1_STEPS, 1000)),
-        "onebit_adam": (f"freeze_step {_scaled(23000)} (23000/152511 of the run)",
-                        freeze_kinds(PHASE1_STEPS, _scaled(23000))),
-        "zero_one_adam": (f"var_freeze_step {PHASE1_WARMUP} (end of warm-up), alpha 32678, H 16",
-                          zero_one_adam_step_kinds(PHASE1_STEPS, PHASE1_WARMUP)),
-    }
-
-
 def volume_table(world_sizes: tuple[int, ...] = (8, 128)) -> list[str]:
     """Bits per parameter per step over BERT-Large phase 1, every optimizer with 32- and 16-bit full-precision
     traffic where it has any, and SLAMB against 1-bit LAMB like for like (the paper: about half)."""
     model = bert("large")
     numel = sum(p.numel() for p in model.parameters())
-    warm, scaled, schedules = PHASE1_WARMUP, _scaled, phase1_schedules()
+    warm, scaled, schedules = PHASE1_WARMUP, scaled_to_phase1, phase1_schedules()
     onebit_lamb_settings, onebit_lamb = schedules["onebit_lamb"]
     rows: list[tuple[str, str, int, list[str], str]] = [  # label, settings, dense bits, kinds, bucketing
         ("LAMB (DDP gradients)", "trainer.grad_allreduce_dtype fp32", 32, ["dense"] * PHASE1_STEPS, "per_group"),
@@ -165,19 +143,6 @@ def volume_table(world_sizes: tuple[int, ...] = (8, 128)) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ step time
-def stage_kinds(name: str, repeats: int) -> tuple[dict[str, Any], list[str]]:
-    """Settings for optimizer `name` whose schedule visits each of its stages `repeats + 1` times, and the kinds.
-
-    The first step of each stage is not timed (it allocates), so `repeats` steps of each stage are.
-    """
-    n = repeats + 1
-    if name == "0/1 Adam":  # n variance steps at interval 1, then n more alternating with n 1-bit gradient steps;
-        # phase 2 alternates syncs and local steps (the sync interval is 2 after one phase-2 step)
-        settings = dict(var_freeze_step=3 * n, var_update_scaler=n, local_step_scaler=1, local_step_clipper=2)
-        return settings, zero_one_adam_step_kinds(3 * n + 2 + 2 * n, **settings)
-    return dict(freeze_step=1 + n), freeze_kinds(1 + 2 * n, 1 + n)
-
-
 def _timed_rank(rank: int, world_size: int, size: str, name: str, repeats: int) -> dict[str, list[float]]:
     """Seconds per step of optimizer `name` by stage, each step interleaved with one of the reference."""
     from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam
@@ -220,20 +185,9 @@ def _timed_rank(rank: int, world_size: int, size: str, name: str, repeats: int) 
     return dict(times)
 
 
-def _rank_entry(rank: int, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.save(_timed_rank(rank, world_size, *args), os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def timed_on_ranks(world_size: int, *args: Any) -> dict[str, list[float]]:
     """`_timed_rank` on `world_size` gloo ranks; rank 0's times. No time limit: a loaded machine is only slow."""
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.spawn(_rank_entry, args=(world_size, os.path.join(tmp, "init"), tmp, args),
-                                    nprocs=world_size)
-        return torch.load(os.path.join(tmp, "0.pt"))
+    return run_on_ranks(_timed_rank, world_size, *args)[0]
 
 
 ONEBIT = ("1-bit Adam", "1-bit LAMB", "0/1 Adam")

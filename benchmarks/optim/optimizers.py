@@ -1,16 +1,17 @@
 """Every registered optimizer against LAMB: step time and state memory, and JointSpar's backward saving.
-(Training at equal steps, with measured bits per parameter: `python -m benchmarks.reproduce`.)
+(Training at equal steps, with measured bits per parameter: `python -m benchmarks.paper.reproduce`.)
 
-    python -m benchmarks.optimizers                                   # both parts, every optimizer runnable here
-    python -m benchmarks.optimizers --part step --size base           # step time and memory, BERT-base parameters
-    python -m benchmarks.optimizers --part backward --size base       # JointSpar's forward + backward vs dense
+    python -m benchmarks.optim.optimizers                               # both parts, every optimizer runnable here
+    python -m benchmarks.optim.optimizers --part step --size base       # step time and memory, BERT-base parameters
+    python -m benchmarks.optim.optimizers --part backward --size base   # JointSpar's forward + backward vs dense
 
 step: each optimizer is built from its conf/optim YAML (what `optim=<name>` runs) over the same BERT parameters
 and random gradients, in a world of one, and timed against LAMB in its own round (steps interleaved, one CPU
 thread, best and median over the repeats, as ratios to LAMB's of the same round). A world of one is each
 optimizer's own arithmetic without its collectives; SLAMB's and the 1-bit family's multi-rank paths are timed by
-`benchmarks.slamb_step` and `benchmarks.onebit_step`. JointSpar's step includes drawing its layers and steps only
-those, as in training. Memory is the bytes of the optimizer's persistent state tensors (a wrapper's base included).
+`benchmarks.optim.slamb_step` and `benchmarks.optim.onebit_step`. JointSpar's step includes drawing its layers and
+steps only those, as in training. Memory is the bytes of the optimizer's persistent state tensors (a wrapper's base
+included).
 
 backward: forward + backward of a BERT pretraining batch with every layer computing its weight gradients (dense)
 against JointSpar's sampled layers at several `sample_ratio`s (uniform probabilities), best over the repeats, and
@@ -22,57 +23,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
-from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import BertConfig, BertForPreTraining
 
-from benchmarks.optim_step import SIZES, bert_parameters
-from benchmarks.slamb_step import config_kwargs
-from conf.checks import missing_nvidia_apex
-from optim import JointSpar, build_optimizer, get_optimizer_spec, list_optimizers
-from optim.apex import APEX_OPTIMIZERS
+from benchmarks.common import SIZES, bert_parameters, config_kwargs, optimizer_stepper, runnable_optimizers
+from optim import JointSpar, build_optimizer
 from optim.memory import state_bytes
 
 REFERENCE = "lamb"
 
 
-def runnable_optimizers() -> list[str]:
-    """Every registered optimizer this machine can build (NVIDIA apex's need apex and a GPU)."""
-    apex_missing = missing_nvidia_apex("apex.optimizers", "amp_C") is not None
-    return [name for name in list_optimizers() if not (name in APEX_OPTIMIZERS and apex_missing)]
-
-
 # ------------------------------------------------------------------------------------------ step time and memory
-def _stepper(name: str, optimizer: torch.optim.Optimizer, grads: dict[nn.Parameter, torch.Tensor],
-             clock: Callable[[], float]) -> Callable[[], float]:
-    """One training step's optimizer work, returning its duration in `clock` seconds. For JointSpar that is the
-    layer draw and the step; handing the sampled layers their gradients (backward's work) is not timed."""
-    if not get_optimizer_spec(name).samples_layers:
-        def step() -> float:
-            for p, grad in grads.items():  # all of them: a JointSpar round's zero_grad dropped the model's
-                p.grad = grad
-            start = clock()
-            optimizer.step()
-            return clock() - start
-        return step
-
-    def sampled_step() -> float:
-        optimizer.zero_grad()
-        start = clock()
-        optimizer.begin_step()
-        drawn = clock() - start
-        for p, grad in grads.items():
-            if p.requires_grad:
-                p.grad = grad
-        start = clock()
-        optimizer.step()
-        return drawn + clock() - start
-    return sampled_step
-
-
 def step_part(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -88,8 +51,8 @@ def step_part(args: argparse.Namespace) -> None:
         if name == REFERENCE:
             continue
         optimizer = build_optimizer(model, name, config_kwargs(name))
-        steppers = {REFERENCE: _stepper(REFERENCE, reference, grads, clock),
-                    name: _stepper(name, optimizer, grads, clock)}
+        steppers = {REFERENCE: optimizer_stepper(REFERENCE, reference, grads, clock),
+                    name: optimizer_stepper(name, optimizer, grads, clock)}
         times: dict[str, list[float]] = {key: [] for key in steppers}
         for round_ in range(args.warmup + args.repeats):
             for key, step in steppers.items():

@@ -1,16 +1,16 @@
 """SLAMB's optimizer step time and state memory as ratios to LAMB's, on BERT-base and BERT-Large parameter sets.
 
-    python -m benchmarks.slamb_step --size base                    # one CPU thread, all variants
-    python -m benchmarks.slamb_step --size large --device cuda
+    python -m benchmarks.optim.slamb_step --size base                    # one CPU thread, all variants
+    python -m benchmarks.optim.slamb_step --size large --device cuda
 
 Both optimizers are built by `optim.build_optimizer` from conf/optim/lamb.yaml and conf/optim/slamb.yaml (what
 `optim=lamb` and `optim=slamb` run), over the same parameters and random gradients. SLAMB gets a loopback
-communication layer: it takes every step of the multi-rank path (mask draw, gather of the synced momenta,
-the bucketed all-reduce call, scatter back) with a collective that returns at once, so the times are the
-optimizer's own work without the network. Each SLAMB variant is timed against LAMB in its own round, steps
-interleaved (as in `benchmarks.optim_step`), so that only two optimizers' state is alive at a time; each
-reports its best and its median step after warm-up, as ratios to LAMB's best and median of the same round:
-the best is the least disturbed step, the median shows whether a shared machine moved the ratio.
+communication layer (`optim.comm.MirrorComm` of one rank): it takes every step of the multi-rank path (mask draw,
+gather of the synced momenta, the bucketed all-reduce call, scatter back) with collectives that return at once,
+so the times are the optimizer's own work without the network. Each SLAMB variant is timed against LAMB in its
+own round, steps interleaved (as in `benchmarks.optim.lamb_step`), so that only two optimizers' state is alive
+at a time; each reports its best and its median step after warm-up, as ratios to LAMB's best and median of the
+same round: the best is the least disturbed step, the median shows whether a shared machine moved the ratio.
 Variants: SLAMB with each other mask (Slamb_V2's Bernoulli draw, the naive cyclic partition), with the naive
 product-form rescale, and the slamb_v2_official preset. Memory is the bytes of the optimizer's
 persistent tensors: LAMB's m and v (8 bytes per parameter); SLAMB's m, v and freshness (state: 10 bytes, 12 in
@@ -22,58 +22,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
-import yaml
 
-from benchmarks.optim_step import SIZES, bert_parameters, step_times
+from benchmarks.common import SIZES, bert_parameters, config_kwargs, step_times
 from optim import build_optimizer
-from optim.comm import Comm
+from optim.comm import MirrorComm
 from optim.memory import state_bytes
-
-CONF_OPTIM = Path(__file__).resolve().parents[1] / "conf" / "optim"
-
-
-class LoopbackComm(Comm):
-    """A `Comm` that takes the multi-rank code path but whose collectives return at once (bytes still counted)."""
-
-    def __init__(self) -> None:
-        super().__init__(None)
-
-    @property
-    def distributed(self) -> bool:
-        return True
-
-    def all_reduce(self, tensor: torch.Tensor, op=None, async_op: bool = False):
-        self._count(tensor)
-        return _Done() if async_op else None
-
-    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._count(tensor, "all_gather")
-        output.copy_(tensor.reshape(output.shape))
-
-    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._count(tensor, "all_to_all")
-        output.copy_(tensor.reshape(output.shape))
-
-    def broadcast_object(self, obj: object, src: int = 0) -> object:
-        return obj  # every simulated rank holds the same
-
-    def any(self, flag: bool) -> bool:
-        return flag
-
-
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
-def config_kwargs(name: str, **overrides) -> dict:
-    cfg = yaml.safe_load((CONF_OPTIM / f"{name}.yaml").read_text())
-    cfg.pop("name")
-    return cfg | overrides
-
 
 VARIANTS = {  # label -> (registry name, overrides of its conf/optim YAML)
     "SLAMB (conf/optim/slamb.yaml)": ("slamb", {}),
@@ -114,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'+scratch MB':>12} {'memory x':>9}", flush=True)
     lamb = build_optimizer(model, "lamb", config_kwargs("lamb"))
     for label, (registry_name, overrides) in VARIANTS.items():
-        slamb = build_optimizer(model, registry_name, config_kwargs(registry_name, **overrides), comm=LoopbackComm())
+        slamb = build_optimizer(model, registry_name, config_kwargs(registry_name, **overrides), comm=MirrorComm(1))
         times = step_times({REFERENCE: lamb, label: slamb}, device, args.warmup, args.repeats, clock)
         best_ref, median_ref = min(times[REFERENCE]), statistics.median(times[REFERENCE])
         reference_bytes = state_bytes(lamb)  # LAMB's state exists once it has stepped

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import matplotlib
 
@@ -18,15 +18,22 @@ from matplotlib.axes import Axes
 
 from data.atomic import atomic_write
 
-if TYPE_CHECKING:
-    from benchmarks.report import Run
+
+class PlottedRun(Protocol):
+    """What a figure reads of a run (`benchmarks.paper.report.Run` is one): the figures import no reader of runs."""
+
+    name: str
+    summary: dict[str, Any]  # summary.json's fields
+
+    @property
+    def train_records(self) -> list[dict[str, Any]]: ...
 
 
 def _colour(index: int) -> str:
     return f"C{index % 10}"
 
 
-def _loss_against(ax: Axes, runs: list[Run], x_key: str, xlabel: str, *, log_x: bool = False) -> None:
+def _loss_against(ax: Axes, runs: list[PlottedRun], x_key: str, xlabel: str, *, log_x: bool = False) -> None:
     """Training loss against a record key, one line per run; runs without that key (or, on a log axis, with no
     positive value of it) are left out, and a note says so when none is left."""
     drawn = 0
@@ -47,25 +54,25 @@ def _loss_against(ax: Axes, runs: list[Run], x_key: str, xlabel: str, *, log_x: 
     ax.set_ylabel("training loss")
 
 
-def loss_vs_step(ax: Axes, runs: list[Run]) -> None:
+def loss_vs_step(ax: Axes, runs: list[PlottedRun]) -> None:
     _loss_against(ax, runs, "step", "optimizer step")
 
 
-def loss_vs_bytes(ax: Axes, runs: list[Run]) -> None:
+def loss_vs_bytes(ax: Axes, runs: list[PlottedRun]) -> None:
     """Single-process runs send nothing: they have no point on the log axis."""
     _loss_against(ax, runs, "comm_bytes_total", "bytes sent per rank since step 0", log_x=True)
 
 
-def loss_vs_time(ax: Axes, runs: list[Run]) -> None:
+def loss_vs_time(ax: Axes, runs: list[PlottedRun]) -> None:
     _loss_against(ax, runs, "elapsed", "training time (s)")
 
 
-def bits_per_param(ax: Axes, runs: list[Run]) -> None:
+def bits_per_param(ax: Axes, runs: list[PlottedRun]) -> None:
     """One bar per run, named by its optimizer (and its run name where an optimizer has several runs)."""
     shown = [(i, run) for i, run in enumerate(runs) if run.summary.get("bits_per_param_per_step") is not None]
     runs_of = Counter(run.summary.get("optimizer") for _, run in shown)
 
-    def label(run: Run) -> str:
+    def label(run: PlottedRun) -> str:
         optimizer = run.summary.get("optimizer")
         return str(optimizer) if runs_of[optimizer] == 1 else f"{optimizer}\n{run.name}"
 
@@ -84,7 +91,7 @@ PLOTS = {
 }
 
 
-def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
+def write_plots(runs: list[PlottedRun], out_dir: Path) -> list[Path]:
     """Every figure of `PLOTS` as a PNG in `out_dir`, written atomically; returns their paths."""
     paths = []
     for name, draw in PLOTS.items():
@@ -100,7 +107,8 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
 
 
 def write_scaling_plot(rows: list[dict], path: Path) -> Path:
-    """`benchmarks.scaling`'s rows as one panel per model: scaling efficiency against GPUs, a line per optimizer."""
+    """`benchmarks.paper.scaling`'s rows as one panel per model: scaling efficiency against GPUs, a line per
+    optimizer."""
     models = list(dict.fromkeys(row["model"] for row in rows))
     optimizers = list(dict.fromkeys(row["optimizer"] for row in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.5), squeeze=False, sharey=True)

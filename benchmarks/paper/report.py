@@ -1,13 +1,13 @@
-"""`python -m benchmarks.report RUN_DIR...`: the paper-style comparison of training runs, as a table and plots.
+"""`python -m benchmarks.paper.report RUN_DIR...`: the paper-style comparison of training runs, as a table and plots.
 
-    python -m benchmarks.report runs/lamb runs/slamb              # run directories
-    python -m benchmarks.report runs/demo-multirun --out report   # every run under a folder (a Hydra multirun)
-    python -m benchmarks.report 'runs/*' --target-loss 7.5        # globs, quoted or expanded by the shell
+    python -m benchmarks.paper.report runs/lamb runs/slamb              # run directories
+    python -m benchmarks.paper.report runs/demo-multirun --out report   # every run under a folder (a Hydra multirun)
+    python -m benchmarks.paper.report 'runs/*' --target-loss 7.5        # globs, quoted or expanded by the shell
 
 A run is a directory holding `metrics.jsonl`. Its `summary.json` (the trainer's, written at the end of every run)
 fills the row; a run without one (killed, or trained before summaries existed) is reported from `metrics.jsonl`
 and `.hydra/config.yaml`, with what those cannot tell left blank. Writes `table.md`, `table.csv` and the plots of
-`benchmarks.plots` to `--out`, and prints the Markdown table.
+`benchmarks.paper.plots` to `--out`, and prints the Markdown table.
 
 Time to target is the `elapsed` training time of a run's first record whose loss is at most the target loss; the
 default target is the highest final loss among the runs, so that every run reaches it. Eval columns hold the final
@@ -17,9 +17,7 @@ value of every eval score any run logged (`train.summary.higher_is_better` says 
 from __future__ import annotations
 
 import argparse
-import csv
 import glob
-import io
 import json
 import os
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from benchmarks.common import csv_table, markdown_table
 from conf.checks import UserError, user_errors_exit
 from data.atomic import atomic_write_text
 from train.metrics import METRICS_FILE, read_metrics
@@ -134,26 +133,8 @@ def table_rows(runs: list[Run], target: float | None) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    def cell(value: Any) -> str:
-        return "" if value is None else f"{value:.5g}" if isinstance(value, float) else str(value)
-
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    lines += ["| " + " | ".join(cell(v) for v in row.values()) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
-def csv_table(rows: list[dict[str, Any]]) -> str:
-    """Full-precision values (floats as their repr, which parses back exactly); blanks for None."""
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
-    return out.getvalue()
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.paper.report", description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", metavar="RUN_DIR", help="run directories, globs or folders of runs")
     parser.add_argument("--out", type=Path, default=Path("report"), help="output folder (default: report/)")
     parser.add_argument("--target-loss", type=float, default=None,
@@ -161,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with user_errors_exit():
         runs = load_runs(find_runs(args.paths))
-    from benchmarks.plots import write_plots  # matplotlib only once there is something to draw
+    from benchmarks.paper.plots import write_plots  # matplotlib only once there is something to draw
 
     target = args.target_loss if args.target_loss is not None else default_target_loss(runs)
     rows = table_rows(runs, target)

@@ -1,10 +1,10 @@
 """The paper's comparison at a chosen scale: BERT pretraining with every optimizer at equal steps, SQuAD
 fine-tuning of each result, Swin on images, then the comparison table and the report's plots.
 
-    python -m benchmarks.reproduce                        # CPU scale: tiny BERT, python_docs, 4 gloo ranks
-    python -m benchmarks.reproduce --optimizers lamb slamb onebit_lamb --steps 300
-    python -m benchmarks.reproduce --size base --steps 2000 --gpus 8 --override precision=bf16
-    python -m benchmarks.reproduce --simulated-network 10gbe   # collectives take a modelled network's time
+    python -m benchmarks.paper.reproduce                        # CPU scale: tiny BERT, python_docs, 4 gloo ranks
+    python -m benchmarks.paper.reproduce --optimizers lamb slamb onebit_lamb --steps 300
+    python -m benchmarks.paper.reproduce --size base --steps 2000 --gpus 8 --override precision=bf16
+    python -m benchmarks.paper.reproduce --simulated-network 10gbe   # collectives take a modelled network's time
 
 Every stage is an ordinary `python -m train` run with its own run directory under `--out`, so rerunning the
 command resumes an interrupted study and skips finished runs (change `--out` to start afresh).
@@ -20,7 +20,7 @@ command resumes an interrupted study and skips finished runs (change `--out` to 
    not SQuAD v1.1 dev.
 3. Swin: the offline digits (`experiment=swin_demo`) with `--swin-optimizers`, top-1 on held-out digits.
 4. `comparison.md` / `comparison.csv` join each optimizer's pretraining, fine-tuning and Swin results (one
-   row per optimizer); `python -m benchmarks.report` draws the plots from the BERT runs into `report/`.
+   row per optimizer); `python -m benchmarks.paper.report` draws the plots from the BERT runs into `report/`.
 """
 
 from __future__ import annotations
@@ -37,13 +37,12 @@ from typing import Any
 
 import yaml
 
-from benchmarks.optimizers import runnable_optimizers
+from benchmarks.common import REPO, csv_table, markdown_table, runnable_optimizers
 from conf.checks import UserError, user_errors_exit
 from data.atomic import atomic_write_text
 from train.run import RECORDED_CONFIG_DIR
 from train.summary import SUMMARY_FILE
 
-REPO = Path(__file__).resolve().parents[1]
 PYTHON_DOCS = REPO / "data" / "prepared" / "python_docs"
 SWIN_LR = {"lamb": 1.0e-2, "slamb": 1.0e-2, "slamb_v2_official": 1.0e-2}  # swin_demo's AdamW LR is 3e-3
 
@@ -206,12 +205,21 @@ def comparison_rows(study: Study, bert: Sequence[str], squad: bool, swin: Sequen
 
 def write_comparison(rows: list[dict[str, str]], out: Path, title: str) -> str:
     """comparison.md and comparison.csv under `out`, in the report's table formats; returns the Markdown."""
-    from benchmarks.report import csv_table, markdown_table
-
     markdown = f"{title}\n\n{markdown_table(rows)}"
     atomic_write_text(out / "comparison.md", markdown)
     atomic_write_text(out / "comparison.csv", csv_table(rows))
     return markdown
+
+
+def draw_report(run_dirs: list[Path], out: Path) -> None:
+    """`python -m benchmarks.paper.report` over `run_dirs` into `out`: a stage like the training runs, its output
+    in this one's (a script runs another script, never imports it)."""
+    command = [sys.executable, "-m", "benchmarks.paper.report", *map(str, run_dirs), "--out", str(out)]
+    result = subprocess.run(command, cwd=REPO)
+    if result.returncode != 0:
+        print(f"the report failed (exit {result.returncode}); command: python {' '.join(command[1:])}",
+              file=sys.stderr)
+        raise SystemExit(2 if result.returncode == 2 else 1)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -270,11 +278,9 @@ def run_study(args: argparse.Namespace) -> None:
     simulated = f", simulated network {args.simulated_network}" if args.simulated_network else ""
     title = (f"BERT-{args.size}, {args.steps} steps on {args.corpus} with {workers}{simulated}; SQuAD: fine-tuned "
              f"{args.squad_epochs} epochs on the shipped file; Swin: digits, {args.swin_epochs} epochs")
-    print("\n" + write_comparison(rows, plan.out, title))
+    print("\n" + write_comparison(rows, plan.out, title), flush=True)
     if args.optimizers:
-        from benchmarks import report
-
-        report.main([str(plan.bert_dir(name)) for name in args.optimizers] + ["--out", str(plan.out / "report")])
+        draw_report([plan.bert_dir(name) for name in args.optimizers], plan.out / "report")
     print(f"done in {(time.perf_counter() - start) / 60:.1f} min: {plan.out / 'comparison.md'}, "
           f"{plan.out / 'report'}")
 

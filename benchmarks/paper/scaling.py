@@ -1,16 +1,17 @@
 """Throughput and scaling efficiency of every optimizer from 8 to 1,024 GPUs, from an alpha-beta network model.
 
-    python -m benchmarks.scaling                                   # ib100 between nodes of 8 A100s (NVLink3)
-    python -m benchmarks.scaling --network 10gbe --gpu v100 --csv scaling.csv --json scaling.json --png scaling.png
-    python -m benchmarks.scaling --throughput bert_large=600 --runs runs/slamb runs/lamb
+    python -m benchmarks.paper.scaling                               # ib100 between nodes of 8 A100s (NVLink3)
+    python -m benchmarks.paper.scaling --network 10gbe --gpu v100 --csv scaling.csv --json scaling.json
+    python -m benchmarks.paper.scaling --throughput bert_large=600 --runs runs/slamb runs/lamb
 
 Communication profile (measured, then scaled): each optimizer, built from its conf/optim YAML, steps a tiny BERT
 (hidden 128, 2 layers, 4.4M parameters) through one cycle of its schedule with a communication layer that takes
-the multi-rank code path as if there were 8 ranks and records every collective (kind and bytes; the collectives
-themselves return at once). SLAMB: H steps (one dense sync); SlowMo: its sync interval; JointSpar: 20 sampled
-steps; the 1-bit family: every stage of its schedule (benchmarks.onebit_step's stage settings), weighted by the
-BERT-Large phase-1 schedule (benchmarks.onebit_step.phase1_schedules) for the schedule average; the steady state
-is the compression stage (1-bit: compressed steps; 0/1 Adam: its phase 2; the others: their whole cycle).
+the multi-rank code path as if there were 8 identical ranks (`optim.comm.MirrorComm`) and records every collective
+(kind and bytes; the collectives themselves return at once). SLAMB: H steps (one dense sync); SlowMo: its sync
+interval; JointSpar: 20 sampled steps; the 1-bit family: every stage of its schedule (the stage settings of
+`benchmarks.common.stage_kinds`, which benchmarks.optim.onebit_step times), weighted by the BERT-Large phase-1
+schedule (benchmarks.common.phase1_schedules) for the schedule average; the steady state is the compression
+stage (1-bit: compressed steps; 0/1 Adam: its phase 2; the others: their whole cycle).
 DDP optimizers (LAMB, AdamW, LARS) are not stepped: DDP all-reduces every gradient once per step, in 25 MiB
 buckets. Full-precision payloads travel in `--wire` (default fp16, as the paper's BERT runs and its baselines
 sent them). Bytes per parameter are scaled by the target's parameter count (APPROXIMATION: the share of small
@@ -43,13 +44,17 @@ from typing import Any
 
 import torch
 
-from benchmarks.onebit_step import phase1_schedules, stage_kinds
-from benchmarks.optim_step import bert_parameters
-from benchmarks.optimizers import _stepper, runnable_optimizers
-from benchmarks.slamb_step import LoopbackComm, config_kwargs
+from benchmarks.common import (
+    bert_parameters,
+    config_kwargs,
+    optimizer_stepper,
+    phase1_schedules,
+    runnable_optimizers,
+    stage_kinds,
+)
 from data.atomic import atomic_write_text
 from optim import build_optimizer, get_optimizer_spec
-from optim.comm import WIRE_DTYPES
+from optim.comm import WIRE_DTYPES, MirrorComm
 from optim.network import LINKS, NETWORKS, NVLINKS, Cluster, collective_seconds
 
 MEASURE_WORLD = 8  # the pretend world size of the recorded steps
@@ -110,31 +115,6 @@ def targets() -> list[Target]:
 
 
 # ------------------------------------------------------------------------------------------ communication profile
-class RecordingComm(LoopbackComm):
-    """The multi-rank code path for `world_size` pretend ranks with no peers: every collective returns at once
-    (an output gets the input's copies) and is recorded as (kind, bytes this rank put in)."""
-
-    def __init__(self, world_size: int) -> None:
-        super().__init__()
-        self.world_size = world_size
-        self.calls: list[tuple[str, int]] = []
-
-    def _count(self, tensor: torch.Tensor, kind: str = "all_reduce") -> None:
-        super()._count(tensor, kind)
-        self.calls.append((kind, tensor.numel() * tensor.element_size()))
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self._count(tensor, "broadcast")
-
-    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._count(tensor, "all_gather")
-        output.copy_(tensor.reshape(-1).repeat(self.world_size).reshape(output.shape))
-
-    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._count(tensor, "all_to_all")
-        output.copy_(tensor.reshape(output.shape))
-
-
 Call = tuple[str, float]  # (collective kind, bytes per parameter; an all-gather's: gathered bytes per parameter)
 
 
@@ -170,9 +150,9 @@ def measure_profile(name: str, wire: str) -> Profile:
     settings, kinds, schedule = _cycle(name, options)
     model = bert_parameters("tiny", torch.device("cpu"))
     numel = sum(p.numel() for p in model.parameters())
-    comm = RecordingComm(MEASURE_WORLD)
+    comm = MirrorComm(MEASURE_WORLD)
     optimizer = build_optimizer(model, name, options | settings, comm=comm)
-    step = _stepper(name, optimizer, {p: p.grad for p in model.parameters()}, lambda: 0.0)
+    step = optimizer_stepper(name, optimizer, {p: p.grad for p in model.parameters()}, lambda: 0.0)
     steps: dict[str, list[list[Call]]] = defaultdict(list)
     for kind in kinds:
         comm.calls.clear()
@@ -367,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         atomic_write_text(args.json, json.dumps(rows, indent=1))
     if args.png:
-        from benchmarks.plots import write_scaling_plot  # matplotlib only when a plot is asked for
+        from benchmarks.paper.plots import write_scaling_plot  # matplotlib only when a plot is asked for
 
         write_scaling_plot(rows, args.png)
 

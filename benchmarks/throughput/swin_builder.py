@@ -1,7 +1,7 @@
 """Swin-B training throughput (images/s) of our builder's options against plain timm, measured in one run.
 
-    python -m benchmarks.swin_throughput                          # Swin-B, batch 4, CPU (slow: ~seconds/step)
-    python -m benchmarks.swin_throughput --device cuda --batch 128 --precision bf16
+    python -m benchmarks.throughput.swin_builder                          # Swin-B, batch 4, CPU (slow: ~seconds/step)
+    python -m benchmarks.throughput.swin_builder --device cuda --batch 128 --precision bf16
 
 A training step is forward + soft-target CE + backward + AdamW step on random images, as the
 image-classification task runs it. Variants step in interleaved rounds, so drifting machine load hits them
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.common import synchronize
 from models import create_model
 
 PAPER_INFERENCE_IMG_PER_S = 278.0  # Swin-B 224, V100 (Liu et al. 2021, Table 1)
@@ -40,11 +41,6 @@ def build(options: dict | None, img_size: int, device: torch.device) -> nn.Modul
     else:
         model = create_model("swin", img_size=img_size, drop_path_rate=0.5, **options)
     return model.to(device).train()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,10 +86,10 @@ def main(argv: list[str] | None = None) -> None:
         best = dict.fromkeys(models, float("inf"))
         for _ in range(args.repeats):
             for name in models:
-                _sync(device)
+                synchronize(device)
                 start = time.perf_counter()
                 step(name)
-                _sync(device)
+                synchronize(device)
                 best[name] = min(best[name], time.perf_counter() - start)
         return best
 

@@ -1,10 +1,11 @@
-"""Training throughput of BERT pretraining or Swin classification, with model FLOPs utilisation, beside the
+r"""Training throughput of BERT pretraining or Swin classification, with model FLOPs utilisation, beside the
 published per-GPU figures.
 
-    python -m benchmarks.throughput --task bert --size large --seq 128 --precision bf16 --micro-batch 64
-    python -m benchmarks.throughput --task bert --size large --seq 512 --precision bf16 --micro-batch 16 --compile
-    python -m benchmarks.throughput --task swin --size base --precision bf16 --micro-batch 64
-    python -m benchmarks.throughput                 # on CPU: tiny shapes, so the code path is exercised anywhere
+    python -m benchmarks.throughput.training --task bert --size large --seq 128 --precision bf16 --micro-batch 64
+    python -m benchmarks.throughput.training --task bert --size large --seq 512 --precision bf16 --micro-batch 16 \
+        --compile
+    python -m benchmarks.throughput.training --task swin --size base --precision bf16 --micro-batch 64
+    python -m benchmarks.throughput.training      # on CPU: tiny shapes, so the code path is exercised anywhere
 
 A step is what the trainer runs per micro-batch on one device, built from the same parts: the model from
 `models.create_model`, the task's loss (BERT: MLM on the masked positions only + NSP), autocast and the loss

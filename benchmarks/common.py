@@ -1,0 +1,206 @@
+"""What more than one benchmark script uses: parameter sets, optimizer configs, step timing, schedules, tables, ranks.
+
+Scripts import shared helpers from here only, never from each other (tests/test_benchmarks_layout.py checks it).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from conf.checks import missing_nvidia_apex
+from optim import get_optimizer_spec, list_optimizers
+from optim.apex import APEX_OPTIMIZERS
+from optim.zero_one_adam import zero_one_adam_step_kinds
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_OPTIM = REPO / "conf" / "optim"
+
+# ------------------------------------------------------------------------------------------ BERT parameter sets
+SIZES = {  # BertConfig fields; base is BertConfig's defaults
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+    "base": dict(),
+    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+
+
+def bert_parameters(size: str, device: torch.device) -> nn.Module:
+    """BertForPreTraining of `size` with random weights and gradients (built on `meta`, then filled)."""
+    from transformers import BertConfig, BertForPreTraining  # here: seconds of imports the table scripts skip
+
+    with torch.device("meta"):
+        model = BertForPreTraining(BertConfig(**SIZES[size]))
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives the tied decoder its own tensor; BERT shares it with the embeddings
+    g = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+            p.grad = torch.empty_like(p).normal_(0.0, 1e-3, generator=g)
+    return model
+
+
+# ------------------------------------------------------------------------------------------ optimizers
+def config_kwargs(name: str, **overrides) -> dict:
+    """The settings of conf/optim/<name>.yaml (what `optim=<name>` runs) as `build_optimizer` kwargs, overridden."""
+    cfg = yaml.safe_load((CONF_OPTIM / f"{name}.yaml").read_text())
+    cfg.pop("name")
+    return cfg | overrides
+
+
+def runnable_optimizers() -> list[str]:
+    """Every registered optimizer this machine can build (NVIDIA apex's need apex and a GPU)."""
+    apex_missing = missing_nvidia_apex("apex.optimizers", "amp_C") is not None
+    return [name for name in list_optimizers() if not (name in APEX_OPTIMIZERS and apex_missing)]
+
+
+def optimizer_stepper(name: str, optimizer: torch.optim.Optimizer, grads: dict[nn.Parameter, torch.Tensor],
+                      clock: Callable[[], float]) -> Callable[[], float]:
+    """One training step's optimizer work, returning its duration in `clock` seconds. For JointSpar that is the
+    layer draw and the step; handing the sampled layers their gradients (backward's work) is not timed."""
+    if not get_optimizer_spec(name).samples_layers:
+        def step() -> float:
+            for p, grad in grads.items():  # all of them: a JointSpar round's zero_grad dropped the model's
+                p.grad = grad
+            start = clock()
+            optimizer.step()
+            return clock() - start
+        return step
+
+    def sampled_step() -> float:
+        optimizer.zero_grad()
+        start = clock()
+        optimizer.begin_step()
+        drawn = clock() - start
+        for p, grad in grads.items():
+            if p.requires_grad:
+                p.grad = grad
+        start = clock()
+        optimizer.step()
+        return drawn + clock() - start
+    return sampled_step
+
+
+# ------------------------------------------------------------------------------------------ timing
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a host clock read after it covers that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_times(
+    optimizers: dict[str, torch.optim.Optimizer], device: torch.device, warmup: int, repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
+    """Times of `repeats` `step()` calls per optimizer, in seconds of `clock`, measured in interleaved rounds.
+
+    Interleaving spreads drifting machine load over all optimizers alike; callers keep the best (the least
+    disturbed step) and the median (the typical one). On a shared CPU, `time.process_time` leaves out the time
+    the process waits for a core (not the memory bandwidth other processes take).
+    """
+    for optimizer in optimizers.values():
+        for _ in range(warmup):  # creates the state and warms caches and allocators
+            optimizer.step()
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    for _ in range(repeats):
+        for name, optimizer in optimizers.items():
+            synchronize(device)
+            start = clock()
+            optimizer.step()
+            synchronize(device)
+            times[name].append(clock() - start)
+    return times
+
+
+# ------------------------------------------------------------------------------------------ 1-bit schedules
+PHASE1_STEPS = 7038  # BERT-Large phase 1 (conf/experiment/bert_large_phase1.yaml)
+PUBLISHED_STEPS = 152511  # the published BERT-Large schedule the 1-bit papers' step counts refer to
+PHASE1_WARMUP = round(0.2843 * PHASE1_STEPS)  # the phase-1 LR warm-up of conf/experiment/bert_large_phase1.yaml
+
+
+def freeze_kinds(steps: int, freeze_step: int) -> list[str]:
+    """Step kinds of 1-bit Adam / LAMB: the no-op first step, full precision up to `freeze_step`, then compressed."""
+    return ["init"] + ["dense" if t <= freeze_step else "compressed" for t in range(2, steps + 1)]
+
+
+def scaled_to_phase1(n: int) -> int:
+    """A step count of the published 152,511-step schedule at the same fraction of phase 1."""
+    return round(n / PUBLISHED_STEPS * PHASE1_STEPS)
+
+
+def phase1_schedules() -> dict[str, tuple[str, list[str]]]:
+    """Registry name -> (settings, kind of each step) of the 1-bit family over BERT-Large phase 1."""
+    return {
+        "onebit_lamb": ("freeze_step 1000", freeze_kinds(PHASE1_STEPS, 1000)),
+        "onebit_adam": (f"freeze_step {scaled_to_phase1(23000)} (23000/152511 of the run)",
+                        freeze_kinds(PHASE1_STEPS, scaled_to_phase1(23000))),
+        "zero_one_adam": (f"var_freeze_step {PHASE1_WARMUP} (end of warm-up), alpha 32678, H 16",
+                          zero_one_adam_step_kinds(PHASE1_STEPS, PHASE1_WARMUP)),
+    }
+
+
+def stage_kinds(name: str, repeats: int) -> tuple[dict[str, Any], list[str]]:
+    """Settings for 1-bit optimizer `name` ("1-bit Adam", "1-bit LAMB", "0/1 Adam") whose schedule visits each of
+    its stages `repeats + 1` times, and the kinds.
+
+    The first step of each stage is not timed (it allocates), so `repeats` steps of each stage are.
+    """
+    n = repeats + 1
+    if name == "0/1 Adam":  # n variance steps at interval 1, then n more alternating with n 1-bit gradient steps;
+        # phase 2 alternates syncs and local steps (the sync interval is 2 after one phase-2 step)
+        settings = dict(var_freeze_step=3 * n, var_update_scaler=n, local_step_scaler=1, local_step_clipper=2)
+        return settings, zero_one_adam_step_kinds(3 * n + 2 + 2 * n, **settings)
+    return dict(freeze_step=1 + n), freeze_kinds(1 + 2 * n, 1 + n)
+
+
+# ------------------------------------------------------------------------------------------ tables
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of `rows` (the first row's keys are the header); floats to 5 significant digits."""
+    def cell(value: Any) -> str:
+        return "" if value is None else f"{value:.5g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(cell(v) for v in row.values()) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def csv_table(rows: list[dict[str, Any]]) -> str:
+    """Full-precision values (floats as their repr, which parses back exactly); blanks for None."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+    return out.getvalue()
+
+
+# ------------------------------------------------------------------------------------------ ranks
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """`fn(rank, world_size, *args)` on `world_size` gloo ranks in spawned processes; results in rank order.
+
+    `fn` must be a module-level function (the processes are spawned). No time limit: a loaded machine is only slow.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_rank_entry, args=(world_size, os.path.join(tmp, "init"), tmp, fn, args),
+                                    nprocs=world_size)
+        return [torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=False) for rank in range(world_size)]
+
+
+def _rank_entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable[..., Any],
+                args: tuple) -> None:
+    # The ranks share the machine's cores: one intra-op thread each.
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.save(fn(rank, world_size, *args), os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
