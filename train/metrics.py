@@ -119,7 +119,6 @@ class MetricLogger:
     ) -> None:
         self.enabled = enabled
         self.clock = clock or RunClock()  # stamps every record's `elapsed`
-        self.run_dir = run_dir
         self.path = run_dir.metrics_file
         self._bar = self._tb = self._wandb = None
         if not enabled:
@@ -146,7 +145,7 @@ class MetricLogger:
         """On resume, drop records of steps the run is about to redo, so the file is one clean series."""
         if not self.path.exists():
             return
-        kept = [r for r in read_metrics(self.run_dir.path) if r["step"] <= step]
+        kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
