@@ -16,6 +16,7 @@ from transformers import BertConfig, BertForQuestionAnswering
 from data.images.transforms import EvalImages
 from data.squad.features import SquadEvalData, build_features, load_squad
 from data.text.tokenizer import load_tokenizer
+from train.run_dir import RunDir
 from train.tasks import EvalShard, evaluate_image_classification, evaluate_squad
 
 
@@ -39,7 +40,7 @@ def _image_eval(shard: EvalShard) -> dict[str, float]:
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 7)).eval()
     data = EvalImages(_Images(), batch_size=3, description="as is", protocol={"crop": 8.0})
     with torch.no_grad():
-        return evaluate_image_classification(model, data, Path("unused"), shard)
+        return evaluate_image_classification(model, data, RunDir("unused"), shard)
 
 
 def _squad_eval(shard: EvalShard, output_dir: Path) -> tuple[dict[str, float], dict[str, str]]:
@@ -51,7 +52,7 @@ def _squad_eval(shard: EvalShard, output_dir: Path) -> tuple[dict[str, float], d
     model = BertForQuestionAnswering(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
                                                 num_attention_heads=2, intermediate_size=64)).eval()
     with torch.no_grad():
-        metrics = evaluate_squad(model, SquadEvalData(examples, features, batch_size=3), output_dir, shard)
+        metrics = evaluate_squad(model, SquadEvalData(examples, features, batch_size=3), RunDir(output_dir), shard)
     written = {p.name: p.read_text() for p in sorted(output_dir.glob("*.json"))} if output_dir.exists() else {}
     return metrics, written
 

@@ -16,8 +16,8 @@ from optim.apex import APEX_OPTIMIZERS
 from optim.comm import Comm
 from optim.memory import GIB, bytes_per_param, estimate_memory, memory_lines, persistent_bytes, state_bytes
 from train import trainer as trainer_module
-from train.metrics import LOG_FILE
 from train.run import run
+from train.run_dir import RunDir
 
 STEPS = 4  # with freeze_step=2 the 1-bit optimizers take compressed steps: their work buffers exist
 
@@ -169,7 +169,7 @@ _LINE = re.compile(r"memory per rank \(persistent\): weights (\S+) GiB \+ gradie
 
 
 def _memory_line(run_dir) -> re.Match:
-    matches = [m for m in map(_LINE.search, (run_dir / LOG_FILE).read_text().splitlines()) if m]
+    matches = [m for m in map(_LINE.search, RunDir(run_dir).log_file.read_text().splitlines()) if m]
     assert len(matches) == 1
     return matches[0]
 

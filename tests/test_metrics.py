@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train.metrics import LOG_FILE, MetricLogger, read_metrics
+from train.metrics import MetricLogger, read_metrics
+from train.run_dir import RunDir
 
 
 def _logger(run_dir: Path, **options) -> MetricLogger:
     settings = dict(enabled=True, total_steps=10, start_step=0, progress_bar=True, tensorboard=False,
                     wandb_mode="disabled", wandb_project="test", config={})
-    return MetricLogger(run_dir, **{**settings, **options})
+    return MetricLogger(RunDir(run_dir), **{**settings, **options})
 
 
 def test_eval_scalars_keep_their_own_prefix_in_tensorboard(tmp_path):
@@ -20,7 +21,7 @@ def test_eval_scalars_keep_their_own_prefix_in_tensorboard(tmp_path):
     logger.log({"loss": 1.5}, 1)
     logger.log({"eval/top1": 90.0}, 1)
     logger.close()
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events = EventAccumulator(str(RunDir(tmp_path).tensorboard_dir))
     events.Reload()
     assert set(events.Tags()["scalars"]) == {"train/loss", "eval/top1"}
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 1]
@@ -31,7 +32,7 @@ def test_info_lines_are_kept_in_the_run_log_and_no_bar_is_drawn_off_a_terminal(t
     assert logger._bar is None
     logger.info("checkpoint step_00000002")
     logger.close()
-    assert (tmp_path / LOG_FILE).read_text().rstrip().endswith("checkpoint step_00000002")
+    assert RunDir(tmp_path).log_file.read_text().rstrip().endswith("checkpoint step_00000002")
 
 
 def test_wandb_starts_only_with_the_first_record(tmp_path, monkeypatch):

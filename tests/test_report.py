@@ -17,7 +17,8 @@ from benchmarks.paper.plots import PLOTS
 from benchmarks.paper.report import main
 from train.metrics import read_metrics
 from train.run import run
-from train.summary import SUMMARY_FILE, best_values, final_values
+from train.run_dir import RunDir
+from train.summary import best_values, final_values
 
 SUMMARY_FIELDS = {
     "task", "model", "optimizer", "optimizer_options", "world_size", "global_batch_size", "steps", "max_steps",
@@ -30,7 +31,7 @@ RESUMED_ELAPSED = 1000.0  # written into the stopped run's checkpoint: the resum
 
 
 def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / SUMMARY_FILE).read_text())
+    return json.loads(RunDir(run_dir).summary_file.read_text())
 
 
 def _bytes_from_records(records: list[dict]) -> float:
@@ -126,8 +127,11 @@ def test_best_is_the_highest_score_and_the_lowest_loss_and_final_the_last_value(
 
 def _copy_records(run_dir: Path, to: Path, *, with_summary: bool = True) -> Path:
     """A run's metrics, recorded config and (optionally) summary, without its checkpoints and export."""
-    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(
-        "checkpoints", "hf_model", *(() if with_summary else (SUMMARY_FILE,))))
+    layout = RunDir(run_dir)
+    ignored = [layout.checkpoints_dir.name, layout.export_dir.name]
+    if not with_summary:
+        ignored.append(layout.summary_file.name)
+    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(*ignored))
     return to
 
 
@@ -136,7 +140,7 @@ def test_report_table_and_plots_equal_the_summaries(runs, tmp_path, capsys):
     for name in ("lamb", "slamb"):
         _copy_records(runs[name], sweep / name)
     _copy_records(runs["lamb"], sweep / "killed", with_summary=False)  # reported from its records and config
-    simulated = _copy_records(runs["slamb"], sweep / "simulated") / SUMMARY_FILE
+    simulated = RunDir(_copy_records(runs["slamb"], sweep / "simulated")).summary_file
     simulated.write_text(json.dumps({**_summary(runs["slamb"]), "simulated_network": {"gbit_per_s": 10}}))
     out = tmp_path / "report"
     main([str(sweep), "--out", str(out)])

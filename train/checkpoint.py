@@ -16,8 +16,9 @@ the caller to re-seed (`reseed_rng`). Otherwise the resume is refused in one lin
 Best-K retention: `best.json` lists the `keep_best` checkpoints with the best evaluation score so far
 (written atomically by rank 0); pruning keeps them besides the newest `keep_last`.
 
-This module is the only one that knows the layout: `init_checkpoint` finds the checkpoint of a run directory or
-a checkpoint directory that `trainer.init_from` starts from, and `model_state` reads its weights.
+This module is the only one that knows a checkpoint's layout (train.run_dir places the checkpoints in a run
+directory): `init_checkpoint` finds the checkpoint of a run directory or a checkpoint directory that
+`trainer.init_from` starts from, and `model_state` reads its weights.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import json
 import random
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,9 @@ import torch
 from conf.checks import ConfigError
 from data.atomic import atomic_write, atomic_write_json, replace_directory
 from optim.comm import Comm
+from train.run_dir import RunDir
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-CHECKPOINTS_DIR = "checkpoints"  # inside a run directory
 SHARED_FILE = "shared.pt"
 META_FILE = "meta.json"
 # Per-rank entries that do not bind a checkpoint to its world size: the data position is the same global one on
@@ -113,21 +113,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        _set_cuda_rng_state(state["cuda"])
-
-
-def _set_cuda_rng_state(saved: torch.Tensor | list[torch.Tensor]) -> None:
-    """Restore this device's CUDA stream; older checkpoints hold a list with one state per visible GPU, of which
-    this device's entry is taken (skipped, with a warning, when that run saw fewer GPUs)."""
-    device = torch.cuda.current_device()
-    if isinstance(saved, torch.Tensor):
-        torch.cuda.set_rng_state(saved, device)
-    elif device < len(saved):
-        torch.cuda.set_rng_state(saved[device], device)
-    else:
-        warnings.warn(f"the checkpoint holds CUDA random states for {len(saved)} GPU(s), none for cuda:{device}: "
-                      "its stream is left as seeded, so dropout draws differ from the uninterrupted run's",
-                      stacklevel=2)
+        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
 
 
 def reseed_rng(seed: int, rank: int, step: int) -> None:
@@ -249,8 +235,9 @@ def init_checkpoint(path: Path) -> Path | None:
     """The checkpoint `trainer.init_from=path` starts from: a run directory's newest one or the checkpoint directory
     itself; None for any other directory (a `save_pretrained` export, say)."""
     path = Path(path)
-    if (path / CHECKPOINTS_DIR).is_dir():
-        found = complete_checkpoints(path / CHECKPOINTS_DIR)
+    checkpoints_dir = RunDir(path).checkpoints_dir
+    if checkpoints_dir.is_dir():
+        found = complete_checkpoints(checkpoints_dir)
         if not found:
             raise FileNotFoundError(f"trainer.init_from={path} is a run directory without checkpoints")
         path = found[-1]
@@ -272,28 +259,23 @@ def model_state(path: Path) -> dict[str, torch.Tensor] | None:
 def check_world_size(checkpoint: Path, meta: dict[str, Any], world_size: int) -> None:
     """A checkpoint resumes on another number of ranks only when none of its per-rank state is bound to them."""
     written_by = meta["world_size"]
-    rank_bound = meta.get("rank_bound")
-    if written_by == world_size or rank_bound == []:
+    rank_bound = meta["rank_bound"]
+    if written_by == world_size or not rank_bound:
         return
-    if rank_bound is None:  # written before checkpoints recorded it
-        why = "and does not record whether its per-rank state re-partitions"
-    else:
-        why = (f"and optim={meta.get('optimizer', '?')} keeps per-rank state ({', '.join(rank_bound)}) that does "
-               "not re-partition")
     raise RunDirectoryError(
-        f"checkpoint {checkpoint} was written by {written_by} ranks but this run has {world_size}, {why}: resume "
-        f"with {written_by} ranks, or start a new run (another name=...) with trainer.init_from={checkpoint} to "
-        "keep only the weights"
+        f"checkpoint {checkpoint} was written by {written_by} ranks but this run has {world_size}, and "
+        f"optim={meta.get('optimizer', '?')} keeps per-rank state ({', '.join(rank_bound)}) that does not "
+        f"re-partition: resume with {written_by} ranks, or start a new run (another name=...) with "
+        f"trainer.init_from={checkpoint} to keep only the weights"
     )
 
 
 def read_meta(checkpoint: Path) -> dict[str, Any]:
-    """A checkpoint's `meta.json` ({} for checkpoints written without one)."""
-    meta_file = Path(checkpoint) / META_FILE
-    return json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    """A checkpoint's `meta.json`."""
+    return json.loads((Path(checkpoint) / META_FILE).read_text())
 
 
 def newest_checkpoint_meta(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest complete checkpoint of `directory` and its `meta.json` ({} for checkpoints written without one)."""
+    """The newest complete checkpoint of `directory` and its `meta.json`."""
     found = complete_checkpoints(directory)
     return (found[-1], read_meta(found[-1])) if found else None

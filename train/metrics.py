@@ -19,9 +19,7 @@ from omegaconf import MISSING
 from tqdm import tqdm
 
 from data.atomic import atomic_write_text
-
-METRICS_FILE = "metrics.jsonl"
-LOG_FILE = "train.log"  # the run's info lines (start-up, checkpoints, evaluations, warnings), with times
+from train.run_dir import RunDir
 
 
 class WandbMode(str, Enum):
@@ -97,7 +95,7 @@ _BAR_KEYS = {"loss": "loss", "lr": "lr", "seq_per_s": "seq/s", "comm_bytes_per_s
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The metric records of a run, one dict per logged step."""
-    path = Path(run_dir) / METRICS_FILE
+    path = RunDir(run_dir).metrics_file
     if not path.exists():
         return []
     with open(path) as handle:
@@ -107,7 +105,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 class MetricLogger:
     def __init__(
         self,
-        run_dir: Path,
+        run_dir: RunDir,
         *,
         enabled: bool,
         total_steps: int,
@@ -121,26 +119,26 @@ class MetricLogger:
     ) -> None:
         self.enabled = enabled
         self.clock = clock or RunClock()  # stamps every record's `elapsed`
-        self.path = Path(run_dir) / METRICS_FILE
+        self.path = run_dir.metrics_file
         self._bar = self._tb = self._wandb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         self._file = open(self.path, "a")  # noqa: SIM115 - lives as long as the run
-        self._log_file = open(Path(run_dir) / LOG_FILE, "a")  # noqa: SIM115 - lives as long as the run
+        self._log_file = open(run_dir.log_file, "a")  # noqa: SIM115 - lives as long as the run
         # A bar redrawn in a batch log (SLURM, a pipe) is noise: only on a terminal.
         if progress_bar and sys.stderr.isatty():
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+            self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard_dir), purge_step=start_step + 1)
         mode = os.environ.get("WANDB_MODE", wandb_mode)
         # Started at the first record: a rerun that has nothing to do starts no wandb run.
         self._wandb_start = None if mode == "disabled" else dict(
-            project=wandb_project, dir=str(run_dir), mode=mode, config=config,
-            name=Path(run_dir).name, resume="allow", id=_wandb_run_id(run_dir),
+            project=wandb_project, dir=str(run_dir.path), mode=mode, config=config,
+            name=run_dir.path.name, resume="allow", id=_wandb_run_id(run_dir.path),
         )
 
     def _truncate_after(self, step: int) -> None:

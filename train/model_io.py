@@ -84,13 +84,13 @@ def optimizer_checkpoint(init_from: str | None, optimizer: str, world_size: int)
                           "holds weights only): give the directory of the run that wrote it, or set "
                           "trainer.init_optimizer_state=false to load only its weights")
     meta = read_meta(checkpoint)
-    written_with = meta.get("optimizer")
+    written_with = meta["optimizer"]
     if written_with != optimizer:
-        what = f"was written with optim={written_with}" if written_with else "does not record its optimizer"
-        raise ConfigError(f"{key}: checkpoint {checkpoint} {what}, this run has optim={optimizer}: use that "
-                          "optimizer, or set trainer.init_optimizer_state=false to load only the weights")
-    written_by = meta.get("world_size", world_size)
-    if written_by != world_size and meta.get("rank_bound") != []:  # see train.checkpoint.check_world_size
+        raise ConfigError(f"{key}: checkpoint {checkpoint} was written with optim={written_with}, this run has "
+                          f"optim={optimizer}: use that optimizer, or set trainer.init_optimizer_state=false to "
+                          "load only the weights")
+    written_by = meta["world_size"]
+    if written_by != world_size and meta["rank_bound"]:  # see train.checkpoint.check_world_size
         raise ConfigError(f"{key}: checkpoint {checkpoint} holds optimizer state bound to the {written_by} ranks "
                           f"that wrote it and this run has {world_size}: run with {written_by} ranks, or set "
                           "trainer.init_optimizer_state=false to load only the weights")

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from train.metrics import read_metrics
+from train.run_dir import RunDir
 
 STAGES = ("phase1", "phase2", "squad")
 EXPERIMENTS = {"phase1": "bert_large_phase1", "phase2": "bert_large_phase2", "squad": "bert_large_squad"}
@@ -40,7 +41,7 @@ def stage_command(stage: str, prefix: str, runs_dir: Path, overrides: list[str])
     previous = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
     if previous is not None:
         source = runs_dir / f"{prefix}_{previous}"
-        args.append(f"trainer.init_from={source if stage == 'phase2' else source / 'hf_model'}")
+        args.append(f"trainer.init_from={source if stage == 'phase2' else RunDir(source).export_dir}")
     return [sys.executable, "-m", "train", *args, *overrides]
 
 
@@ -48,7 +49,7 @@ def squad_result(run_dir: Path) -> tuple[float, float]:
     """(EM, F1) of the last evaluation logged in a SQuAD run directory."""
     evaluations = [r for r in read_metrics(run_dir) if "eval/f1" in r]
     if not evaluations:
-        raise RuntimeError(f"{run_dir} has no SQuAD evaluation in its metrics.jsonl")
+        raise RuntimeError(f"{run_dir} has no SQuAD evaluation in its {RunDir(run_dir).metrics_file.name}")
     return evaluations[-1]["eval/exact_match"], evaluations[-1]["eval/f1"]
 
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from data import DataRequest, atomic_write_text, build_data
-from train.checkpoint import CHECKPOINTS_DIR, RunDirectoryError, check_world_size, newest_checkpoint_meta
+from data import DataRequest, build_data
+from train.checkpoint import RunDirectoryError, check_world_size, newest_checkpoint_meta
 from train.config import BatchGeometry, validate
 from train.distributed import (
     adopt_slurm_environment,
@@ -24,8 +24,8 @@ from train.distributed import (
     shutdown_distributed,
 )
 from train.model_io import optimizer_checkpoint
+from train.run_dir import RunDir
 
-RECORDED_CONFIG_DIR = ".hydra"  # where the accepted config and overrides of a run are recorded
 _SIGNALLED_WORKER_GRACE_S = 5.0  # how long a stopped worker waits for its elastic agent before leaving
 
 
@@ -45,7 +45,7 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None
     if cfg.trainer.init_optimizer_state:
         optimizer_checkpoint(cfg.trainer.init_from, cfg.optim.name, geometry.world_size)  # or a one-line refusal
     if launch_rank() == 0:
-        record_config(cfg, Path(run_dir), overrides)
+        RunDir(run_dir).record_config(cfg, overrides)
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain values: picklable
     nproc = cfg.trainer.nproc_per_node
     if nproc > 1 and not launched_externally():
@@ -56,7 +56,7 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None
 
 def check_run_directory(cfg: DictConfig, run_dir: Path, geometry: BatchGeometry) -> None:
     """Refuse, in one line, a run whose directory holds checkpoints it must not or cannot continue."""
-    newest = newest_checkpoint_meta(run_dir / CHECKPOINTS_DIR)
+    newest = newest_checkpoint_meta(RunDir(run_dir).checkpoints_dir)
     if newest is None:
         return
     checkpoint, meta = newest
@@ -82,10 +82,10 @@ def check_same_model(cfg: DictConfig, run_dir: Path, checkpoint: Path) -> None:
 
     The recorded config describes the checkpoints (only accepted runs rewrite it), so its `model` is theirs.
     """
-    recorded_path = run_dir / RECORDED_CONFIG_DIR / "config.yaml"
-    if not recorded_path.exists():
+    recorded_config = RunDir(run_dir).recorded_config()
+    if recorded_config is None:
         return
-    recorded = OmegaConf.to_container(OmegaConf.load(recorded_path).get("model", {}), resolve=True)
+    recorded = OmegaConf.to_container(recorded_config.get("model", {}), resolve=True)
     wanted = OmegaConf.to_container(cfg.model, resolve=True)
     differing = sorted(k for k in recorded.keys() | wanted.keys() if recorded.get(k) != wanted.get(k))
     if differing:
@@ -95,15 +95,6 @@ def check_same_model(cfg: DictConfig, run_dir: Path, checkpoint: Path) -> None:
             f"{recorded.get(key)} ({checkpoint.name}); resume with that model, or pick another name=... (another run "
             "directory) for this one"
         )
-
-
-def record_config(cfg: DictConfig, run_dir: Path, overrides: list[str] | None) -> None:
-    """Write the run's resolved config (and its command-line overrides) beside its checkpoints, atomically."""
-    directory = run_dir / RECORDED_CONFIG_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(directory / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    if overrides is not None:
-        atomic_write_text(directory / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 
 
 def train_worker(config: dict[str, Any], run_dir: str) -> None:

@@ -7,7 +7,6 @@ and the recorded config for a run that has none.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,8 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.atomic import atomic_write_json
 from train.metrics import RunTotals
+from train.run_dir import RunDir
 
-SUMMARY_FILE = "summary.json"
 _STAMPS = ("step", "time", "elapsed")  # what every record carries besides its metrics
 
 
@@ -53,7 +52,6 @@ def best_values(records: list[dict[str, Any]]) -> dict[str, float]:
 def config_fields(cfg: DictConfig) -> dict[str, Any]:
     """The summary's fields that the recorded config alone answers."""
     options = OmegaConf.to_container(cfg.optim, resolve=True, enum_to_str=True)
-    network = OmegaConf.select(cfg, "trainer.simulated_network", default=None)
     return {
         "task": cfg.task.name,
         "model": cfg.model.name,
@@ -61,7 +59,7 @@ def config_fields(cfg: DictConfig) -> dict[str, Any]:
         "optimizer_options": options,
         "precision": str(cfg.precision.dtype),
         # Set when collectives take a modelled network's time instead of the real one's; null for real runs.
-        "simulated_network": OmegaConf.to_container(network, resolve=True) if OmegaConf.is_config(network) else network,
+        "simulated_network": cfg.trainer.simulated_network,
     }
 
 
@@ -103,5 +101,5 @@ def build_summary(
     }
 
 
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    atomic_write_json(Path(run_dir) / SUMMARY_FILE, summary, indent=2)
+def write_summary(run_dir: RunDir, summary: dict[str, Any]) -> None:
+    atomic_write_json(run_dir.summary_file, summary, indent=2)

@@ -26,18 +26,17 @@ from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger, RunClock, RunTotals, read_metrics
 from train.model_io import build_model, export_pretrained, optimizer_checkpoint
 from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
+from train.run_dir import RunDir
 from train.stop import StopRequest
 from train.summary import build_summary, write_summary
 from train.tasks import EvalShard, get_task
-
-FINISHED_FILE = "finished.json"  # in the run directory: the end-of-run evaluation and exports are done
 
 
 class Trainer:
     """Composes model, data, task, optimizer, schedule, precision and logging from the config."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, comm: Comm) -> None:
-        self.cfg, self.run_dir, self.comm = cfg, Path(run_dir), comm
+        self.cfg, self.run_dir, self.comm = cfg, RunDir(run_dir), comm
         self.is_main = comm.rank == 0
         tcfg = cfg.trainer
         set_deterministic(tcfg.deterministic)  # before any CUDA matmul: cuBLAS reads its workspace setting once
@@ -72,7 +71,7 @@ class Trainer:
         if tcfg.compile:
             self.train_model = torch.compile(self.train_model)
         self.ema = self._build_ema(tcfg.ema_decay)  # after the set-up broadcast: it starts from the same weights
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", tcfg.keep_last, comm,
+        self.checkpointer = Checkpointer(self.run_dir.checkpoints_dir, tcfg.keep_last, comm,
                                          keep_best=tcfg.keep_best, best_mode=tcfg.best_metric_mode)
 
         self.step = 0  # optimizer steps taken
@@ -418,22 +417,22 @@ class Trainer:
         self.evaluate()
         self._export()
         if self.is_main:
-            atomic_write_json(self.run_dir / FINISHED_FILE, {"step": self.step})
+            atomic_write_json(self.run_dir.finished_file, {"step": self.step})
         self.comm.barrier()
 
     def _finished(self) -> bool:
         """Whether this run's end-of-run work is done (rank 0 looks; every rank takes its answer)."""
-        marker = self.run_dir / FINISHED_FILE
+        marker = self.run_dir.finished_file
         done = marker.is_file() and json.loads(marker.read_text()).get("step") == self.step if self.is_main else None
         return bool(self.comm.broadcast_object(done))
 
     def _export(self) -> None:
         if self.is_main:
             data_config = self.data.preprocessing  # what an image model was trained with, for timm's loaders
-            path = export_pretrained(self.model, self.tokenizer, self.run_dir / "hf_model", data_config=data_config)
+            path = export_pretrained(self.model, self.tokenizer, self.run_dir.export_dir, data_config=data_config)
             self.logger.info(f"final weights exported with save_pretrained to {path}")
             if self.ema is not None:
-                path = export_pretrained(self.ema.module, self.tokenizer, self.run_dir / "hf_model_ema",
+                path = export_pretrained(self.ema.module, self.tokenizer, self.run_dir.ema_export_dir,
                                          data_config=data_config)
                 self.logger.info(f"EMA weights exported to {path}")
         self.comm.barrier()
@@ -443,13 +442,13 @@ class Trainer:
         if not self.is_main:
             return
         summary = build_summary(
-            self.cfg, read_metrics(self.run_dir), self.totals, steps=self.step, max_steps=self.max_steps,
+            self.cfg, read_metrics(self.run_dir.path), self.totals, steps=self.step, max_steps=self.max_steps,
             world_size=self.comm.world_size, global_batch_size=self.geometry.global_batch_size,
             num_params=self.num_params, device=self.device, samples_unit=f"{self.task.sample_unit}/s",
             elapsed_seconds=self.clock.elapsed(),
         )
         write_summary(self.run_dir, summary)
-        self.logger.info(f"summary: {self.run_dir / 'summary.json'}")
+        self.logger.info(f"summary: {self.run_dir.summary_file}")
 
     def close(self) -> None:
         if self._first_logged and self._last_logged:

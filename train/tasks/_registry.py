@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +12,7 @@ from omegaconf import MISSING
 from torch import nn
 
 from conf.checks import ConfigError
+from train.run_dir import RunDir
 
 StepFn = Callable[[nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -44,9 +44,9 @@ class EvalShard:
 
 ONE_RANK = EvalShard()  # a rank evaluating every batch alone
 
-# evaluate(model, eval_data, output_dir, shard) -> metrics; every rank of the shard calls it (under no_grad and
+# evaluate(model, eval_data, run_dir, shard) -> metrics; every rank of the shard calls it (under no_grad and
 # autocast) and rank 0's metrics are logged; files it writes (predictions) are written by rank 0.
-EvaluateFn = Callable[[nn.Module, Any, Path, EvalShard], dict[str, float]]
+EvaluateFn = Callable[[nn.Module, Any, RunDir, EvalShard], dict[str, float]]
 
 
 @dataclass

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.run_dir import RunDir
 from train.tasks._registry import ONE_RANK, EvalShard, Task, register_task
 
 
@@ -28,7 +28,7 @@ def image_classification_step(model: nn.Module, batch: dict[str, torch.Tensor]) 
     return {"loss": loss, "accuracy": accuracy}
 
 
-def evaluate_image_classification(model: nn.Module, data: Any, output_dir: Path,
+def evaluate_image_classification(model: nn.Module, data: Any, run_dir: RunDir,
                                   shard: EvalShard = ONE_RANK) -> dict[str, float]:
     """Top-1 / top-5 (percent) and mean CE over the whole held-out set, plus the eval transform's geometry.
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +9,7 @@ from torch import nn
 from data.atomic import atomic_write_json
 from data.squad.features import SquadDataset, SquadEvalData, postprocess_predictions
 from data.squad.metric import squad_scores
+from train.run_dir import RunDir
 from train.tasks._registry import ONE_RANK, EvalShard, Task, register_task
 
 
@@ -32,7 +31,7 @@ def _span_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torc
     return out.start_logits, out.end_logits
 
 
-def evaluate_squad(model: nn.Module, data: SquadEvalData, output_dir: Path,
+def evaluate_squad(model: nn.Module, data: SquadEvalData, run_dir: RunDir,
                    shard: EvalShard = ONE_RANK) -> dict[str, float]:
     """Predict every question, write predictions.json / nbest_predictions.json, and score EM / F1.
 
@@ -58,9 +57,9 @@ def evaluate_squad(model: nn.Module, data: SquadEvalData, output_dir: Path,
         data.examples, data.features, torch.cat(starts).numpy(), torch.cat(ends).numpy(),
         n_best_size=data.n_best_size, max_answer_len=data.max_answer_len,
     )
-    output_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(output_dir / "predictions.json", predictions, indent=2, ensure_ascii=False)
-    atomic_write_json(output_dir / "nbest_predictions.json", nbest, indent=2, ensure_ascii=False)
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run_dir.predictions_file, predictions, indent=2, ensure_ascii=False)
+    atomic_write_json(run_dir.nbest_predictions_file, nbest, indent=2, ensure_ascii=False)
     scores = squad_scores(predictions, ((e.id, e.answers) for e in data.examples))
     return {**scores, "questions": float(len(data.examples)), "windows": float(len(data.features))}
 

@@ -1,0 +1,66 @@
+"""The run directory's layout: RunDir names every path a run writes, and those are the paths users see."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, compose
+from test_squad import QA_TINY
+
+import train.run_dir
+from train.run import run
+from train.run_dir import RunDir
+
+# The layout users see (the module docstring's tree): renaming any of these moves files users and tools rely on.
+LAYOUT = {
+    "config_file": ".hydra/config.yaml",
+    "overrides_file": ".hydra/overrides.yaml",
+    "checkpoints_dir": "checkpoints",
+    "metrics_file": "metrics.jsonl",
+    "log_file": "train.log",
+    "tensorboard_dir": "tensorboard",
+    "predictions_file": "predictions.json",
+    "nbest_predictions_file": "nbest_predictions.json",
+    "export_dir": "hf_model",
+    "ema_export_dir": "hf_model_ema",
+    "finished_file": "finished.json",
+    "summary_file": "summary.json",
+}
+SQUAD_ONLY = {"predictions_file", "nbest_predictions_file"}
+
+
+def _named(run_dir: RunDir) -> dict[str, Path]:
+    """Every path RunDir names, by property."""
+    return {name: getattr(run_dir, name) for name, value in vars(RunDir).items() if isinstance(value, property)}
+
+
+def test_run_dir_names_the_documented_layout():
+    run_dir = RunDir("runs/demo")
+    assert {name: path.relative_to(run_dir.path).as_posix() for name, path in _named(run_dir).items()} == LAYOUT
+    for relative in LAYOUT.values():
+        assert f" {Path(relative).name}" in train.run_dir.__doc__
+
+
+BERT = [*TINY, "trainer.max_steps=2", "logger.tensorboard=true", "trainer.ema_decay=0.9"]
+SQUAD = [*QA_TINY, "trainer.init_from=null", "trainer.epochs=null", "trainer.max_steps=1"]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (BERT, set(LAYOUT) - SQUAD_ONLY),
+    (SQUAD, set(LAYOUT) - {"tensorboard_dir", "ema_export_dir"}),
+], ids=["bert", "squad"])
+def test_a_run_writes_only_the_paths_run_dir_names(tmp_path, overrides, expected):
+    run(compose(overrides), tmp_path, overrides=overrides)
+    named = _named(RunDir(tmp_path))
+    assert {name for name, path in named.items() if path.exists()} == expected
+    for path in tmp_path.rglob("*"):  # a file, inside a named directory, or a directory holding a named path
+        assert any(path == p or p in path.parents or path in p.parents for p in named.values()), path
+
+
+def test_run_dir_imports_neither_torch_nor_transformers():
+    loaded = subprocess.run([sys.executable, "-c", "import sys, train.run_dir; print(sorted(sys.modules))"],
+                            cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "'torch'" not in loaded and "'transformers'" not in loaded

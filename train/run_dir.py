@@ -1,0 +1,106 @@
+"""`RunDir`: the layout of a run directory, the one place that names the files a run writes.
+
+    runs/<name>/
+    ├── .hydra/
+    │   ├── config.yaml          the accepted config, resolved (only an accepted run rewrites it)
+    │   └── overrides.yaml       its command-line overrides
+    ├── checkpoints/             step_00000200/ (meta.json, shared.pt, rank_00000.pt, ...) and best.json:
+    │                            see train.checkpoint, which owns what is inside
+    ├── metrics.jsonl            one record per logged step: train and eval/ metrics, time, elapsed
+    ├── train.log                rank 0's info lines (start-up, checkpoints, evaluations, warnings), with times
+    ├── tensorboard/             the same metrics for TensorBoard (logger.tensorboard=true)
+    ├── predictions.json         SQuAD: the answer to every question of the latest evaluation
+    ├── nbest_predictions.json   SQuAD: the n best answers to each
+    ├── hf_model/                the final weights, save_pretrained (with the tokenizer; timm: model.safetensors)
+    ├── hf_model_ema/            the final EMA weights (trainer.ema_decay set)
+    ├── finished.json            the end-of-run evaluation and exports are done
+    └── summary.json             what the run did, for reports (train.summary)
+
+wandb keeps its own files in `wandb/` beside them when logger.wandb is not disabled.
+
+This module imports nothing heavy (no torch), so reporting tools that only read runs start quickly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+_RECORDED_CONFIG_DIR = ".hydra"  # Hydra's name, so tools that know Hydra's outputs find the config
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """A run directory: every path in it, named by what it holds."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))  # a str from the command line or a worker's arguments
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / _RECORDED_CONFIG_DIR / "config.yaml"
+
+    @property
+    def overrides_file(self) -> Path:
+        return self.path / _RECORDED_CONFIG_DIR / "overrides.yaml"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def log_file(self) -> Path:
+        return self.path / "train.log"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
+    def predictions_file(self) -> Path:
+        return self.path / "predictions.json"
+
+    @property
+    def nbest_predictions_file(self) -> Path:
+        return self.path / "nbest_predictions.json"
+
+    @property
+    def export_dir(self) -> Path:
+        return self.path / "hf_model"
+
+    @property
+    def ema_export_dir(self) -> Path:
+        return self.path / "hf_model_ema"
+
+    @property
+    def finished_file(self) -> Path:
+        return self.path / "finished.json"
+
+    @property
+    def summary_file(self) -> Path:
+        return self.path / "summary.json"
+
+    def record_config(self, cfg: DictConfig, overrides: Sequence[str] | None) -> None:
+        """Write the run's resolved config (and its command-line overrides) beside its checkpoints, atomically."""
+        from data.atomic import atomic_write_text  # here: the data package imports torch
+
+        self.config_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.config_file, OmegaConf.to_yaml(cfg, resolve=True))
+        if overrides is not None:
+            atomic_write_text(self.overrides_file, OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+
+    def recorded_config(self) -> DictConfig | None:
+        """The config the run's checkpoints were trained with (None before any run was accepted here)."""
+        return OmegaConf.load(self.config_file) if self.config_file.is_file() else None
