@@ -1,7 +1,7 @@
 """`summary.json`: one record of what a run did (config, final and best metrics, data sent, speed), for reports.
 
 Rank 0 writes it at the end of every run, a run stopped early included (`"finished": false`); `python -m
-benchmarks.report` turns summaries into tables and plots, and rebuilds what it can of one from `metrics.jsonl`
+benchmarks.paper.report` turns summaries into tables and plots, and rebuilds what it can of one from `metrics.jsonl`
 and the recorded config for a run that has none.
 """
 

@@ -25,13 +25,12 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from benchmarks.common import csv_table, markdown_table
 from conf.checks import UserError, user_errors_exit
 from data.atomic import atomic_write_text
-from train.metrics import METRICS_FILE, read_metrics
-from train.summary import SUMMARY_FILE, best_values, config_fields, final_values, higher_is_better
+from train.metrics import read_metrics
+from train.run_dir import RunDir
+from train.summary import best_values, config_fields, final_values, higher_is_better
 
 
 @dataclass
@@ -57,11 +56,12 @@ def find_runs(paths: list[str]) -> list[Path]:
         for match in map(Path, matches):
             if not match.exists():
                 raise UserError(f"{match} does not exist")
-            runs = [match] if (match / METRICS_FILE).is_file() else sorted(
-                p.parent for p in match.rglob(METRICS_FILE))
+            metrics_name = RunDir(match).metrics_file.name
+            runs = [match] if RunDir(match).metrics_file.is_file() else sorted(
+                p.parent for p in match.rglob(metrics_name))
             found += [run for run in runs if run not in found]
     if not found:
-        raise UserError(f"no runs (directories with {METRICS_FILE}) in {' '.join(paths)}")
+        raise UserError(f"no runs (directories with {RunDir(Path()).metrics_file.name}) in {' '.join(paths)}")
     return found
 
 
@@ -72,7 +72,7 @@ def load_runs(paths: list[Path]) -> list[Run]:
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
-    summary_file = run_dir / SUMMARY_FILE
+    summary_file = RunDir(run_dir).summary_file
     if summary_file.is_file():
         return json.loads(summary_file.read_text())
     return summary_from_records(run_dir)
@@ -80,10 +80,8 @@ def _summary(run_dir: Path) -> dict[str, Any]:
 
 def summary_from_records(run_dir: Path) -> dict[str, Any]:
     """The summary fields a run's records and recorded config tell, for a run that wrote no summary.json."""
-    from train.run import RECORDED_CONFIG_DIR  # here: train.run loads the model libraries, seconds of imports
-
-    config_file = run_dir / RECORDED_CONFIG_DIR / "config.yaml"
-    summary = config_fields(OmegaConf.load(config_file)) if config_file.is_file() else {}
+    recorded = RunDir(run_dir).recorded_config()
+    summary = config_fields(recorded) if recorded is not None else {}
     records = read_metrics(run_dir)
     train = [r for r in records if "loss" in r]
     if not train:

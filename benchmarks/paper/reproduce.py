@@ -40,8 +40,7 @@ import yaml
 from benchmarks.common import REPO, csv_table, markdown_table, runnable_optimizers
 from conf.checks import UserError, user_errors_exit
 from data.atomic import atomic_write_text
-from train.run import RECORDED_CONFIG_DIR
-from train.summary import SUMMARY_FILE
+from train.run_dir import RunDir
 
 PYTHON_DOCS = REPO / "data" / "prepared" / "python_docs"
 SWIN_LR = {"lamb": 1.0e-2, "slamb": 1.0e-2, "slamb_v2_official": 1.0e-2}  # swin_demo's AdamW LR is 3e-3
@@ -107,7 +106,7 @@ class Study:
                 f"hydra.run.dir={self.bert_dir(name)}"]
 
     def squad_command(self, name: str) -> list[str]:
-        weights = self.bert_dir(name) / "hf_model"
+        weights = RunDir(self.bert_dir(name)).export_dir
         return ["experiment=squad_demo", f"name=reproduce_squad_{name}", f"model.config_from={weights}",
                 f"trainer.init_from={weights}", "data.vocab_path=null", f"trainer.epochs={self.args.squad_epochs}",
                 *self.single, f"hydra.run.dir={self.squad_dir(name)}"]
@@ -122,7 +121,7 @@ class Study:
 def finished_as_asked(run_dir: Path, overrides: list[str]) -> bool:
     """Whether `run_dir` holds a finished run of exactly these overrides (its recorded ones), so that a rerun of
     the study skips it without starting workers; anything else goes to `python -m train`, which resumes it."""
-    summary, recorded = run_dir / SUMMARY_FILE, run_dir / RECORDED_CONFIG_DIR / "overrides.yaml"
+    summary, recorded = RunDir(run_dir).summary_file, RunDir(run_dir).overrides_file
     if not (summary.is_file() and recorded.is_file()):
         return False
     asked = [o for o in overrides if not o.startswith("hydra.")]
@@ -167,7 +166,7 @@ def prepare_corpus(path: Path) -> None:
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / SUMMARY_FILE
+    path = RunDir(run_dir).summary_file
     if not path.exists():
         raise UserError(f"{path} is missing: the run did not finish; rerun the same command to resume it")
     return json.loads(path.read_text())

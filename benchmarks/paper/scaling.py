@@ -56,6 +56,7 @@ from data.atomic import atomic_write_text
 from optim import build_optimizer, get_optimizer_spec
 from optim.comm import WIRE_DTYPES, MirrorComm
 from optim.network import LINKS, NETWORKS, NVLINKS, Cluster, collective_seconds
+from train.run_dir import RunDir
 
 MEASURE_WORLD = 8  # the pretend world size of the recorded steps
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
@@ -197,7 +198,7 @@ def read_runs(run_dirs: list[Path]) -> dict[str, tuple[float, int]]:
     on stderr and skipped."""
     measured = {}
     for run_dir in run_dirs:
-        path = Path(run_dir) / "summary.json"
+        path = RunDir(run_dir).summary_file
         try:
             summary = json.loads(path.read_text())
             measured[str(summary["optimizer"])] = (float(summary["bits_per_param_per_step"]),
