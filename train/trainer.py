@@ -84,7 +84,7 @@ class Trainer:
             self.run_dir, enabled=self.is_main, total_steps=self.max_steps, start_step=self.step,
             progress_bar=cfg.logger.progress_bar, tensorboard=cfg.logger.tensorboard,
             wandb_mode=cfg.logger.wandb,
-            wandb_project=cfg.logger.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
+            wandb_project=cfg.logger.wandb_project, config=plan.config,
             clock=self.clock,
         )
         self.stop = StopRequest(comm)  # SIGTERM / SIGINT, agreed by the ranks between micro-batches
