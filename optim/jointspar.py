@@ -19,7 +19,7 @@ from torch import Tensor
 
 from conf.checks import check_choice, check_non_negative, require
 from optim._math import closure_loss, mask_seed
-from optim._registry import OptimSpec, register_optimizer, run_check
+from optim._registry import OptimSpec, named_by, register_optimizer, run_check
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options
 from optim.comm import Comm, average_tensors_
 from optim.memory import wrapper_bytes
@@ -210,7 +210,8 @@ class JointSpar(BaseWrapper):
         run_check("JointSpar", check_jointspar_options, options)
         self.layers, base_groups, self._group_layer = _layers_and_groups(params, granularity)
         self.budget = max(1, round(sample_ratio * len(self.layers)))
-        run_check("JointSpar", _check_budget, dict(p_min=p_min, layers=len(self.layers), budget=self.budget))
+        with named_by("JointSpar"):  # the model's layers: no config check sees them, so this always runs
+            _check_budget(dict(p_min=p_min, layers=len(self.layers), budget=self.budget))
         self._adopt(build_base(base, base_groups, lr, weight_decay, base_options))
         self.base_name, self.unsampled = base, unsampled
         self.p_min, self.eta_p = float(p_min), float(eta_p)

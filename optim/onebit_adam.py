@@ -71,6 +71,12 @@ def check_onebit_adam_options(options: dict[str, Any]) -> None:
     check_onebit_family_options(options)
 
 
+# The family's `OptimSpec.restart_refusal`: its step count places every step in a stage (warm-up, frozen variance
+# with compressed momentum and per-rank error feedback), and the saved state belongs to the stage it was written in.
+ONEBIT_RESTART_REFUSAL = ("keeps a stage-bound state (frozen variance, compression error buffers) that a fresh step "
+                          "count would put in the wrong stage")
+
+
 class OneBitFamily(torch.optim.Optimizer):
     """What 1-bit Adam, 1-bit LAMB and 0/1 Adam share: the step counter and its no-op init step, the
     tensors of each step, the compressed buckets, the momentum masks, the exact per-rank state.
@@ -340,7 +346,8 @@ def onebit_adam_update_(params: list[Tensor], exp_avgs: list[Tensor], denoms: li
 
 
 register_optimizer(OptimSpec(
-    "onebit_adam", OneBitAdam, "self", check=check_onebit_adam_options,
+    "onebit_adam", OneBitAdam, "self", check=check_onebit_adam_options, warmup_option="freeze_step",
+    restart_refusal=ONEBIT_RESTART_REFUSAL,
     state_bytes_per_param=onebit_family_bytes(3),  # m, v, sqrt(v) + eps
     description="1-bit Adam (DeepSpeed 0.19.6 semantics): full-precision warm-up, then 1-bit compressed momentum",
 ))

@@ -20,7 +20,12 @@ from optim._math import (
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
 from optim.memory import onebit_family_bytes
-from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, check_onebit_family_options
+from optim.onebit_adam import (
+    DIFFERENCES_FROM_DEEPSPEED,
+    ONEBIT_RESTART_REFUSAL,
+    OneBitFamily,
+    check_onebit_family_options,
+)
 
 
 def check_onebit_lamb_options(options: dict[str, Any]) -> None:
@@ -320,7 +325,8 @@ def _aligned_pieces(lists: Sequence[list[Tensor]], size: int) -> list[list[Tenso
 
 
 register_optimizer(OptimSpec(
-    "onebit_lamb", OneBitLAMB, "self", check=check_onebit_lamb_options,
+    "onebit_lamb", OneBitLAMB, "self", check=check_onebit_lamb_options, warmup_option="freeze_step",
+    restart_refusal=ONEBIT_RESTART_REFUSAL,
     state_bytes_per_param=onebit_family_bytes(4),  # m, v, fresh v, sqrt(v) + eps (the work piece is bounded)
     description="1-bit LAMB (DeepSpeed 0.19.6 semantics): LAMB warm-up, then fused 1-bit momentum, frozen coefficients",
 ))

@@ -30,6 +30,7 @@ from optim._math import (
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm, average_tensors_
+from optim.restart import load_with_current_hyperparameters, zero_step_counts
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _FRESHNESS_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
@@ -704,6 +705,12 @@ class SLAMB(torch.optim.Optimizer):
         layout = self._ensure_layout()
         layout.scaled_freshness.mul_(1.0 / layout.synced_value(self.beta3, self.state[_GLOBAL]["step"]))
 
+    def restart(self, saved: dict[str, Any]) -> None:
+        """Continue another run's state with fresh step counts (`optim.restart`), each row's freshness kept."""
+        load_with_current_hyperparameters(self, saved)
+        self.restart_freshness()  # before the step count changes: the freshness is stored relative to it
+        zero_step_counts(self)
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the optimizer's persistent tensors: `state` (m, v, freshness) and `scratch` (work buffers)."""
         layout = self._ensure_layout()
@@ -1185,7 +1192,7 @@ def slamb_state_bytes(options: dict[str, Any], world_size: int) -> float:
 
 
 register_optimizer(OptimSpec(
-    "slamb", SLAMB, "self", check=check_slamb_options, state_bytes_per_param=slamb_state_bytes,
+    "slamb", SLAMB, "self", check=check_slamb_options, state_bytes_per_param=slamb_state_bytes, restart=SLAMB.restart,
     description="SLAMB (Xu et al., ICML 2023): LAMB with a randomly masked momentum all-reduce, freshness "
                 "rescaling and periodic dense parameter averaging",
 ))
@@ -1193,6 +1200,7 @@ register_optimizer(OptimSpec(
 # Slamb_V2's switches (the values live in the YAML, as for every entry; the registry adds no defaults).
 register_optimizer(OptimSpec(
     "slamb_v2_official", SLAMB, "self", check=check_slamb_options, state_bytes_per_param=slamb_state_bytes,
+    restart=SLAMB.restart,
     description="SLAMB with the switches of the official Slamb_V2 (decay outside the trust-ratio norms), "
                 "for comparisons with the published code",
 ))

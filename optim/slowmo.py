@@ -14,6 +14,7 @@ from optim._registry import OptimSpec, get_optimizer_spec, list_optimizers, regi
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options
 from optim.comm import Comm, average_tensors_
 from optim.memory import wrapper_bytes
+from optim.restart import restart_optimizer
 
 _GLOBAL = "slowmo"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
 
@@ -123,6 +124,17 @@ class SlowMo(BaseWrapper):
         """Whether every rank holds the same weights after optimizer step `step` (only right after a sync)."""
         return step % self.sync_interval == 0
 
+    def restart(self, saved: dict[str, Any]) -> None:
+        """Continue another run's state with fresh step counts (`optim.restart`). The anchors are positions, not
+        moments: they become the weights this run starts from, so the first outer step sees only this run's own
+        displacement; the slow momentum continues."""
+        restart_optimizer(self, saved)
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if "anchor" in self.state[p]:
+                        self.state[p]["anchor"].copy_(p)
+
     def _init_state(self) -> None:
         """Anchors are the weights before the first base step: by then every rank holds rank 0's."""
         for group in self.param_groups:
@@ -197,7 +209,8 @@ def check_slowmo_options(options: dict[str, Any]) -> None:
 
 
 register_optimizer(OptimSpec(
-    "slowmo", SlowMo, "self", check=check_slowmo_options,
+    "slowmo", SlowMo, "self", check=check_slowmo_options, replicas_agree_after=SlowMo.replicas_agree_after,
+    restart=SlowMo.restart,
     state_bytes_per_param=wrapper_bytes(8.0),  # fp32 anchor and slow momentum on top of the base's
     description="SlowMo (Wang et al., ICLR 2020): local steps of a base optimizer, exact parameter averaging "
                 "every sync_interval steps and a slow momentum step",

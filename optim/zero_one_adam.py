@@ -14,7 +14,12 @@ from optim._math import foreach_momentum_, foreach_variance_
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
 from optim.memory import onebit_family_bytes
-from optim.onebit_adam import DIFFERENCES_FROM_DEEPSPEED, OneBitFamily, check_onebit_family_options
+from optim.onebit_adam import (
+    DIFFERENCES_FROM_DEEPSPEED,
+    ONEBIT_RESTART_REFUSAL,
+    OneBitFamily,
+    check_onebit_family_options,
+)
 
 StepKind = Literal["init", "variance", "onebit_grad", "sync", "local"]
 
@@ -202,7 +207,7 @@ class ZeroOneAdam(OneBitFamily):
 
 
 register_optimizer(OptimSpec(
-    "zero_one_adam", ZeroOneAdam, "self", check=check_zero_one_adam_options,
+    "zero_one_adam", ZeroOneAdam, "self", check=check_zero_one_adam_options, restart_refusal=ONEBIT_RESTART_REFUSAL,
     state_bytes_per_param=onebit_family_bytes(4),  # m, v, sync anchor w_a, sqrt(v) + eps
     description="0/1 Adam (DeepSpeed 0.19.6 semantics): adaptive variance freezing, 1-bit gradients, "
                 "1-bit syncs after local steps",

@@ -25,6 +25,7 @@ from train.checkpoint import (
     set_rng_state,
 )
 from train.metrics import read_metrics
+from train.plan import plan_run
 from train.run import run
 
 
@@ -160,7 +161,8 @@ def test_a_resumed_trainer_keeps_no_mapping_of_its_checkpoint_and_repeats_the_se
     args = [*TINY, "trainer.max_steps=4"]
     run(compose(args), tmp_path / "ref")
     run(compose([*args, "trainer.steps_this_run=2"]), tmp_path / "resumed")
-    trainer = Trainer(compose(args), tmp_path / "resumed", Comm())  # LAMB's state on CPU: handed the loaded tensors
+    # LAMB's state on CPU: handed the loaded tensors
+    trainer = Trainer(plan_run(compose(args), tmp_path / "resumed"), Comm())
     assert trainer.step == 2
     gc.collect()
     assert str(tmp_path / "resumed" / "checkpoints") not in _mapped_files()
@@ -199,7 +201,9 @@ def _resume_twice_with_a_stale_listing_on_rank_1(rank: int, world_size: int, tmp
             listed = Checkpointer.complete_checkpoints
             patch.setattr(Checkpointer, "complete_checkpoints", lambda self: listed(self)[:-1])
         for _ in range(2):
-            trainer = Trainer(compose([*TINY, "trainer.steps_this_run=4"]), tmp_path, comm)
+            plan = plan_run(compose([*TINY, "trainer.steps_this_run=4", f"trainer.nproc_per_node={world_size}"]),
+                            tmp_path)
+            trainer = Trainer(plan, comm)
             resumed_at = trainer.step
             trainer.fit()  # checkpoints at 2 and 4, then the stop's checkpoint of step 4 again (already saved)
             trainer.close()

@@ -73,7 +73,7 @@ def test_every_experiment_is_listed():
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_checks_and_constructs(name: str, tmp_path: Path):
     cfg = _compose_experiment(name, tmp_path)
-    geometry = validate(cfg)
+    geometry = validate(cfg).geometry
     model_kwargs = {k: v for k, v in cfg.model.items() if k != "name"}
     with torch.device("meta"):
         model = create_model(cfg.model.name, **model_kwargs)

@@ -15,6 +15,7 @@ from conftest import REPO, TINY, compose
 from host_reads import count_host_reads
 
 from optim.comm import Comm
+from train.plan import plan_run
 from train.trainer import Trainer
 
 _WATCHED = (str(REPO / "train"), "torch/amp/grad_scaler.py", "torch/nn/utils/clip_grad.py")
@@ -29,7 +30,7 @@ def host_reads(monkeypatch):
 @pytest.mark.parametrize(("precision", "allowed"), [("fp32", 0), ("bf16", 0), ("fp16", 1)])
 def test_train_step_makes_no_host_sync(tmp_path: Path, host_reads: list[str], precision: str, allowed: int):
     cfg = compose([*TINY, f"precision={precision}", "trainer.micro_batch_size=2"])  # 4 micro-batches per step
-    trainer = Trainer(cfg, tmp_path, Comm())
+    trainer = Trainer(plan_run(cfg, tmp_path), Comm())
     trainer.train_step()  # the first step creates optimizer state
     host_reads.clear()
     for _ in range(3):

@@ -15,6 +15,7 @@ from conf.checks import ConfigError
 from optim import build_optimizer
 from optim.comm import Comm
 from train.checkpoint import load_torch
+from train.plan import plan_run
 from train.run import run
 from train.trainer import Trainer
 
@@ -38,7 +39,7 @@ def phase1(tmp_path_factory) -> dict[str, Path]:
 def _phase2(tmp_path: Path, *overrides: str) -> Trainer:
     """A new run's trainer, built as a worker builds it (single process)."""
     cfg = compose([*TINY, "trainer.max_steps=4", *overrides])
-    return Trainer(cfg, tmp_path / "phase2", Comm())
+    return Trainer(plan_run(cfg, tmp_path / "phase2"), Comm())
 
 
 def _saved_optimizer(run_dir: Path) -> dict[str, Any]:

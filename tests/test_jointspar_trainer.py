@@ -23,7 +23,7 @@ def test_compile_is_a_config_error():
 
 def test_the_trainer_builds_it_over_named_layers_of_bert():
     cfg = compose([*TINY, "optim=jointspar"])
-    model = build_model(cfg.model, None, None)
+    model = build_model(cfg.model.name, validate(cfg).model_options, None, None)
     options = {key: value for key, value in cfg.optim.items() if key != "name"}
     optimizer = build_optimizer(model, "jointspar", options)
     names = [layer.name for layer in optimizer.layers]
@@ -41,7 +41,7 @@ def test_two_workers_learn_and_log_the_bytes_of_the_drawn_layers(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path)
     cfg = compose([*TINY, "optim=jointspar"])
-    optimizer = build_optimizer(build_model(cfg.model, None, None), "jointspar",
+    optimizer = build_optimizer(build_model(cfg.model.name, validate(cfg).model_options, None, None), "jointspar",
                                 {"sample_ratio": 0.4, "p_min": 0.2, "eta_p": 0.0})
     sizes = torch.tensor([layer.numel for layer in optimizer.layers], dtype=torch.float64)
     sent = [4 * float(sizes[systematic_sample(optimizer.probabilities,

@@ -25,6 +25,8 @@ from optim import (
     register_optimizer,
 )
 from optim.apex import APEX_OPTIMIZERS
+from optim.onebit_adam import OneBitFamily
+from optim.restart import restart_optimizer
 
 CONF_OPTIM = Path(__file__).resolve().parents[1] / "conf" / "optim"
 # NVIDIA apex's entries build only with apex and a GPU; elsewhere their one-line refusal is what is tested.
@@ -346,6 +348,25 @@ def test_entry_defaults_apply_under_the_config(monkeypatch):
     with pytest.raises(ValueError, match="beta3 is not an option of optimizer 'bad_defaults_test'"):
         register_optimizer(OptimSpec("bad_defaults_test", LAMB, "ddp", "test only", check=_no_check,
                                      defaults={"beta3": 0.9}))
+
+
+@pytest.mark.parametrize("name", list_optimizers())
+def test_each_entry_declares_what_the_trainer_asks(name):
+    """The trainer asks an optimizer only through its record; a class's own answer must be the one recorded."""
+    spec = get_optimizer_spec(name)
+    if spec.warmup_option is not None:
+        assert spec.warmup_option in _registry._options(spec.cls)
+    own_agreement = getattr(spec.cls, "replicas_agree_after", None)  # classes only: external ones have none
+    assert spec.replicas_agree_after is (own_agreement or _registry.replicas_always_agree)
+    own_restart = getattr(spec.cls, "restart", None)
+    assert spec.restart is (own_restart or restart_optimizer)
+    assert (spec.restart_refusal is not None) == (isinstance(spec.cls, type) and issubclass(spec.cls, OneBitFamily))
+
+
+def test_only_the_one_bit_optimizers_warn_about_their_warm_up():
+    warm_ups = {name: get_optimizer_spec(name).warmup_option for name in list_optimizers()}
+    assert {name: option for name, option in warm_ups.items() if option} == {
+        "onebit_adam": "freeze_step", "onebit_lamb": "freeze_step"}
 
 
 def test_shipped_entries_carry_their_modules_check():

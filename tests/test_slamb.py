@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +24,9 @@ from optim import LAMB, SLAMB, build_optimizer, param_groups_weight_decay
 from optim import slamb as slamb_module
 from optim.comm import Comm
 from optim.slamb import mask_uniforms
+from train.config import validate
 from train.metrics import read_metrics
+from train.plan import plan_run
 
 # Spawned ranks import this module to find their worker: test_lamb and test_trainer (transformers, timm, the
 # trainer) are imported inside the tests that use them, so the ranks' start-up imports torch and optim only.
@@ -771,7 +772,7 @@ def test_two_rank_run_killed_and_resumed_repeats_the_loss_series_and_bytes_match
     cfg = compose(SLAMB_RUN)
     from train.model_io import build_model
 
-    model = build_model(cfg.model, None, None)
+    model = build_model(cfg.model.name, validate(cfg).model_options, None, None)
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.optim).items() if k != "name"}
     masks_of = build_optimizer(model, "slamb", kwargs).sync_masks  # masks depend on shapes, seed and step only
     d = sum(p.numel() for p in model.parameters())
@@ -787,8 +788,7 @@ def _fp16_overflow_worker(rank: int, world_size: int, run_dir: str, overrides: l
     from train.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = OmegaConf.create(OmegaConf.to_container(compose(overrides), resolve=True))
-    trainer = Trainer(cfg, Path(run_dir), Comm())
+    trainer = Trainer(plan_run(compose([*overrides, f"trainer.nproc_per_node={world_size}"]), run_dir), Comm())
     out = []
     for i in range(4):
         handle = None

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer, BertForPreTraining
 from conf.checks import ConfigError
 from data.loader import ResumableLoader
 from train.metrics import read_metrics
+from train.plan import plan_run
 from train.precision import set_matmul_precision
 from train.run import run
 
@@ -215,7 +216,8 @@ def _stop_on_one_rank_then_resume(rank: int, world_size: int, tmp_path: Path) ->
         with pytest.MonkeyPatch.context() as patch:
             if signal_at_batch is not None and rank == 0:
                 _signal_at_batch(patch, signal_at_batch)
-            trainer = Trainer(compose([*_ACCUMULATING, "trainer.micro_batch_size=1"]), run_dir, Comm())
+            cfg = compose([*_ACCUMULATING, "trainer.micro_batch_size=1", f"trainer.nproc_per_node={world_size}"])
+            trainer = Trainer(plan_run(cfg, run_dir), Comm())
             trainer.fit()
             trainer.close()
         return trainer.step

@@ -25,10 +25,12 @@ pytestmark = pytest.mark.slow  # two gloo ranks in spawned processes, then a `py
 def _first_steps_on_two_ranks(rank: int, world_size: int, tmp_path: Path) -> None:
     """The first half of a LAMB and of a SLAMB run on two ranks, each stopped with a checkpoint."""
     from optim.comm import Comm
+    from train.plan import plan_run
     from train.trainer import Trainer
 
     for overrides, run_dir in ((LAMB, tmp_path / "lamb"), (SLAMB, tmp_path / "slamb")):
-        trainer = Trainer(compose([*overrides, "trainer.steps_this_run=3"]), run_dir, Comm())
+        cfg = compose([*overrides, "trainer.steps_this_run=3", f"trainer.nproc_per_node={world_size}"])
+        trainer = Trainer(plan_run(cfg, run_dir), Comm())
         trainer.fit()
         trainer.close()
 

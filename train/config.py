@@ -37,7 +37,8 @@ from train.metrics import LoggerConfig
 from train.precision import PrecisionConfig, check_precision_config
 from train.tasks import TaskConfig, check_task_config
 
-__all__ = ["BatchGeometry", "Config", "ConfigError", "TrainerConfig", "batch_geometry", "register_configs", "validate"]
+__all__ = ["BatchGeometry", "Checked", "Config", "ConfigError", "TrainerConfig", "batch_geometry", "register_configs",
+           "validate"]
 
 
 @dataclass
@@ -135,6 +136,15 @@ def batch_geometry(trainer: TrainerConfig | DictConfig, world_size: int) -> Batc
     return BatchGeometry(global_batch, micro, world_size, per_rank // micro)
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What `validate` derived on the way, so that nothing derives it again (`train.plan` plans the run with it)."""
+
+    geometry: BatchGeometry
+    model_options: dict[str, Any]  # the model's keyword arguments, `name` left out
+    optimizer_options: dict[str, Any]  # complete, as checked: class signature, registry defaults, config
+
+
 def launch_world_size(cfg: DictConfig) -> int:
     """World size the run will have: from torchrun's or an srun step's environment, else trainer.nproc_per_node."""
     described = environment_world_size()
@@ -176,8 +186,9 @@ def check_trainer_config(trainer: DictConfig) -> None:
 
 
 def _options(node: DictConfig) -> dict[str, Any]:
-    """A `name` + keyword-arguments node (model, optim) as its keyword arguments."""
-    return {key: value for key, value in node.items() if key != "name"}
+    """A `name` + keyword-arguments node (model, optim) as its keyword arguments, in plain values."""
+    plain = OmegaConf.to_container(node, resolve=True, throw_on_missing=True)  # `???`: the user's to give
+    return {key: value for key, value in plain.items() if key != "name"}
 
 
 def _check_across_groups(cfg: DictConfig) -> None:
@@ -202,8 +213,8 @@ def _check_across_groups(cfg: DictConfig) -> None:
                           "the sequences or give the model more positions")
 
 
-def validate(cfg: DictConfig) -> BatchGeometry:
-    """Fail fast, before workers start, on values that cannot work; return the batch geometry.
+def validate(cfg: DictConfig) -> Checked:
+    """Fail fast, before workers start, on values that cannot work; return what the checks derived.
 
     Every error is a `ConfigError` whose one-line message names the key as the user writes it.
     """
@@ -214,16 +225,17 @@ def validate(cfg: DictConfig) -> BatchGeometry:
                           "conf/local/default.yaml)") from None
 
 
-def _validate(cfg: DictConfig) -> BatchGeometry:
+def _validate(cfg: DictConfig) -> Checked:
     with options_of("trainer"):
         check_trainer_config(cfg.trainer)
     with options_of("precision"):
         check_precision_config(cfg.precision)
     check_task_config(cfg.task.name)
-    check_model_config(cfg.model.get("name"), _options(cfg.model))
-    check_optimizer_config(cfg.optim.get("name"), _options(cfg.optim))
+    model_options = _options(cfg.model)
+    check_model_config(cfg.model.get("name"), model_options)
+    optimizer_options = check_optimizer_config(cfg.optim.get("name"), _options(cfg.optim))
     check_schedule_config(cfg.schedule.name, cfg.schedule.kwargs, total_steps=cfg.trainer.max_steps or 1)
     geometry = batch_geometry(cfg.trainer, launch_world_size(cfg))
     check_data(cfg.data, geometry.micro_batch_size)
     _check_across_groups(cfg)
-    return geometry
+    return Checked(geometry, model_options, optimizer_options)

@@ -8,21 +8,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from conf.checks import ConfigError
 from data.atomic import replace_directory
 from models import create_model
 from optim import get_optimizer_spec
-from optim.restart import cannot_restart
 from train.checkpoint import init_checkpoint, model_state, read_meta
 
 
-def build_model(model_cfg: DictConfig, init_from: str | None, tokenizer: Any) -> nn.Module:
-    """Create the model, check it can embed every token id the tokenizer produces, and load `init_from`."""
-    kwargs = OmegaConf.to_container(model_cfg, resolve=True)
-    model = create_model(kwargs.pop("name"), **kwargs)
+def build_model(name: str, options: Mapping[str, Any], init_from: str | None, tokenizer: Any) -> nn.Module:
+    """Create model `name`, check it can embed every token id the tokenizer produces, and load `init_from`."""
+    model = create_model(name, **options)
     if tokenizer is not None:
         embedding_rows = model.get_input_embeddings().num_embeddings
         if len(tokenizer) > embedding_rows:
@@ -69,10 +66,10 @@ def load_weights(model: nn.Module, path: Path) -> None:
 def optimizer_checkpoint(init_from: str | None, optimizer: str, world_size: int) -> Path:
     """The checkpoint whose optimizer state `trainer.init_optimizer_state=true` continues: the one `init_from`'s
     weights come from. Refused in one line (`ConfigError`) unless it was written with the same optimizer
-    `optimizer`, one that can continue its state (see `optim.restart`), and, when that state is per rank, by
-    `world_size` ranks. Called before any worker starts and again by the trainer."""
+    `optimizer`, one that can continue its state (`OptimSpec.restart_refusal`), and, when that state is per rank, by
+    `world_size` ranks. Called once, by the launching process (`train.plan`)."""
     key = "trainer.init_optimizer_state=true"
-    reason = cannot_restart(get_optimizer_spec(optimizer).cls)
+    reason = get_optimizer_spec(optimizer).restart_refusal
     if reason is not None:
         raise ConfigError(f"{key}: optim={optimizer} {reason}: set trainer.init_optimizer_state=false")
     if not init_from:

@@ -1,18 +1,19 @@
-"""`run(cfg)`: check everything a user can get wrong, record the accepted config, start workers, and train."""
+"""`run(cfg)`: check everything a user can get wrong, plan the run, record the accepted config, start workers that
+build from the plan, and train."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from data import DataRequest, build_data
+from data import build_data
 from train.checkpoint import RunDirectoryError, check_world_size, newest_checkpoint_meta
-from train.config import BatchGeometry, validate
+from train.config import BatchGeometry
 from train.distributed import (
     adopt_slurm_environment,
     check_local_workers,
@@ -23,7 +24,7 @@ from train.distributed import (
     pick_device,
     shutdown_distributed,
 )
-from train.model_io import optimizer_checkpoint
+from train.plan import RunPlan, plan_run
 from train.run_dir import RunDir
 
 _SIGNALLED_WORKER_GRACE_S = 5.0  # how long a stopped worker waits for its elastic agent before leaving
@@ -35,23 +36,19 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None
     Every user error is raised here, before any worker starts: `ConfigError` for values that cannot work, a
     missing data file, or a run directory whose checkpoints this run cannot continue (`RunDirectoryError`).
     Only an accepted run rewrites the directory's recorded config, so it always describes its checkpoints.
+    The workers get the plan (`RunPlan`), not the config: they build from it without checking anything again.
     """
-    geometry = validate(cfg)
+    plan = plan_run(cfg, run_dir)
     check_local_workers(cfg.trainer.nproc_per_node, cfg.trainer.device)
-    request = DataRequest(rank=0, world_size=geometry.world_size, micro_batch_size=geometry.micro_batch_size,
-                          seed=cfg.trainer.seed)
-    build_data(cfg.data, request, dry=True)  # paths and keys only: nothing is read
-    check_run_directory(cfg, Path(run_dir), geometry)
-    if cfg.trainer.init_optimizer_state:
-        optimizer_checkpoint(cfg.trainer.init_from, cfg.optim.name, geometry.world_size)  # or a one-line refusal
+    build_data(cfg.data, plan.data_request(rank=0), dry=True)  # paths and keys only: nothing is read
+    check_run_directory(cfg, Path(run_dir), plan.geometry)
     if launch_rank() == 0:
         RunDir(run_dir).record_config(cfg, overrides)
-    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain values: picklable
     nproc = cfg.trainer.nproc_per_node
     if nproc > 1 and not launched_externally():
-        launch_local_workers(train_worker, nproc, config, str(run_dir))
+        launch_local_workers(train_worker, nproc, plan)
     else:
-        train_worker(config, str(run_dir))
+        train_worker(plan)
 
 
 def check_run_directory(cfg: DictConfig, run_dir: Path, geometry: BatchGeometry) -> None:
@@ -97,18 +94,18 @@ def check_same_model(cfg: DictConfig, run_dir: Path, checkpoint: Path) -> None:
         )
 
 
-def train_worker(config: dict[str, Any], run_dir: str) -> None:
+def train_worker(plan: RunPlan) -> None:
     """One rank's life: join the group, agree on the run directory, train, clean up."""
     from train.trainer import Trainer
 
-    cfg = OmegaConf.create(config)
+    trainer_cfg = plan.config["trainer"]
     adopt_slurm_environment()
-    comm = init_distributed(cfg.trainer.backend, pick_device(cfg.trainer.device),
-                            simulated_network=cfg.trainer.simulated_network)
+    comm = init_distributed(trainer_cfg["backend"], pick_device(trainer_cfg["device"]),
+                            simulated_network=trainer_cfg["simulated_network"])
     try:
         # Rank 0's directory wins, so ranks that resolved their own (a ${now:} in it, say) still agree.
-        shared_dir = Path(str(comm.broadcast_object(run_dir)))
-        trainer = Trainer(cfg, shared_dir, comm)
+        shared_dir = Path(str(comm.broadcast_object(str(plan.run_dir))))
+        trainer = Trainer(dataclasses.replace(plan, run_dir=shared_dir), comm)
         try:
             trainer.fit()
         finally:

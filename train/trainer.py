@@ -11,20 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch import nn
 
-from data import DataRequest, atomic_write_json, build_data
+from data import atomic_write_json, build_data
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
 from optim.memory import estimate_memory, memory_lines
-from optim.restart import restart_optimizer
 from train.checkpoint import Checkpointer, release_mapped, reseed_rng, rng_state, set_rng_state
-from train.config import batch_geometry
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger, RunClock, RunTotals, read_metrics
-from train.model_io import build_model, export_pretrained, optimizer_checkpoint
+from train.model_io import build_model, export_pretrained
+from train.plan import RunPlan
 from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
 from train.run_dir import RunDir
 from train.stop import StopRequest
@@ -33,30 +32,29 @@ from train.tasks import EvalShard, get_task
 
 
 class Trainer:
-    """Composes model, data, task, optimizer, schedule, precision and logging from the config."""
+    """Composes model, data, task, optimizer, schedule, precision and logging from the run's plan."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, comm: Comm) -> None:
-        self.cfg, self.run_dir, self.comm = cfg, RunDir(run_dir), comm
+    def __init__(self, plan: RunPlan, comm: Comm) -> None:
+        plan.confirm_world_size(comm.world_size)  # everything else was checked when the run was planned
+        self.plan, self.run_dir, self.comm = plan, RunDir(plan.run_dir), comm
+        self.cfg = cfg = OmegaConf.create(plan.config)
         self.is_main = comm.rank == 0
         tcfg = cfg.trainer
         set_deterministic(tcfg.deterministic)  # before any CUDA matmul: cuBLAS reads its workspace setting once
         self.device = pick_device(tcfg.device)
-        self.geometry = batch_geometry(tcfg, comm.world_size)
+        self.geometry = plan.geometry
         # Each rank draws its own dropout stream; rank-agreed randomness uses private generators.
         torch.manual_seed(tcfg.seed + comm.rank)
 
-        self.data = build_data(cfg.data, DataRequest(
-            rank=comm.rank, world_size=comm.world_size, micro_batch_size=self.geometry.micro_batch_size,
-            seed=tcfg.seed, pin_memory=self.device.type == "cuda"))
+        self.data = build_data(cfg.data, plan.data_request(comm.rank, pin_memory=self.device.type == "cuda"))
         self.loader, self.tokenizer = self.data.train, self.data.tokenizer
-        self.max_steps = tcfg.max_steps or math.ceil(
+        self.max_steps = plan.max_steps or math.ceil(
             tcfg.epochs * self.loader.samples_per_epoch / self.geometry.global_batch_size
         )
-        self.model = build_model(cfg.model, tcfg.init_from, self.tokenizer).to(self.device)
+        self.model = build_model(plan.model, plan.model_options, tcfg.init_from, self.tokenizer).to(self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        self.spec = get_optimizer_spec(cfg.optim.name)
-        self.optim_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.optim).items() if k != "name"}
-        self.optimizer = build_optimizer(self.model, self.spec.name, self.optim_kwargs, comm=comm)
+        self.spec = get_optimizer_spec(plan.optimizer)  # what the trainer asks of the optimizer (`OptimSpec`)
+        self.optimizer = build_optimizer(self.model, plan.optimizer, plan.optimizer_options, comm=comm, checked=True)
         # The scaler skips the optimizer's step on an fp16 overflow; this hook tells the loop, with no device sync.
         self._stepped = False
         self.optimizer.register_step_post_hook(self._on_optimizer_step)
@@ -79,13 +77,13 @@ class Trainer:
         self.skipped_steps = 0  # fp16 overflow steps (they do not count towards max_steps)
         self.clock, self.totals = RunClock(), RunTotals()  # both continue across resumes, for the summary
         resumed_from = self._resume() if tcfg.resume else None  # run() refused resume=false over checkpoints
-        if resumed_from is None and tcfg.init_optimizer_state:
-            self._continue_optimizer_state(optimizer_checkpoint(tcfg.init_from, self.spec.name, comm.world_size))
+        if resumed_from is None and plan.init_checkpoint is not None:
+            self._continue_optimizer_state(plan.init_checkpoint)
         self.logger = MetricLogger(
             self.run_dir, enabled=self.is_main, total_steps=self.max_steps, start_step=self.step,
             progress_bar=cfg.logger.progress_bar, tensorboard=cfg.logger.tensorboard,
             wandb_mode=cfg.logger.wandb,
-            wandb_project=cfg.logger.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
+            wandb_project=cfg.logger.wandb_project, config=plan.config,
             clock=self.clock,
         )
         self.stop = StopRequest(comm)  # SIGTERM / SIGINT, agreed by the ranks between micro-batches
@@ -106,7 +104,7 @@ class Trainer:
             f"{self.cfg.precision.dtype} | {self.max_steps} steps"
         )
         self.logger.info(f"data {self.data.source}")
-        estimate = estimate_memory(self.model, self.spec, self.optim_kwargs, self.comm.world_size)
+        estimate = estimate_memory(self.model, self.spec, self.plan.optimizer_options, self.comm.world_size)
         device_total = (torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda"
                         else None)
         for line in memory_lines(estimate, device_total):
@@ -124,12 +122,12 @@ class Trainer:
                             "CPU kernels); use precision=fp32 or bf16")
         if self.cfg.precision.dtype == "tf32" and self.device.type == "cpu":
             warnings.append("precision=tf32 changes only GPU matmuls (Ampere and newer): on CPU it is fp32")
-        freeze_step = getattr(self.optimizer, "freeze_step", None)  # the 1-bit optimizers' last uncompressed step
-        if freeze_step is not None and freeze_step >= self.max_steps:
-            warnings.append(f"optim.freeze_step={freeze_step} is not below the run's {self.max_steps} steps: "
+        warmup_option = self.spec.warmup_option  # the 1-bit optimizers' last uncompressed step
+        warmup = None if warmup_option is None else self.plan.optimizer_options[warmup_option]
+        if warmup is not None and warmup >= self.max_steps:
+            warnings.append(f"optim.{warmup_option}={warmup} is not below the run's {self.max_steps} steps: "
                             f"{self.spec.name} never compresses and sends 32 bits per parameter per step, like LAMB")
-        agree_after = getattr(self.optimizer, "replicas_agree_after", None)  # replicas that drift between syncs
-        if self.comm.distributed and agree_after is not None and not agree_after(self.max_steps):
+        if self.comm.distributed and not self.spec.replicas_agree_after(self.optimizer, self.max_steps):
             warnings.append(f"the run's {self.max_steps} steps do not end on one of {self.spec.name}'s weight "
                             "averages: the final evaluation and export use rank 0's own replica; make "
                             "trainer.max_steps a multiple of the sync interval")
@@ -326,7 +324,7 @@ class Trainer:
         at 0 (NVIDIA BERT's phase 2); the trainer's own step and with it the LR schedule start at 0 too."""
         shared, own = self.checkpointer.load(checkpoint)  # this rank's own state when it is per rank
         saved = self.grad_sync.learner_state(shared, own)["optimizer"]
-        restart_optimizer(self.optimizer, saved)
+        self.spec.restart(self.optimizer, saved)
         release_mapped(saved, self.optimizer.state_dict())
 
     def _refuse_non_finite_weights(self) -> None:
@@ -368,8 +366,7 @@ class Trainer:
 
     def _eval_shard(self) -> EvalShard | None:
         """This rank's part of an evaluation: a share when the replicas agree now, else rank 0 alone (None: no part)."""
-        agree_after = getattr(self.optimizer, "replicas_agree_after", None)
-        if agree_after is None or agree_after(self.step):
+        if self.spec.replicas_agree_after(self.optimizer, self.step):
             return EvalShard(self.comm.rank, self.comm.world_size, self.comm.group)
         return EvalShard() if self.is_main else None
 

@@ -1,0 +1,66 @@
+"""`RunPlan`: the run as the launching process checked and resolved it, the one thing its workers build from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from conf.checks import ConfigError
+from data import DataRequest
+from train.config import BatchGeometry, validate
+from train.model_io import optimizer_checkpoint
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every value a worker needs, checked once, in plain (picklable) values: it crosses the spawn boundary.
+
+    Workers build from it and check nothing again; they only confirm they are as many as it was planned for.
+    """
+
+    run_dir: Path
+    geometry: BatchGeometry  # planned for the launch's world size (torchrun's, srun's, or trainer.nproc_per_node)
+    model: str  # the model's registry name
+    model_options: dict[str, Any]  # its builder's keyword arguments
+    optimizer: str  # the optimizer's registry name
+    optimizer_options: dict[str, Any]  # complete and checked: `build_optimizer(..., checked=True)` takes them as is
+    init_checkpoint: Path | None  # the checkpoint whose optimizer state this run continues (init_optimizer_state)
+    # None with trainer.epochs: the steps of an epoch depend on the data's size, which only a worker's loader reads.
+    max_steps: int | None
+    config: dict[str, Any]  # the resolved config: the groups' plain values, also recorded with the metrics
+
+    def data_request(self, rank: int, *, pin_memory: bool = False) -> DataRequest:
+        """What rank `rank` asks of the data."""
+        return DataRequest(rank=rank, world_size=self.geometry.world_size,
+                           micro_batch_size=self.geometry.micro_batch_size, seed=self.config["trainer"]["seed"],
+                           pin_memory=pin_memory)
+
+    def confirm_world_size(self, world_size: int) -> None:
+        """Refuse, in one line, a process group of another size than planned: the batch split would not hold."""
+        planned = self.geometry.world_size
+        if world_size != planned:
+            raise ConfigError(f"this run was planned for {planned} rank(s) (trainer.nproc_per_node, or the "
+                              f"launcher's WORLD_SIZE / SLURM_NTASKS) but its process group has {world_size}: start "
+                              f"it with {planned} rank(s), or let each rank plan it (python -m train)")
+
+
+def plan_run(cfg: DictConfig, run_dir: str | Path) -> RunPlan:
+    """Check every value (`validate`), resolve the init checkpoint, and freeze the result for the workers.
+
+    Raises `ConfigError` (one line naming the key) on a value that cannot work.
+    """
+    checked = validate(cfg)
+    trainer = cfg.trainer
+    init_checkpoint = None
+    if trainer.init_optimizer_state:  # or a one-line refusal
+        init_checkpoint = optimizer_checkpoint(trainer.init_from, cfg.optim.name, checked.geometry.world_size)
+    return RunPlan(
+        run_dir=Path(run_dir), geometry=checked.geometry,
+        model=cfg.model.name, model_options=checked.model_options,
+        optimizer=cfg.optim.name, optimizer_options=checked.optimizer_options,
+        init_checkpoint=init_checkpoint, max_steps=trainer.max_steps,
+        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+    )
