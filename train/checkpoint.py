@@ -264,7 +264,7 @@ def check_world_size(checkpoint: Path, meta: dict[str, Any], world_size: int) ->
         return
     raise RunDirectoryError(
         f"checkpoint {checkpoint} was written by {written_by} ranks but this run has {world_size}, and "
-        f"optim={meta.get('optimizer', '?')} keeps per-rank state ({', '.join(rank_bound)}) that does not "
+        f"optim={meta['optimizer']} keeps per-rank state ({', '.join(rank_bound)}) that does not "
         f"re-partition: resume with {written_by} ranks, or start a new run (another name=...) with "
         f"trainer.init_from={checkpoint} to keep only the weights"
     )

@@ -68,7 +68,6 @@ class RunTotals:
     bytes: int = 0  # sent by this rank (rank 0's are logged) through optim.comm
     collectives: int = 0
     seconds: float = 0.0  # wall time of the training loop (evaluations and checkpoints between steps included)
-    first_step: int = 0  # the step counting began at: 0, or where a checkpoint written before totals existed resumed
 
     def add(self, counts: dict[str, int], samples: int, seconds: float) -> None:
         """One optimizer step's `Comm.take_counts()`, its samples and its seconds."""

@@ -62,15 +62,14 @@ def check_run_directory(cfg: DictConfig, run_dir: Path, geometry: BatchGeometry)
             f"{run_dir} already has checkpoint {checkpoint} and trainer.resume=false: pick another name=... or "
             "remove the directory"
         )
-    trained_with = meta.get("optimizer", cfg.optim.name)
+    trained_with = meta["optimizer"]
     if trained_with != cfg.optim.name:
         raise RunDirectoryError(
             f"optim.name={cfg.optim.name}: {run_dir} was trained with optim={trained_with} (checkpoint "
             f"{checkpoint.name}); resume with optim={trained_with}, or start a new run (another name=...) with "
             f"trainer.init_from={run_dir} to keep only the weights"
         )
-    if "world_size" in meta:  # a DDP optimizer's checkpoint resumes on any number of ranks
-        check_world_size(checkpoint, meta, geometry.world_size)
+    check_world_size(checkpoint, meta, geometry.world_size)
     check_same_model(cfg, run_dir, checkpoint)
 
 

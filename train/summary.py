@@ -78,7 +78,6 @@ def build_summary(
     elapsed_seconds: float,
 ) -> dict[str, Any]:
     """The whole summary of a run that has done `steps` of `max_steps`; `records` are its metrics.jsonl."""
-    counted = steps - totals.first_step  # every step, unless the run resumed from a checkpoint without totals
     return {
         **config_fields(cfg),
         "world_size": world_size,
@@ -89,10 +88,10 @@ def build_summary(
         "num_params": num_params,
         "final": final_values(records),
         "best": best_values(records),
-        "bits_per_param_per_step": 8 * totals.bytes / counted / num_params if counted else None,
+        "bits_per_param_per_step": 8 * totals.bytes / steps / num_params if steps else None,
         "bytes_total": totals.bytes,
-        "collectives_per_step": totals.collectives / counted if counted else None,
-        "mean_step_seconds": totals.seconds / counted if counted else None,
+        "collectives_per_step": totals.collectives / steps if steps else None,
+        "mean_step_seconds": totals.seconds / steps if steps else None,
         "samples_per_second": totals.samples / totals.seconds if totals.seconds else None,
         "samples_unit": samples_unit,
         "elapsed_seconds": elapsed_seconds,

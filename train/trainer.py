@@ -293,9 +293,8 @@ class Trainer:
         load_scaler_state(self.scaler, shared["scaler"])  # the checkpoint may have another precision
         self.loader.load_state_dict(own["data"])
         self.step, self.skipped_steps = shared["step"], shared["skipped_steps"]
-        # A checkpoint written before the clock and totals existed: they count from here (the summary says so).
-        self.clock.load_state_dict(shared.get("clock", {"elapsed": 0.0}))
-        self.totals.load_state_dict(shared.get("totals", {"first_step": self.step}))
+        self.clock.load_state_dict(shared["clock"])
+        self.totals.load_state_dict(shared["totals"])
         # Last: building anything above must not shift the restored streams. A checkpoint of another world size
         # has none for this rank (see train/checkpoint.py): fresh ones, keyed by seed, rank and step.
         if "rng" in own:
