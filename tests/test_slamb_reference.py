@@ -245,10 +245,12 @@ def _fast_path_ranks(world_size: int) -> list[dict]:
 
 
 def _tolerance(options: dict) -> dict:
-    """fp32 rounding; a 16-bit payload's (each rank's share and the partial sums are rounded to it); or an fp16
-    freshness's, 2^-11 relative in r, which the product form carries into the whole coefficient."""
+    """fp32 rounding; a 16-bit payload's (each rank's share and the partial sums are rounded to it, in another
+    order than gloo's: bf16's 2^-8 in the averaged momentum, at an outlier of u whose step is near the weight's
+    size, is 6e-3 of the weight); or an fp16 freshness's, 2^-11 relative in r, which the product form carries
+    into the whole coefficient."""
     if options["comm_dtype"] == "bf16":
-        return dict(rtol=1e-3, atol=1e-4)
+        return dict(rtol=1e-2, atol=1e-3)
     if options["comm_dtype"] == "fp16" or options["freshness_dtype"] == "fp16":
         return dict(rtol=1e-3, atol=1e-5)
     return dict(rtol=1e-5, atol=1e-6)
