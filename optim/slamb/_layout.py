@@ -38,6 +38,7 @@ _CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
 # launches (BERT-Large: about 10,000 more per step, the step's whole cost), so each tensor is one piece.
 _PIECE_NUMEL = {"cpu": 1 << 18}
 _ALIGN = ROW_NUMEL  # masked tensors start at multiples of this many elements: any row size divides it
+FRESHNESS_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}  # storage of the scaled freshness
 _STRUCT_CODES = {torch.float16: "e", torch.float32: "f"}  # the freshness dtypes' codes in the struct module
 
 

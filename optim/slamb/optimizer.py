@@ -20,10 +20,9 @@ from optim._math import (
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import WIRE_DTYPES, Comm, average_tensors_
-from optim.slamb._layout import Chunk, ForeachGroup, Layout, Piece
+from optim.slamb._layout import FRESHNESS_DTYPES, Chunk, ForeachGroup, Layout, Piece
 from optim.slamb._masks import MASKS, ROW_NUMEL, Mask, MaskSampler, check_masks_agree
 
-_FRESHNESS_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 _RESCALES = ("sum_of_products", "product_of_interpolations")
 _BIAS_CORRECTION_FORMS = ("scalar", "full", "none")
 _GLOBAL = "slamb"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
@@ -192,7 +191,7 @@ class SLAMB(torch.optim.Optimizer):
         self.wd_in_trust_ratio, self.clamp_1d = bool(wd_in_trust_ratio), bool(clamp_1d)
         self.stale_ratio_fallback = float(stale_ratio_fallback)
         self.comm_dtype = WIRE_DTYPES[comm_dtype]
-        self.freshness_dtype = _FRESHNESS_DTYPES[freshness_dtype]
+        self.freshness_dtype = FRESHNESS_DTYPES[freshness_dtype]
         self.sync_offset = int(sync_offset)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.comm = comm if comm is not None else Comm()
@@ -517,7 +516,7 @@ def check_slamb_options(options: dict[str, Any]) -> None:
     check_flags(o, "wd_in_trust_ratio", "clamp_1d")
     check_choice("stale_ratio_fallback", o["stale_ratio_fallback"], (0, 1))
     check_choice("comm_dtype", o["comm_dtype"], WIRE_DTYPES)
-    check_choice("freshness_dtype", o["freshness_dtype"], _FRESHNESS_DTYPES)
+    check_choice("freshness_dtype", o["freshness_dtype"], FRESHNESS_DTYPES)
     check_choice("sync_offset", o["sync_offset"], (0, 1))
     check_positive("bucket_mb", o["bucket_mb"])
     require(isinstance(o["seed"], int), "seed", o["seed"], "must be an integer")
@@ -529,7 +528,7 @@ def slamb_state_bytes(options: dict[str, Any], world_size: int) -> float:
     """m and v in fp32 and the freshness in `freshness_dtype`, one per row of the mask (rows of 16 coordinates
     for tensors whose size 16 divides; Bernoulli: single coordinates); the chunk scratch is bounded."""
     row = 1 if options["mask"] == "bernoulli" else ROW_NUMEL
-    return 8.0 + _FRESHNESS_DTYPES[options["freshness_dtype"]].itemsize / row
+    return 8.0 + FRESHNESS_DTYPES[options["freshness_dtype"]].itemsize / row
 
 
 register_optimizer(OptimSpec(

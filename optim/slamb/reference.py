@@ -18,8 +18,7 @@ from torch import Tensor
 
 from optim._math import bias_corrections
 from optim.comm import WIRE_DTYPES
-
-FRESHNESS_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+from optim.slamb._layout import FRESHNESS_DTYPES
 
 
 @dataclass
@@ -48,9 +47,8 @@ def step(params: Sequence[ParamState], grads: Sequence[Sequence[Tensor]], masks:
          **_mask_options: object) -> None:
     """Step `t` (from 1) of every parameter on every rank: `grads[p][i]` is rank i's gradient of parameter p,
     `masks[p]` its S_t. Keyword arguments are `SLAMB`'s (all of them may be passed)."""
-    world_size = len(params[0].weights)
+    world_size, (beta1, beta2) = len(params[0].weights), betas
     for param, param_grads, mask in zip(params, grads, masks, strict=True):
-        beta1, beta2 = betas
         # Local moments: m_i <- beta1 m_i + (1 - beta1) g_i, v_i <- beta2 v_i + (1 - beta2) g_i^2
         for m, v, g in zip(param.exp_avgs, param.exp_avg_sqs, param_grads, strict=True):
             m.lerp_(g, 1.0 - beta1)
@@ -62,45 +60,33 @@ def step(params: Sequence[ParamState], grads: Sequence[Sequence[Tensor]], masks:
         # Freshness r = beta3^j, 1 where synced now; stored in `freshness_dtype` (one rounding)
         param.staleness.add_(1).masked_fill_(mask, 0)
         r = (beta3 ** param.staleness).to(FRESHNESS_DTYPES[freshness_dtype]).to(param.staleness.dtype)
+        # Each rank's LAMB step, its trust ratio split between S_t (fresh) and the rest (stale)
+        bc1, bc2 = bias_corrections(t, beta1, beta2, enabled=bias_correction_form != "none")
+        lr_fresh, lr_stale = lr, lr / math.sqrt(world_size)
+        c_min, c_max = trust_ratio_bounds
+        clamp = clamp_1d or mask.dim() > 1
         for w, m, v in zip(param.weights, param.exp_avgs, param.exp_avg_sqs, strict=True):
-            coef, u = _coefficient(w, m, v, mask, r, t, lr=lr, betas=betas, eps=eps, world_size=world_size,
-                                   weight_decay=param.weight_decay, trust_ratio_bounds=trust_ratio_bounds,
-                                   rescale=rescale, bias_correction_form=bias_correction_form,
-                                   wd_in_trust_ratio=wd_in_trust_ratio, stale_ratio_fallback=stale_ratio_fallback,
-                                   clamp_1d=clamp_1d)
-            w.sub_(coef * u)
+            if bias_correction_form == "full":  # LAMB's and the naive Slamb's: m_hat / (sqrt(v_hat) + eps)
+                u = (m / bc1) / ((v / bc2).sqrt() + eps)
+            else:  # Slamb_V2's: one scalar, eps not rescaled ("none": the scalar is 1)
+                u = math.sqrt(bc2) / bc1 * m / (v.sqrt() + eps)
+            decay = param.weight_decay * w
+            normed = u + decay if wd_in_trust_ratio else u  # what the trust-ratio norms see
+            phi_fresh = _ratio(w[mask], normed[mask], 1.0)
+            phi_stale = _ratio(w[~mask], normed[~mask], stale_ratio_fallback)
+            if rescale == "sum_of_products":  # Slamb_V2: lr phi_F r + lr / sqrt(N) phi_U (1 - r)
+                if clamp:
+                    phi_fresh, phi_stale = phi_fresh.clamp(c_min, c_max), phi_stale.clamp(0.0, c_max)
+                coef = lr_fresh * phi_fresh * r + lr_stale * phi_stale * (1 - r)
+            else:  # the naive Slamb: clamp(r phi_F + (1 - r) phi_U) (r lr + (1 - r) lr / sqrt(N))
+                phi = r * phi_fresh + (1 - r) * phi_stale
+                coef = (phi.clamp(c_min, c_max) if clamp else phi) * (r * lr_fresh + (1 - r) * lr_stale)
+            w.sub_(coef * (u + decay))
     if world_size > 1 and (t - sync_offset) % sync_interval == 0:  # dense parameter average (m, v, j are kept)
         for param in params:
             mean = _average(param.weights, torch.float32)
             for w in param.weights:
                 w.copy_(mean)
-
-
-def _coefficient(w: Tensor, m: Tensor, v: Tensor, mask: Tensor, r: Tensor, t: int, *, lr: float,
-                 betas: Sequence[float], eps: float, world_size: int, weight_decay: float,
-                 trust_ratio_bounds: Sequence[float], rescale: str, bias_correction_form: str,
-                 wd_in_trust_ratio: bool, stale_ratio_fallback: float, clamp_1d: bool) -> tuple[Tensor, Tensor]:
-    """(coef, u) of one rank's update w <- w - coef * u: the Adam direction with decay and its per-coordinate step."""
-    bc1, bc2 = bias_corrections(t, *betas, enabled=bias_correction_form != "none")
-    if bias_correction_form == "full":  # LAMB's and the naive Slamb's: m_hat / (sqrt(v_hat) + eps)
-        u = (m / bc1) / ((v / bc2).sqrt() + eps)
-    else:  # Slamb_V2's: one scalar, eps not rescaled ("none": the scalar is 1)
-        u = math.sqrt(bc2) / bc1 * m / (v.sqrt() + eps)
-    decay = weight_decay * w
-    normed = u + decay if wd_in_trust_ratio else u  # what the trust-ratio norms see
-    phi_fresh = _ratio(w[mask], normed[mask], 1.0)  # over S_t
-    phi_stale = _ratio(w[~mask], normed[~mask], stale_ratio_fallback)  # over the rest
-    lr_fresh, lr_stale = lr, lr / math.sqrt(world_size)
-    c_min, c_max = trust_ratio_bounds
-    clamp = clamp_1d or w.dim() > 1
-    if rescale == "sum_of_products":  # Slamb_V2: lr phi_F r + lr / sqrt(N) phi_U (1 - r)
-        if clamp:
-            phi_fresh, phi_stale = phi_fresh.clamp(c_min, c_max), phi_stale.clamp(0.0, c_max)
-        coef = lr_fresh * phi_fresh * r + lr_stale * phi_stale * (1 - r)
-    else:  # the naive Slamb: clamp(r phi_F + (1 - r) phi_U) (r lr + (1 - r) lr / sqrt(N))
-        phi = r * phi_fresh + (1 - r) * phi_stale
-        coef = (phi.clamp(c_min, c_max) if clamp else phi) * (r * lr_fresh + (1 - r) * lr_stale)
-    return coef, u + decay
 
 
 def _ratio(weight: Tensor, update: Tensor, fallback: float) -> Tensor:
