@@ -397,8 +397,9 @@ class SLAMB(torch.optim.Optimizer):
         stale 90 % twice. The difference multiplies the norms' fp32 rounding by ||u_F||^2 / ||u_U||^2, which
         distinct gradients drive up (at S_t the rank-averaged m meets the local v, so u_F has outliers): at step 1
         on 2 and 4 gloo ranks it reached 476 and 463 and those tensors' stale steps were 5.7e-4 and 1.0e-4 of their
-        size from a float64 reference (fresh steps: within 3e-6; with the norms accumulated in float64, the stale
-        steps come within 6e-6 of an fp32 reference, but every configuration's bits would change).
+        size from a float64 reference (fresh steps: within 3e-6). Rounding, not a wrong formula: a stale norm taken
+        directly (fresh rows zeroed for the norm's pass, then restored) brings them within 6e-6 of an fp32
+        reference at no extra pass, but changes every configuration's bits.
         """
         params = [s.param for s in chunk.slots]
         w_total = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
