@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-import yaml
 from conftest import REPO, TINY, compose, run_train
 from dispatched_ops import dispatched_ops
 from distributed_harness import run_on_ranks
@@ -21,9 +20,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from optim import LAMB, SLAMB, build_optimizer, param_groups_weight_decay
-from optim import slamb as slamb_module
-from optim.comm import Comm
-from optim.slamb import mask_uniforms
+from optim.comm import Comm, MirrorComm
+from optim.slamb import _layout, _masks
+from optim.slamb._masks import mask_uniforms
 from train.config import validate
 from train.metrics import read_metrics
 from train.plan import plan_run
@@ -153,7 +152,7 @@ def test_masks_do_not_depend_on_the_chunking(monkeypatch, mask):
     """Chunks are 2^20 elements on a CPU and 2^26 on a GPU: the masks must not change with them."""
     masks = []
     for numel in (1 << 26, 4000):
-        monkeypatch.setitem(slamb_module._CHUNK_NUMEL, "cpu", numel)
+        monkeypatch.setitem(_layout._CHUNK_NUMEL, "cpu", numel)
         optimizer = _slamb(_small_model(), mask=mask)
         masks.append([optimizer.sync_masks(step) for step in (1, 2)])
     assert len(optimizer._ensure_layout().chunks) > 1
@@ -169,12 +168,12 @@ def test_a_gpu_layout_steps_like_the_cpu_layout(monkeypatch, options):
     results = []
     for gpu in (False, True):
         if gpu:
-            monkeypatch.delitem(slamb_module._PIECE_NUMEL, "cpu")
-            monkeypatch.delitem(slamb_module._DRAW_PICKS, "cpu")
-            monkeypatch.setitem(slamb_module._CHUNK_NUMEL, "cpu", 1 << 26)
+            monkeypatch.delitem(_layout._PIECE_NUMEL, "cpu")
+            monkeypatch.delitem(_masks._DRAW_PICKS, "cpu")
+            monkeypatch.setitem(_layout._CHUNK_NUMEL, "cpu", 1 << 26)
         else:
-            monkeypatch.setitem(slamb_module._PIECE_NUMEL, "cpu", 1000)  # several pieces per tensor
-            monkeypatch.setitem(slamb_module._CHUNK_NUMEL, "cpu", 8000)
+            monkeypatch.setitem(_layout._PIECE_NUMEL, "cpu", 1000)  # several pieces per tensor
+            monkeypatch.setitem(_layout._CHUNK_NUMEL, "cpu", 8000)
         model = _mixed_rows_model()
         optimizer = _slamb(model, beta3=0.9, **options)
         _steps(model, optimizer, range(6))
@@ -200,8 +199,8 @@ def test_cuda_masks_equal_cpu_masks(mask):
 def _first_step_with_a_skewed_draw(rank: int, world_size: int) -> str:
     """Rank 1 draws its uniforms shifted (as a GPU of another model would have): the first step must refuse."""
     if rank == 1:
-        draw = slamb_module.mask_uniforms
-        slamb_module.mask_uniforms = lambda *args: draw(*args).add_(0.5).remainder_(1.0)
+        draw = _masks.mask_uniforms
+        _masks.mask_uniforms = lambda *args: draw(*args).add_(0.5).remainder_(1.0)
     model = _small_model()
     optimizer = _slamb(model, comm=Comm())
     try:
@@ -339,146 +338,13 @@ def test_bad_hyper_parameters_name_the_value(kwargs, value):
         SLAMB([nn.Parameter(torch.ones(2))], **kwargs)
 
 
-# --------------------------------------------------------------------------------------------- official code
-CONF_OPTIM = REPO / "conf" / "optim"
-
-
-class _MirrorComm(Comm):
-    """N identical ranks in one process: an all-reduce (sum) multiplies by N, so every average is the identity.
-
-    It takes SLAMB's multi-rank path (compaction, bucketed all-reduce, lr / sqrt(N) for stale coordinates,
-    dense syncs) deterministically, and counts the bytes as a real rank would send them.
-    """
-
-    def __init__(self, world_size: int) -> None:
-        super().__init__(None)
-        self.world_size = world_size
-
-    def all_reduce(self, tensor, op=None, async_op=False):
-        self._count(tensor)
-        tensor.mul_(self.world_size)
-        return _Done() if async_op else None
-
-    def broadcast_object(self, obj: object, src: int = 0) -> object:
-        return obj  # every simulated rank holds the same
-
-    def any(self, flag: bool) -> bool:
-        return flag
-
-
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
-def _preset(name: str, **overrides) -> dict:
-    cfg = yaml.safe_load((CONF_OPTIM / f"{name}.yaml").read_text())
-    assert cfg.pop("name") == name
-    return cfg | overrides
-
-
-def _ratio(weight: torch.Tensor, update: torch.Tensor, fallback: float) -> torch.Tensor:
-    w, u = weight.norm(), update.norm()
-    return w / u if w > 0 and u > 0 else torch.tensor(fallback)
-
-
-def _official_v2(params, grads, masks, wds, *, lr, betas, eps, beta3, bounds, world_size, interval) -> None:
-    """Slamb_V2's step, transcribed tensor by tensor, with the masks given (identical ranks: averages are no-ops).
-
-    Bias correction as one scalar; norms over the Adam direction without decay; phi_F over the coordinates whose
-    freshness is 1 (fallback 1, clamp [c_min, c_max]), phi_U over the others (fallback 0, clamp [0, c_max]);
-    w -= lr phi_F r u + lr / sqrt(N) phi_U (1 - r) u with u including the decay.
-    """
-    beta1, beta2 = betas
-    state = {}
-    for t, (step_grads, step_masks) in enumerate(zip(grads, masks, strict=True), start=1):
-        for p, g, mask, wd in zip(params, step_grads, step_masks, wds, strict=True):
-            m, v, r = state.setdefault(id(p), (torch.zeros_like(p), torch.zeros_like(p), torch.ones_like(p)))
-            m.mul_(beta1).add_(g, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            r.mul_(beta3)
-            r[mask] = 1.0
-            u = m / (v.sqrt() + eps) * ((1 - beta2**t) ** 0.5 / (1 - beta1**t))
-            fresh = r == 1
-            phi_f = _ratio(p[fresh], u[fresh], 1.0).clamp(*bounds)
-            phi_u = _ratio(p[~fresh], u[~fresh], 0.0).clamp(0.0, bounds[1])
-            u = u + wd * p
-            p.sub_(lr * phi_f * u * r + lr / math.sqrt(world_size) * phi_u * u * (1 - r))
-        # a dense sync (t % interval == 1) averages identical parameters: nothing to do
-
-
-def _official_naive(params, grads, masks, wds, *, lr, betas, eps, beta3, bounds, world_size, interval) -> None:
-    """The naive Slamb's step, transcribed: full bias correction, decay inside the norms, staleness counters,
-    phi = clamp(r phi_F + (1 - r) phi_U, c_min, c_max) over the raw ratios (fallback 1), 1-D tensors unclamped."""
-    beta1, beta2 = betas
-    state = {}
-    for t, (step_grads, step_masks) in enumerate(zip(grads, masks, strict=True), start=1):
-        for p, g, mask, wd in zip(params, step_grads, step_masks, wds, strict=True):
-            m, v, j = state.setdefault(id(p), (torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)))
-            m.mul_(beta1).add_(g, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            u = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps) + wd * p
-            j.add_(1).mul_(~mask)
-            if p.dim() == 1:
-                p.sub_(lr * _ratio(p, u, 1.0) * u)
-                continue
-            r = beta3**j
-            phi = (r * _ratio(p[mask], u[mask], 1.0) + (1 - r) * _ratio(p[~mask], u[~mask], 1.0)).clamp(*bounds)
-            p.sub_(phi * (r * lr + (1 - r) * lr / math.sqrt(world_size)) * u)
-
-
-def _compare_with_official(reference, options: dict, world_size: int, shrink_fresh: bool = False) -> None:
-    """SLAMB with `options` on N identical (mirrored) ranks against `reference` fed SLAMB's own masks."""
-    params = [nn.Parameter(t.clone()) for t in _initial_params()]
-    wds = [0.01] * 4 + [0.0]
-    optimizer = SLAMB([{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:], "weight_decay": 0.0}],
-                      comm=_MirrorComm(world_size), **options)
-    masks = [optimizer.sync_masks(t) for t in range(1, N_STEPS + 1)]
-    if shrink_fresh:  # phi_F far below c_min at step 1: clamping before or after the interpolation differs
-        with torch.no_grad():
-            for p, mask in zip(params, masks[0], strict=True):
-                if p.dim() > 1 and not mask.all():
-                    p[mask] *= 1e-4
-    expected = [p.detach().clone() for p in params]
-    grads = [[_grad(0, t, i) for i in range(len(SHAPES))] for t in range(1, N_STEPS + 1)]
-    for step_grads in grads:
-        for p, g in zip(params, step_grads, strict=True):
-            p.grad = g
-        optimizer.step()
-    reference(expected, grads, masks, wds, lr=options["lr"], betas=tuple(options["betas"]), eps=options["eps"],
-              beta3=options["beta3"], bounds=tuple(options["trust_ratio_bounds"]), world_size=world_size,
-              interval=options["sync_interval"])
-    for got, want in zip(params, expected, strict=True):
-        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("world_size", [1, 4])
-def test_v2_official_preset_equals_the_official_slamb_v2_step(world_size):
-    options = _preset("slamb_v2_official", compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=H,
-                      beta3=BETA3, lr=1e-2)
-    assert options["wd_in_trust_ratio"] is False and options["mask"] == "bernoulli"
-    _compare_with_official(_official_v2, options, world_size)
-
-
-NAIVE = dict(mask="cyclic", rescale="product_of_interpolations", bias_correction_form="full",
-             stale_ratio_fallback=1, clamp_1d=False, wd_in_trust_ratio=True,
-             freshness_dtype="fp32")  # the naive Slamb counts staleness exactly; fp16 r is within 2^-11 of it
-
-
-@pytest.mark.parametrize("shrink_fresh", [False, True])
-def test_naive_switches_equal_the_official_naive_slamb_step(shrink_fresh):
-    """The product form interpolates the raw ratios and clamps the result, as the official naive Slamb."""
-    options = _preset("slamb", compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=H, beta3=BETA3,
-                      lr=1e-2, **NAIVE)
-    _compare_with_official(_official_naive, options, 4, shrink_fresh=shrink_fresh)
-
-
+# --------------------------------------------------------------------------------------------- bytes
 def test_fp16_momentum_payload_is_half_the_fp32_bytes():
     """comm_dtype fp16 sends 2 bytes per synced coordinate: half of fp32's, on steps without a dense sync."""
     sent = {}
     for dtype in ("fp32", "fp16"):
         params = [nn.Parameter(t.clone()) for t in _initial_params()]
-        comm = _MirrorComm(2)
+        comm = MirrorComm(2)
         optimizer = SLAMB(params, comm=comm, comm_dtype=dtype, compress_ratio=K, min_compress_numel=MIN_NUMEL,
                           sync_interval=H)
         for t in range(1, 4):
@@ -494,7 +360,7 @@ def test_fp16_momentum_payload_is_half_the_fp32_bytes():
 
 
 # --------------------------------------------------------------------------------------------- host syncs
-_SLAMB_FILES = (str(REPO / "optim" / "slamb.py"), str(REPO / "optim" / "_math.py"))
+_SLAMB_FILES = (str(REPO / "optim" / "slamb") + os.sep, str(REPO / "optim" / "_math.py"))
 
 
 @pytest.fixture
@@ -516,13 +382,13 @@ def test_multi_rank_step_reads_nothing_on_the_host(host_reads, options):
     """Sizes come from the layout, ratios stay on the device: not one host read in a step, dense syncs included."""
     params = [nn.Parameter(t.clone()) for t in _initial_params()]
     optimizer = SLAMB([{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:], "weight_decay": 0.0}],
-                      comm=_MirrorComm(4), compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=2, **options)
+                      comm=MirrorComm(4), compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=2, **options)
     for step in range(1, 5):
         for i, p in enumerate(params):
             p.grad = _grad(0, step, i)
         optimizer.step()
         if step == 1:  # the first step's one read: the ranks' check that they drew the same masks
-            assert len(host_reads) == 1 and "slamb.py" in host_reads[0]
+            assert len(host_reads) == 1 and "_masks.py" in host_reads[0]
             host_reads.clear()
     assert host_reads == []
 
@@ -540,7 +406,7 @@ def test_cuda_step_makes_no_device_sync(options):
     """On a GPU the step, on the multi-rank path, runs under sync debug mode "error": any sync raises."""
     params = [nn.Parameter(t.clone().cuda()) for t in _initial_params()]
     optimizer = SLAMB([{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:], "weight_decay": 0.0}],
-                      comm=_MirrorComm(4), compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=2, **options)
+                      comm=MirrorComm(4), compress_ratio=K, min_compress_numel=MIN_NUMEL, sync_interval=2, **options)
     grads = [[_grad(0, step, i).cuda() for i in range(len(SHAPES))] for step in range(1, 5)]
     optimizer.step()  # builds the layout (its one-off copies from the host may sync)
     torch.cuda.synchronize()
@@ -565,7 +431,7 @@ def _ops_per_step(tensors: int, options: dict) -> int:
     generator = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn((32, 32) if i % 2 else (34, 30), generator=generator)) for i in range(tensors)]
     params.append(nn.Parameter(torch.randn(32, generator=generator)))  # always synced
-    optimizer = SLAMB(params, comm=_MirrorComm(2), min_compress_numel=500, **options)
+    optimizer = SLAMB(params, comm=MirrorComm(2), min_compress_numel=500, **options)
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator)
     optimizer.step()  # the first builds the layout and checks that the ranks agree on the masks
@@ -576,8 +442,8 @@ def _ops_per_step(tensors: int, options: dict) -> int:
 def test_step_dispatches_a_number_of_ops_independent_of_the_number_of_tensors(monkeypatch, options):
     """On a GPU each op Python dispatches costs microseconds of host time whatever its size: with a GPU's layout
     (whole tensors, one chunk) four times the masked tensors may not cost more than a few ops more."""
-    monkeypatch.delitem(slamb_module._PIECE_NUMEL, "cpu")
-    monkeypatch.setitem(slamb_module._CHUNK_NUMEL, "cpu", 1 << 26)
+    monkeypatch.delitem(_layout._PIECE_NUMEL, "cpu")
+    monkeypatch.setitem(_layout._CHUNK_NUMEL, "cpu", 1 << 26)
     few, many = _ops_per_step(8, options), _ops_per_step(32, options)
     assert many - few <= 4, (few, many)
 
