@@ -42,7 +42,7 @@ def test_a_worker_in_a_world_of_another_size_than_planned_fails_in_one_line(tmp_
 # The option checks on the way from `run()` to each optimizer: (registry name, module, the constructor's function).
 CHECKS = {
     "lamb": [("lamb", "optim.lamb", "check_lamb_options")],
-    "slamb": [("slamb", "optim.slamb", "check_slamb_options")],
+    "slamb": [("slamb", "optim.slamb.optimizer", "check_slamb_options")],
     "onebit_lamb": [("onebit_lamb", "optim.onebit_lamb", "check_onebit_lamb_options")],
     "adamw": [("adamw", "optim.adamw", "check_adam_hyperparameters")],  # torch's constructor has its own checks
     "jointspar": [("jointspar", "optim.jointspar", "check_jointspar_options"),
