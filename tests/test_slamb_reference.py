@@ -283,15 +283,12 @@ def _first_step_worker(rank: int, world_size: int, options: dict) -> list[torch.
 
 
 @pytest.mark.slow
-def test_naive_form_on_four_ranks_is_within_rounding_amplified_by_the_stale_norm_cancellation():
-    """Why the naive form on 4 ranks with distinct gradients is further from the official Slamb than on mirrored
-    ranks: not the averaging order, lr / sqrt(N) or the freshness (the reference matches the official step to
-    fp32 rounding on 1, 2 and 4 ranks), but the stale norms, which the fast path forms as
-    sqrt(||u||^2 - ||u_F||^2) to spare a pass over the stale coordinates. Their fp32 rounding is amplified by
-    ||u_F||^2 / ||u_U||^2, which distinct gradients drive up: at S_t the averaged momentum meets the local v, so
-    u_F has outliers (step 1: a mean gradient over one rank's |g|). Measured at step 1: that factor reaches 463
-    on a rank and that tensor's stale steps are 1e-4 of their size from a float64 reference, its fresh ones
-    7e-7; with the stale norm taken directly, 3e-6 from an fp32 reference."""
+def test_stale_steps_stay_within_rounding_when_distinct_gradients_give_fresh_outliers():
+    """The naive form on 4 ranks with distinct gradients against a float64 reference, at step 1, where the fresh
+    direction has outliers (at S_t the averaged momentum meets the local v: a mean gradient over one rank's |g|),
+    so ||u_F||^2 / ||u_U||^2 reaches 523 here. A stale norm formed as sqrt(||u||^2 - ||u_F||^2) multiplies its
+    fp32 rounding by that factor (measured on these draws: stale steps up to 2.9e-4 of their size off); SLAMB
+    takes the stale norm directly, and every stale step stays within 2.1e-5 whatever the factor (fresh: 2.7e-6)."""
     options = dict(_preset("slamb", **V2, **NAIVE), sync_offset=0)  # no dense sync after step 1
     world_size = 4
     ranks = run_on_ranks(_first_step_worker, world_size, options)
@@ -313,5 +310,5 @@ def test_naive_form_on_four_ranks_is_within_rounding_amplified_by_the_stale_norm
             fresh_error = float((got - want)[mask].norm() / step[mask].norm())
             stale_error = float((got - want)[~mask].norm() / step[~mask].norm())
             assert fresh_error < 1e-5, (i, rank, fresh_error)
-            assert stale_error < 1e-5 * max(1.0, factor / 10), (i, rank, stale_error, factor)
+            assert stale_error < 5e-5, (i, rank, stale_error, factor)  # the same bound at any factor
     assert max(factors) > 100  # mirrored ranks (u_F and u_U alike) never get there

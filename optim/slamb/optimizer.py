@@ -394,31 +394,34 @@ class SLAMB(torch.optim.Optimizer):
         their fallbacks for zero norms.
 
         Fresh norms come from the few selected coordinates, gathered into compact buffers (the weights by
-        `Layout.gather_weights`); stale ones by difference from the whole-tensor norms, so no pass touches the
-        stale 90 % twice. The difference multiplies the norms' fp32 rounding by ||u_F||^2 / ||u_U||^2, which
-        distinct gradients drive up (at S_t the rank-averaged m meets the local v, so u_F has outliers): at step 1
-        on 2 and 4 gloo ranks it reached 476 and 463 and those tensors' stale steps were 5.7e-4 and 1.0e-4 of their
-        size from a float64 reference (fresh steps: within 3e-6). Rounding, not a wrong formula: a stale norm taken
-        directly (fresh rows zeroed for the norm's pass, then restored) brings them within 6e-6 of an fp32
-        reference at no extra pass, but changes every configuration's bits.
+        `Layout.gather_weights`). The direction's stale norms are taken directly: the selected rows are zeroed for
+        the one norm pass over the chunk, then put back. A difference of squares, sqrt(||u||^2 - ||u_F||^2), would
+        spare that scatter but multiplies the norms' fp32 rounding by ||u_F||^2 / ||u_U||^2, which distinct
+        gradients drive up (at S_t the rank-averaged m meets the local v, so u_F has outliers): measured at step 1
+        on 2 and 4 gloo ranks, that factor reached 476 and 463, and those tensors' stale steps were 5.7e-4 and
+        1.0e-4 of their size from a float64 reference. The weights' stale norms stay a difference: w has no such
+        outliers.
         """
         params = [s.param for s in chunk.slots]
         w_total = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
-        u_total = torch.stack(torch._foreach_norm(chunk.directions))
-        w_fresh, u_fresh = w_total, u_total
-        if chunk.masked:
-            u_selected, w_selected = layout.selected(chunk, mask)
-            mask.select(layout.work[:chunk.padded], u_selected)
-            if mask.valid is not None:  # padding duplicates a selected coordinate: count it once
-                u_selected.mul_(mask.valid)
-                w_selected.mul_(mask.valid)
-            w_parts, u_parts = w_selected.split(mask.sizes), u_selected.split(mask.sizes)
-            always = len(chunk.slots) - len(chunk.masked)
-            w_fresh = torch.cat([w_total[:always], torch.stack(torch._foreach_norm(w_parts))])
-            u_fresh = torch.cat([u_total[:always], torch.stack(torch._foreach_norm(u_parts))])
-        u_total, u_fresh = u_total * unit, u_fresh * unit
+        if not chunk.masked:  # every coordinate is fresh: phi_U is the fallback, and is never used
+            u_total = torch.stack(torch._foreach_norm(chunk.directions)) * unit
+            return trust_ratio(w_total, u_total), torch.full_like(w_total, self.stale_ratio_fallback)
+        work = layout.work[:chunk.padded]
+        u_selected, w_selected = layout.selected(chunk, mask)
+        mask.select(work, u_selected)
+        mask.put(work, torch.zeros_like(u_selected))
+        u_rest = torch.stack(torch._foreach_norm(chunk.directions))  # masked slots: over their stale coordinates
+        mask.put(work, u_selected)
+        if mask.valid is not None:  # padding duplicates a selected coordinate: count it once
+            u_selected.mul_(mask.valid)
+            w_selected.mul_(mask.valid)
+        w_parts, u_parts = w_selected.split(mask.sizes), u_selected.split(mask.sizes)
+        always = len(chunk.slots) - len(chunk.masked)  # the chunk's first slots are synced whole every step
+        w_fresh = torch.cat([w_total[:always], torch.stack(torch._foreach_norm(w_parts))])
+        u_fresh = torch.cat([u_rest[:always], torch.stack(torch._foreach_norm(u_parts))]) * unit
+        u_stale = torch.cat([torch.zeros_like(u_rest[:always]), u_rest[always:]]) * unit
         w_stale = (w_total.square() - w_fresh.square()).clamp_(min=0).sqrt_()
-        u_stale = (u_total.square() - u_fresh.square()).clamp_(min=0).sqrt_()
         fresh = trust_ratio(w_fresh, u_fresh)  # 1 when a norm is 0
         stale = torch.where((w_stale > 0) & (u_stale > 0), w_stale / u_stale,
                             torch.full_like(w_stale, self.stale_ratio_fallback))
