@@ -4,6 +4,7 @@ across seeds and process counts, resume after interruption, input formats and in
 from __future__ import annotations
 
 import bz2
+import importlib.metadata
 import json
 import os
 import shutil
@@ -20,7 +21,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from data.corpus.pipeline import PhaseConfig, PrepareConfig, chunk_seed, iter_chunks, prepare
-from data.corpus.sources import CorpusError, CorpusSource, Document, SourceConfig, document_sentences, file_documents
+from data.corpus.sources import (
+    SENTENCE_SPLITTER,
+    CorpusError,
+    CorpusSource,
+    Document,
+    SourceConfig,
+    document_sentences,
+    file_documents,
+)
 from data.text.masking import IGNORE_INDEX, MLMMasker
 from data.text.nsp import RANDOM_SENTENCE
 from data.text.pretraining import build_pretraining_dataset
@@ -146,6 +155,7 @@ def test_manifest_records_every_parameter_and_checksum(prepared):
                 "sources", "vocab_path", "train_vocab"):
         assert key in config
     assert manifest["dupe_factor"] == 2 and manifest["masking"] == "static" and manifest["seed"] == 7
+    assert manifest["sentence_splitter"] == SENTENCE_SPLITTER
     assert len(manifest["vocab"]["sha256"]) == 64 and manifest["vocab"]["tokens"] == 30522
     assert all(len(r["sha256"]) == 64 for r in manifest["shards"])
     assert manifest["inputs"][0]["files"][0][0].endswith(".txt")
@@ -291,3 +301,11 @@ def test_bad_parameters_name_the_key(corpus, tmp_path):
         prepare(small_config(corpus, tmp_path / "o", dupe_factor=0))
     with pytest.raises(ValueError, match=r"phases\.phase1"):
         prepare(small_config(corpus, tmp_path / "o", phases={"phase1": PhaseConfig(64, 64)}))
+
+
+def test_real_corpora_split_sentences_with_pysbd_and_record_it():
+    assert document_sentences(Document("The U.S. Army was founded in 1775.", "prose")) == [
+        "The U.S. Army was founded in 1775."]
+    assert document_sentences(Document("See e.g. Fig. 3 for details. Next sentence.", "prose")) == [
+        "See e.g. Fig. 3 for details.", "Next sentence."]
+    assert f"pysbd {importlib.metadata.version('pysbd')}" == SENTENCE_SPLITTER

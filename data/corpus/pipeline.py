@@ -40,7 +40,14 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from data.corpus.sources import CorpusError, CorpusSource, Document, document_sentences, source_config
+from data.corpus.sources import (
+    SENTENCE_SPLITTER,
+    CorpusError,
+    CorpusSource,
+    Document,
+    document_sentences,
+    source_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +311,7 @@ def _phase_manifest(cfg: PrepareConfig, name: str, phase: PhaseConfig, records: 
         "short_seq_prob": cfg.short_seq_prob,
         "dupe_factor": cfg.dupe_factor,
         "seed": cfg.seed,
+        "sentence_splitter": SENTENCE_SPLITTER,
         "vocab": {"file": "vocab.txt", "sha256": sha256_file(vocab), "tokens": vocab_tokens, "lowercase": True,
                   "source": "trained on the corpus" if cfg.train_vocab else str(vocab)},
         "counts": totals,
@@ -330,7 +338,8 @@ def prepare(cfg: PrepareConfig) -> dict[str, dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     vocab = _resolve_vocab(cfg, sources, out)
     config = {k: v for k, v in asdict(cfg).items() if k not in _RUNTIME_KEYS}
-    _check_state(out, {"config": config, "inputs": inputs, "vocab_sha256": sha256_file(vocab)})
+    _check_state(out, {"config": config, "inputs": inputs, "vocab_sha256": sha256_file(vocab),
+                      "sentence_splitter": SENTENCE_SPLITTER})
     for name in cfg.phases:
         (out / name).mkdir(exist_ok=True)
         _clean_temporaries(out / name)

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import importlib.metadata
 import json
 import re
 import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -52,6 +54,9 @@ _WIKI_DOC = re.compile(r"<doc\b([^>]*)>(.*?)</doc>", re.DOTALL)
 _WIKI_TITLE = re.compile(r'title="([^"]*)"')
 _RST_ROLE = re.compile(r":[\w:.+-]+:`~?([^`<]*?)(?:\s*<[^`>]*>)?`")  # :func:`~os.path.join <x>` -> os.path.join
 _RST_DIRECTIVE = re.compile(r"^\s*\.\.(\s|$)")  # ".. note::", ".. _label:", comments
+# pysbd: rule-based, pure Python, no data download (NLTK's punkt, which NVIDIA's formatter uses, needs one). Its
+# name and version go into every manifest, so shards split by another splitter are told apart.
+SENTENCE_SPLITTER = f"pysbd {importlib.metadata.version('pysbd')}"
 PYTHON_DOCS_PACKAGE = "python3.11-doc"
 PYTHON_DOCS_SOURCES = "usr/share/doc/python3.11/html/_sources"
 
@@ -65,15 +70,28 @@ class Document(NamedTuple):
     format: DocFormat  # prose: split_sentences; lines: one sentence per line; rst: markup removed, then prose
 
 
+@lru_cache
+def _segmenter():
+    import pysbd  # here: only preparation workers split sentences
+
+    return pysbd.Segmenter(language="en", clean=False)
+
+
+def split_prose(prose: str) -> list[str]:
+    """Sentences of running text by pysbd, which keeps abbreviations ("U.S.", "e.g.", "Fig. 3") inside them."""
+    return _segmenter().segment(prose)
+
+
 def document_sentences(doc: Document) -> list[str]:
-    """The document's sentences, by the rule its format names (see :mod:`data.text.demo_corpus` for prose)."""
+    """The document's sentences, by the rule its format names: blocks and code as in :mod:`data.text.demo_corpus`,
+    prose by :func:`split_prose`."""
     if doc.format == "lines":
         return [" ".join(line.split()) for line in doc.text.splitlines() if line.strip()]
     text = doc.text
     if doc.format == "rst":
         text = _RST_ROLE.sub(r"\1", text)
         text = "\n".join("" if _RST_DIRECTIVE.match(line) else line for line in text.splitlines())
-    return split_sentences(text)
+    return split_sentences(text, split_prose)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ Sentence rule (documented because NSP splits A/B at sentence boundaries):
 4. Otherwise the block is prose: its wrapped lines are joined with spaces and split after ``.``, ``!`` or
    ``?`` when whitespace and then an upper-case letter, a digit, or an opening quote, bracket or ``*``
    follows. Abbreviations such as "e.g." followed by a lower-case word therefore do not split.
+   This regex stays for the demo corpus only, whose preparation must stay byte-stable; real corpora pass a
+   trained splitter as ``split_prose`` (:mod:`data.corpus.sources`).
 
 Whitespace inside each sentence is collapsed to single spaces; empty sentences are dropped.
 """
@@ -24,6 +26,7 @@ Whitespace inside each sentence is collapsed to single spaces; empty sentences a
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pydoc_data.topics import topics
 
 _PUNCTUATION_ONLY = re.compile(r"^[\s*=\-~^+#|_`'\"]+$")
@@ -41,8 +44,12 @@ def _is_code_block(lines: list[str]) -> bool:
     return _SENTENCE_END.search(lines[-1].rstrip()) is None
 
 
-def split_sentences(text: str) -> list[str]:
-    """Split one document's text into sentences with the rule in the module docstring."""
+def _split_prose_regex(prose: str) -> list[str]:
+    return _SENTENCE_SPLIT.split(prose)
+
+
+def split_sentences(text: str, split_prose: Callable[[str], list[str]] = _split_prose_regex) -> list[str]:
+    """Split one document's text into sentences with the rule in the module docstring (rule 4 is `split_prose`)."""
     sentences: list[str] = []
     for block in _BLOCK_SPLIT.split(text):
         lines = [line for line in block.splitlines() if line.strip() and not _PUNCTUATION_ONLY.match(line)]
@@ -51,7 +58,7 @@ def split_sentences(text: str) -> list[str]:
         if _is_code_block(lines):
             pieces = lines
         else:
-            pieces = _SENTENCE_SPLIT.split(" ".join(line.strip() for line in lines))
+            pieces = split_prose(" ".join(line.strip() for line in lines))
         sentences.extend(" ".join(piece.split()) for piece in pieces if piece.strip())
     return sentences
 
