@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY, compose
+from omegaconf import OmegaConf
 from test_squad import QA_TINY
 
 import train.run_dir
@@ -18,6 +19,7 @@ from train.run_dir import RunDir
 LAYOUT = {
     "config_file": ".hydra/config.yaml",
     "overrides_file": ".hydra/overrides.yaml",
+    "choices_file": ".hydra/choices.yaml",
     "checkpoints_dir": "checkpoints",
     "metrics_file": "metrics.jsonl",
     "log_file": "train.log",
@@ -53,11 +55,18 @@ SQUAD = [*QA_TINY, "trainer.init_from=null", "trainer.epochs=null", "trainer.max
     (SQUAD, set(LAYOUT) - {"tensorboard_dir", "ema_export_dir"}),
 ], ids=["bert", "squad"])
 def test_a_run_writes_only_the_paths_run_dir_names(tmp_path, overrides, expected):
-    run(compose(overrides), tmp_path, overrides=overrides)
+    run(compose(overrides), tmp_path, overrides=overrides, choices={"model": "bert_tiny"})
     named = _named(RunDir(tmp_path))
     assert {name for name, path in named.items() if path.exists()} == expected
     for path in tmp_path.rglob("*"):  # a file, inside a named directory, or a directory holding a named path
         assert any(path == p or p in path.parents or path in p.parents for p in named.values()), path
+
+
+def test_the_group_choices_are_recorded_without_hydras_own(tmp_path):
+    choices = {"task": "bert_pretraining", "model": "bert_tiny", "experiment": None, "hydra/help": "slamb"}
+    RunDir(tmp_path).record_config(compose(), ["model=bert_tiny"], choices)
+    assert OmegaConf.load(RunDir(tmp_path).choices_file) == {"task": "bert_pretraining", "model": "bert_tiny",
+                                                             "experiment": None}
 
 
 def test_run_dir_imports_neither_torch_nor_transformers():

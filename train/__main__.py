@@ -1,4 +1,4 @@
-"""`python -m train [overrides]`: the Hydra entry point (the demo by default; `experiment=...` for recipes)."""
+"""`python -m train [overrides]` or `slamb-train`: the Hydra entry point (the demo by default; `experiment=...`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     with user_errors_exit():  # a bad value, data file or run directory: one line naming what to fix
         hydra_cfg = HydraConfig.get()
-        run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
+        run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task),
+            choices=dict(hydra_cfg.runtime.choices))
 
 
 def accept_appended_experiment(argv: list[str]) -> list[str]:
@@ -28,6 +29,11 @@ def accept_appended_experiment(argv: list[str]) -> list[str]:
     return [arg[1:] if arg.startswith("+experiment=") else arg for arg in argv]
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m train` and the `slamb-train` console script: one entry, so both accept the same arguments."""
     sys.argv = accept_appended_experiment(sys.argv)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -30,8 +31,10 @@ from train.run_dir import RunDir
 _SIGNALLED_WORKER_GRACE_S = 5.0  # how long a stopped worker waits for its elastic agent before leaving
 
 
-def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None) -> None:
-    """Train as configured in `run_dir`, with `overrides` (the command line) recorded beside the checkpoints.
+def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None,
+        choices: Mapping[str, str | None] | None = None) -> None:
+    """Train as configured in `run_dir`, with `overrides` (the command line) and `choices` (the config group
+    choices) recorded beside the checkpoints.
 
     Every user error is raised here, before any worker starts: `ConfigError` for values that cannot work, a
     missing data file, or a run directory whose checkpoints this run cannot continue (`RunDirectoryError`).
@@ -43,7 +46,7 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None
     build_data(cfg.data, plan.data_request(rank=0), dry=True)  # paths and keys only: nothing is read
     check_run_directory(cfg, Path(run_dir), plan.geometry)
     if launch_rank() == 0:
-        RunDir(run_dir).record_config(cfg, overrides)
+        RunDir(run_dir).record_config(cfg, overrides, choices)
     nproc = cfg.trainer.nproc_per_node
     if nproc > 1 and not launched_externally():
         launch_local_workers(train_worker, nproc, plan)

@@ -3,7 +3,8 @@
     runs/<name>/
     ├── .hydra/
     │   ├── config.yaml          the accepted config, resolved (only an accepted run rewrites it)
-    │   └── overrides.yaml       its command-line overrides
+    │   ├── overrides.yaml       its command-line overrides
+    │   └── choices.yaml         the option picked in each config group (model: bert_large, optim: slamb, ...)
     ├── checkpoints/             step_00000200/ (meta.json, shared.pt, rank_00000.pt, ...) and best.json:
     │                            see train.checkpoint, which owns what is inside
     ├── metrics.jsonl            one record per logged step: train and eval/ metrics, time, elapsed
@@ -23,7 +24,7 @@ This module imports nothing heavy (no torch), so reporting tools that only read 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,10 @@ class RunDir:
     @property
     def overrides_file(self) -> Path:
         return self.path / _RECORDED_CONFIG_DIR / "overrides.yaml"
+
+    @property
+    def choices_file(self) -> Path:
+        return self.path / _RECORDED_CONFIG_DIR / "choices.yaml"
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -92,14 +97,20 @@ class RunDir:
     def summary_file(self) -> Path:
         return self.path / "summary.json"
 
-    def record_config(self, cfg: DictConfig, overrides: Sequence[str] | None) -> None:
-        """Write the run's resolved config (and its command-line overrides) beside its checkpoints, atomically."""
+    def record_config(self, cfg: DictConfig, overrides: Sequence[str] | None,
+                      choices: Mapping[str, str | None] | None = None) -> None:
+        """Write the run's resolved config, its command-line overrides and its config group choices (Hydra's
+        `runtime.choices`, less Hydra's own `hydra/` groups) beside its checkpoints, atomically: the resolved
+        config alone does not say which preset a value came from."""
         from data.atomic import atomic_write_text  # here: the data package imports torch
 
         self.config_file.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.config_file, OmegaConf.to_yaml(cfg, resolve=True))
         if overrides is not None:
             atomic_write_text(self.overrides_file, OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+        if choices is not None:
+            picked = {group: choice for group, choice in choices.items() if not group.startswith("hydra/")}
+            atomic_write_text(self.choices_file, OmegaConf.to_yaml(OmegaConf.create(picked)))
 
     def recorded_config(self) -> DictConfig | None:
         """The config the run's checkpoints were trained with (None before any run was accepted here)."""
