@@ -128,7 +128,11 @@ def finished_as_asked(run_dir: Path, overrides: list[str]) -> bool:
     if not (summary.is_file() and recorded.is_file()):
         return False
     asked = [o for o in overrides if not o.startswith("hydra.")]
-    return json.loads(summary.read_text()).get("finished") is True and yaml.safe_load(recorded.read_text()) == asked
+    try:
+        finished = json.loads(summary.read_text()).get("finished") is True
+    except ValueError:  # cut mid-write: the run, resumed, writes it again
+        return False
+    return finished and yaml.safe_load(recorded.read_text()) == asked
 
 
 def train(label: str, overrides: list[str], run_dir: Path) -> None:
@@ -177,7 +181,10 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     path = RunDir(run_dir).summary_file
     if not path.exists():
         raise UserError(f"{path} is missing: the run did not finish; rerun the same command to resume it")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise UserError(f"{path} is not valid JSON ({err}): delete it and rerun the same command") from None
 
 
 COLUMNS = ("optimizer", "pretraining loss", "bits/param/step", "vs lamb", "GB sent per rank", "step ms",
