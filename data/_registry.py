@@ -102,8 +102,8 @@ def check_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
 def build_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
     """This rank's training stream, held-out data and tokenizer for `data_cfg`.
 
-    `dry=True` checks what can be checked without reading the dataset (paths, manifests, vocabularies),
-    writes nothing, and returns None.
+    `dry=True` checks what can be checked without reading the dataset (paths, manifests, vocabularies; every
+    shard's checksum too where the kind is asked to, `data.verify_shards`), writes nothing, and returns None.
     """
     return get_data_kind(data_cfg.get("name")).build(data_cfg, request, dry)
 

@@ -20,6 +20,10 @@ Samples are fetched with ``dataset.get_item(index, epoch)`` when the dataset has
 masking sees the epoch), otherwise with ``dataset[index]``; any indexable collection works. Samples are
 stacked by ``collate_fn``, by default the dataset's own ``collate`` when it has one, else torch's
 ``default_collate``.
+
+A user error the dataset raises (a corrupt shard, a missing file) reaches the caller as itself, from a worker
+process too: the DataLoader would re-raise it wrapped in the worker's traceback, so a worker hands it back as the
+batch instead (`_Failure`) and ``__next__`` raises it, for the command's one-line report.
 """
 
 from __future__ import annotations
@@ -29,7 +33,15 @@ from typing import Any
 
 import torch
 
+from conf.checks import USER_ERRORS
 from data.sampler import ResumableDistributedSampler
+
+
+class _Failure:
+    """A user error raised while fetching a batch, carried to the main process as the batch itself."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 class _EpochKeyedView(torch.utils.data.Dataset):
@@ -41,9 +53,21 @@ class _EpochKeyedView(torch.utils.data.Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
-        if self._get_item is not None:
-            return self._get_item(index, epoch)
-        return self.dataset[index]
+        try:
+            return self._get_item(index, epoch) if self._get_item is not None else self.dataset[index]
+        except USER_ERRORS as error:
+            return _Failure(error)
+
+
+class _CollateOrFail:
+    """The loader's collate function, except that a batch with a failed sample becomes that `_Failure`."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        failure = next((s for s in samples if isinstance(s, _Failure)), None)
+        return failure if failure is not None else self.collate_fn(samples)
 
 
 class _BatchPlan:
@@ -121,6 +145,8 @@ class ResumableLoader:
         if self._iterator is None:
             self._iterator = iter(self._make_dataloader())
         batch = next(self._iterator)
+        if isinstance(batch, _Failure):
+            raise batch.error
         # Count only batches handed to the caller: workers may have fetched more, which a resume redoes.
         self.epoch, self.index = self.next_position(self.epoch, self.index)
         return batch
@@ -131,7 +157,7 @@ class ResumableLoader:
             batch_sampler=_BatchPlan(self, self.epoch, self.index),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-            collate_fn=self.collate_fn,
+            collate_fn=_CollateOrFail(self.collate_fn),
             # Private generator: DataLoader draws its worker base seed from here, not from the global RNG.
             generator=torch.Generator().manual_seed(self.sampler.seed),
         )

@@ -1,15 +1,17 @@
 """`python -m data.prepare corpus=<name> output_dir=<dir>`: the Hydra entry point of the corpus pipeline.
 
 The config tree is conf/prepare/ (config.yaml + corpus/<name>.yaml); the work is :mod:`data.corpus.pipeline`.
-A rerun of the same command resumes an interrupted preparation; exit code 2 means a value or input to fix.
+A rerun of the same command resumes an interrupted preparation; a value or input to fix is one line on stderr
+with exit code 2. The resolved config is recorded in `<output_dir>/.hydra/` once the preparation has finished, so a
+refused rerun (another config in the same directory) leaves the record of the shards' config as it was.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
+from typing import TYPE_CHECKING
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 def register_prepare_configs() -> None:
@@ -24,22 +26,35 @@ def register_prepare_configs() -> None:
 def main() -> None:
     """Compose the preparation config from the command line and run the pipeline; user errors exit 2."""
     import hydra
-    from omegaconf import DictConfig, OmegaConf
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
+    from conf.checks import user_errors_exit
     from data.corpus.pipeline import prepare
-    from data.corpus.sources import CorpusError
 
     register_prepare_configs()
 
     @hydra.main(config_path="../conf/prepare", config_name="config", version_base="1.3")
     def _run(cfg: DictConfig) -> None:
-        try:
+        with user_errors_exit():
             prepare(OmegaConf.to_object(cfg))
-        except (CorpusError, ValueError) as err:
-            log.error("%s", err)
-            sys.exit(2)
+            record_config(cfg, list(HydraConfig.get().overrides.task))
 
     _run()
+
+
+def record_config(cfg: DictConfig, overrides: list[str]) -> None:
+    """`<output_dir>/.hydra/config.yaml` and `overrides.yaml`: what the finished shards were prepared with."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from data.atomic import atomic_write_text
+
+    record = Path(cfg.output_dir).expanduser() / ".hydra"
+    record.mkdir(exist_ok=True)
+    atomic_write_text(record / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    atomic_write_text(record / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,12 @@ def test_dry_build_checks_the_shards_manifest_against_the_config(tmp_path):
         build_data(cfg.data, REQUEST, dry=True)
 
 
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("bert_large_*")))
+def test_cluster_recipes_verify_every_shard_before_training(experiment):
+    data = compose([f"experiment={experiment}"]).data
+    assert data.name != "shards" or data.verify_shards is True
+
+
 def test_data_imports_neither_optim_nor_train():
     code = ("import sys, data, data.prepare, data.corpus.pipeline; data.list_data_kinds(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('optim', 'train')))")

@@ -65,6 +65,43 @@ def test_a_corrupt_shard_fails_when_read_naming_the_file(prepared, tokenizer, tm
         dataset[dataset.instances.shard_sizes[0]]
 
 
+def test_a_corrupt_shard_read_by_a_loader_worker_is_its_one_line_error(prepared, tokenizer, tmp_path):
+    """The DataLoader wraps a worker's exception in the worker's traceback; the loader raises the error itself."""
+    directory = _copy(prepared, tmp_path)
+    path = directory / shard_name(0)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    dataset = _dataset(directory, tokenizer)
+    loader = ResumableLoader(dataset, 4, 0, 1, seed=0, num_workers=1, shuffle=False)
+    with pytest.raises(ShardError) as info:
+        next(loader)
+    assert str(info.value).splitlines() == [str(info.value)] and str(info.value).startswith(f"shard {path} is corrupt")
+    assert loader.state_dict()["index"] == 0  # nothing was consumed
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_verify_shards_checks_every_shard_before_training(prepared, tmp_path, verify):
+    """data.verify_shards: the dry build (the launching process) finds a corrupt shard training would reach late."""
+    from conftest import compose
+
+    from data import DataRequest, build_data
+
+    directory = _copy(prepared, tmp_path)
+    path = directory / shard_name(len(ShardSet(directory).records) - 1)  # the last shard: read last
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    cfg = compose(["data=shards", f"data.path={directory}", f"data.verify_shards={verify}",
+                   *(f"data.{key}={value}" for key, value in EXPECTED.items())])
+    request = DataRequest(rank=0, world_size=1, micro_batch_size=2, seed=0)
+    if verify:
+        with pytest.raises(ShardError, match=rf"^shard {path} is corrupt: sha256"):
+            build_data(cfg.data, request, dry=True)
+    else:
+        assert build_data(cfg.data, request, dry=True) is None
+
+
 def test_a_truncated_or_missing_shard_fails_at_open(prepared, tokenizer, tmp_path):
     directory = _copy(prepared, tmp_path)
     with open(directory / shard_name(2), "r+b") as f:

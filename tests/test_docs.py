@@ -253,7 +253,7 @@ def check_pipeline(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
         stages.append(command)
         return Finished()
 
-    monkeypatch.setattr(pipeline.subprocess, "run", record)
+    monkeypatch.setattr(pipeline, "run_stage", record)
     monkeypatch.setattr(pipeline, "squad_result", lambda run_dir: (0.0, 0.0))
     parse_or_fail(lambda: pipeline.main(args))
     assert len(stages) == len(pipeline.STAGES)

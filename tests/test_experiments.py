@@ -16,7 +16,15 @@ from conftest import REPO, compose
 
 from conf.checks import options_of
 from data import DataRequest, build_data
-from data.text.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, PREPARED_KEYS, VOCAB_NAME, sha256_file
+from data.text.shards import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    PREPARED_KEYS,
+    VOCAB_NAME,
+    sha256_file,
+    write_shard,
+)
 from data.text.tokenizer import DEFAULT_VOCAB_PATH
 from models import create_model
 from optim import build_optimizer
@@ -39,11 +47,13 @@ def _stand_in_data(kind: str, tmp_path: Path) -> list[str]:
 
 
 def _stand_in_shards(data_cfg, directory: Path) -> None:
-    """A prepared-shards directory as far as a dry build looks: its manifest (prepared keys, vocab) and vocab."""
+    """A prepared-shards directory as far as a dry build looks: its manifest (prepared keys, vocab), vocab and one
+    (empty) shard for data.verify_shards to check."""
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copy(DEFAULT_VOCAB_PATH, directory / VOCAB_NAME)
+    shard = write_shard(directory, 0, [], masked=data_cfg.masking == "static")
     manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "vocab": {"sha256": sha256_file(DEFAULT_VOCAB_PATH)},
-                **{key: data_cfg[key] for key in PREPARED_KEYS}}
+                "shards": [shard], **{key: data_cfg[key] for key in PREPARED_KEYS}}
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 

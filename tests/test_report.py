@@ -186,6 +186,22 @@ def test_bad_paths_exit_2_with_one_line(tmp_path, capsys, path, error):
     assert not (tmp_path / "report").exists()
 
 
+def test_an_out_file_or_a_cut_summary_exits_2_with_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "elapsed": 0.5}\n')
+    (tmp_path / "report.txt").write_text("")
+    (run / "summary.json").write_text('{"optimizer": "lamb", "fin')  # cut mid-write
+    for out, error in ((tmp_path / "report.txt", f"error: --out {tmp_path / 'report.txt'} is a file: name a folder "
+                                                 "for the table and plots"),
+                       (tmp_path / "report", f"error: {run / 'summary.json'} is not valid JSON (")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(run), "--out", str(out)])
+        assert exit_info.value.code == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith(error)
+
+
 @pytest.mark.slow
 def test_two_rank_summary_counts_the_bytes_the_records_show(tmp_path):
     result = run_train([*TINY, "optim=slamb", "trainer.nproc_per_node=2", "trainer.max_steps=4",

@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import pytest
 from conftest import compose
 
-from benchmarks.common import freeze_kinds
+from benchmarks.common import REPO, freeze_kinds
 from benchmarks.paper import reproduce
 from optim.zero_one_adam import zero_one_adam_step_kinds
 from train.config import validate
+from train.run_dir import RunDir
+
+TINY_BERT = ("model.hidden_size=32", "model.intermediate_size=64", "data.dupe_factor=1", "data.max_seq_len=32",
+             "data.max_predictions=5", "trainer.global_batch_size=8")
 
 
 def _option(overrides: list[str], key: str) -> int:
@@ -61,9 +70,7 @@ def test_bad_arguments_are_one_line_user_errors(capsys):
 def test_a_small_study_joins_its_runs_summaries(tmp_path, capsys):
     study = ["--out", str(tmp_path), "--corpus", "demo", "--optimizers", "lamb", "slamb", "--steps", "4",
              "--ranks", "2", "--squad-epochs", "1", "--swin-optimizers", "adamw", "--swin-epochs", "1",
-             *(f"--override={o}" for o in ("model.hidden_size=32", "model.intermediate_size=64", "data.dupe_factor=1",
-                                           "data.max_seq_len=32", "data.max_predictions=5",
-                                           "trainer.global_batch_size=8"))]
+             *(f"--override={o}" for o in TINY_BERT)]
     reproduce.main(study)
     table = (tmp_path / "comparison.md").read_text()
     capsys.readouterr()
@@ -82,3 +89,32 @@ def test_a_small_study_joins_its_runs_summaries(tmp_path, capsys):
     assert rows["adamw"]["Swin top-1"] and not rows["adamw"]["pretraining loss"]
     assert "| lamb |" in (tmp_path / "comparison.md").read_text()
     assert all((tmp_path / "report" / f).stat().st_size > 0 for f in ("table.md", "loss_vs_step.png"))
+
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_one_process_stage_saves_it_for_the_rerun(tmp_path):
+    """SIGINT to the study reaches the running `python -m train` stage, which saves its stop checkpoint; the study
+    exits 130 with one line, and the stage's next run resumes from that checkpoint."""
+    steps = 5000  # far more than the test waits for
+    study = ["--out", str(tmp_path), "--corpus", "demo", "--optimizers", "lamb", "--steps", str(steps),
+             "--ranks", "1", "--squad-epochs", "0", "--swin-optimizers", *(f"--override={o}" for o in TINY_BERT)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.paper.reproduce", *study], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "bert" / "lamb"
+    deadline = time.monotonic() + 120
+    while not RunDir(run_dir).metrics_file.is_file():  # training has started: a step was logged
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip().splitlines() == [f"stopped by SIGINT during bert lamb ({run_dir}); rerun the same command "
+                                        "to resume it"]
+    assert "SIGINT: stopping at step" in RunDir(run_dir).log_file.read_text()
+    command = reproduce.Study(reproduce.parse_args(study)).bert_command("lamb")
+    rerun = subprocess.run([sys.executable, "-m", "train", *command, "trainer.steps_this_run=1"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {RunDir(run_dir).checkpoints_dir}" in RunDir(run_dir).log_file.read_text()

@@ -136,3 +136,22 @@ def test_scaling_plot_is_a_png_with_a_panel_per_model(tmp_path):
             for model in ("bert_large", "swin_base") for opt in ("lamb", "slamb") for g in (8, 64, 1024)]
     path = write_scaling_plot(rows, tmp_path / "scaling.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--gpus", "0", "8"], "error: --gpus 0: GPU counts must be >= 1"),
+    (["--throughput", "bert_large"], "error: --throughput bert_large: must be MODEL=SAMPLES_PER_S"),
+    (["--throughput", "bert_large=fast"], "error: --throughput bert_large=fast: must be a positive number"),
+    (["--throughput", "bert_lage=600"], "error: --throughput bert_lage: unknown model; choose from bert_large, "),
+    (["--optimizers", "lamb", "sgd_plus"], "error: --optimizers sgd_plus: not runnable here; choose from "),
+    (["--runs", "{tmp}/nowhere"], "error: --runs {tmp}/nowhere: no summary.json there (not a finished run directory)"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, error, tmp_path, capsys, monkeypatch):
+    from benchmarks.paper import scaling
+
+    monkeypatch.setattr(scaling, "study", lambda *_: pytest.fail("the study started"))
+    with pytest.raises(SystemExit) as info:
+        scaling.main([a.format(tmp=tmp_path) for a in args])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(error.format(tmp=tmp_path))

@@ -4,7 +4,9 @@ Each stage is an ordinary `python -m train` run in its own run directory, starte
 stage: phase 2 from phase 1's run directory (its final checkpoint: weights and, with the preset's
 `trainer.init_optimizer_state=true`, LAMB's moments, as NVIDIA's recipe does), SQuAD from phase 2's exported
 weights. Rerunning the command resumes the stage that was interrupted; finished stages
-report that they are complete and are skipped.
+report that they are complete and are skipped. Ctrl-C (or SIGTERM) is passed on to the running stage, which saves
+its stop checkpoint; the pipeline then exits 130 (143) with a line naming the stage. A stage that refuses its
+configuration (exit 2) stops the pipeline with exit 2: fix the value its error names, then rerun.
 
     python -m train.pipeline --phase1 data.path=/data/wiki_books --phase2 data.path=/data/wiki_books
     python -m train.pipeline --all trainer.nproc_per_node=8 --phase1 data.path=... --phase2 data.path=... \
@@ -14,12 +16,13 @@ report that they are complete and are skipped.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
+from conf.checks import UserError, user_errors_exit
 from train.metrics import read_metrics
 from train.run_dir import RunDir
+from train.subprocess_stage import override, run_stage, stage_stops_exit
 
 STAGES = ("phase1", "phase2", "squad")
 EXPERIMENTS = {"phase1": "bert_large_phase1", "phase2": "bert_large_phase2", "squad": "bert_large_squad"}
@@ -37,11 +40,12 @@ def stage_command(stage: str, prefix: str, runs_dir: Path, overrides: list[str])
     """The `python -m train` command of one stage; each stage starts from the previous one: phase 2 from its run
     directory (weights and optimizer state), SQuAD (another model head, another optimizer) from its export."""
     run_dir = runs_dir / f"{prefix}_{stage}"
-    args = [f"experiment={EXPERIMENTS[stage]}", f"name={prefix}_{stage}", f"hydra.run.dir={run_dir}"]
+    args = [f"experiment={EXPERIMENTS[stage]}", override("name", f"{prefix}_{stage}"),
+            override("hydra.run.dir", run_dir)]
     previous = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
     if previous is not None:
         source = runs_dir / f"{prefix}_{previous}"
-        args.append(f"trainer.init_from={source if stage == 'phase2' else RunDir(source).export_dir}")
+        args.append(override("trainer.init_from", source if stage == "phase2" else RunDir(source).export_dir))
     return [sys.executable, "-m", "train", *args, *overrides]
 
 
@@ -49,7 +53,7 @@ def squad_result(run_dir: Path) -> tuple[float, float]:
     """(EM, F1) of the last evaluation logged in a SQuAD run directory."""
     evaluations = [r for r in read_metrics(run_dir) if "eval/f1" in r]
     if not evaluations:
-        raise RuntimeError(f"{run_dir} has no SQuAD evaluation in its {RunDir(run_dir).metrics_file.name}")
+        raise UserError(f"{run_dir} has no SQuAD evaluation in its {RunDir(run_dir).metrics_file.name}")
     return evaluations[-1]["eval/exact_match"], evaluations[-1]["eval/f1"]
 
 
@@ -69,13 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     for stage in STAGES:
         parser.add_argument(f"--{stage}", nargs="*", default=[], metavar="OVERRIDE", help=f"overrides for {stage}")
     args = parser.parse_args(argv)
-    for stage in STAGES:
-        command = stage_command(stage, args.prefix, args.runs_dir, [*args.all, *getattr(args, stage)])
-        print(f"== {stage}: {' '.join(command[1:])}", flush=True)
-        if subprocess.run(command).returncode != 0:
-            print(f"pipeline stopped: stage {stage} failed; rerun the same command to resume it", file=sys.stderr)
-            return 1
-    em, f1 = squad_result(args.runs_dir / f"{args.prefix}_squad")
+    with user_errors_exit(), stage_stops_exit():
+        for stage in STAGES:
+            command = stage_command(stage, args.prefix, args.runs_dir, [*args.all, *getattr(args, stage)])
+            print(f"== {stage}: {' '.join(command[1:])}", flush=True)
+            returncode = run_stage(command, f"stage {stage}").returncode
+            if returncode == 2:  # the stage printed what to fix; nothing of it ran
+                raise UserError(f"pipeline stopped: stage {stage} refused its settings (the line above names the "
+                                f"value); fix it in --{stage} or --all and rerun: finished stages are skipped")
+            if returncode != 0:
+                print(f"pipeline stopped: stage {stage} failed (exit {returncode}); rerun the same command to "
+                      "resume it", file=sys.stderr)
+                return 1
+        em, f1 = squad_result(args.runs_dir / f"{args.prefix}_squad")
     print(results_table(em, f1))
     return 0
 

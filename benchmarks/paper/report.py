@@ -73,9 +73,13 @@ def load_runs(paths: list[Path]) -> list[Run]:
 
 def _summary(run_dir: Path) -> dict[str, Any]:
     summary_file = RunDir(run_dir).summary_file
-    if summary_file.is_file():
+    if not summary_file.is_file():
+        return summary_from_records(run_dir)
+    try:
         return json.loads(summary_file.read_text())
-    return summary_from_records(run_dir)
+    except ValueError as err:
+        raise UserError(f"{summary_file} is not valid JSON ({err}): delete it to report the run from its "
+                        f"{RunDir(run_dir).metrics_file.name}") from None
 
 
 def summary_from_records(run_dir: Path) -> dict[str, Any]:
@@ -139,18 +143,25 @@ def main(argv: list[str] | None = None) -> None:
                         help="loss for the time-to-target column (default: the highest final loss among the runs)")
     args = parser.parse_args(argv)
     with user_errors_exit():
+        if args.out.exists() and not args.out.is_dir():
+            raise UserError(f"--out {args.out} is a file: name a folder for the table and plots")
         runs = load_runs(find_runs(args.paths))
+        write_report(runs, args.out, args.target_loss)
+
+
+def write_report(runs: list[Run], out: Path, target_loss: float | None) -> None:
+    """The table and plots of `runs` into `out`, and the table on stdout."""
     from benchmarks.paper.plots import write_plots  # matplotlib only once there is something to draw
 
-    target = args.target_loss if args.target_loss is not None else default_target_loss(runs)
+    target = target_loss if target_loss is not None else default_target_loss(runs)
     rows = table_rows(runs, target)
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows)
-    atomic_write_text(args.out / "table.md", table)
-    atomic_write_text(args.out / "table.csv", csv_table(rows))
-    plots = write_plots(runs, args.out)
+    atomic_write_text(out / "table.md", table)
+    atomic_write_text(out / "table.csv", csv_table(rows))
+    plots = write_plots(runs, out)
     print(table)
-    print(f"{len(runs)} run(s); wrote table.md, table.csv, {', '.join(p.name for p in plots)} to {args.out}")
+    print(f"{len(runs)} run(s); wrote table.md, table.csv, {', '.join(p.name for p in plots)} to {out}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ fine-tuning of each result, Swin on images, then the comparison table and the re
     python -m benchmarks.paper.reproduce --simulated-network 10gbe   # collectives take a modelled network's time
 
 Every stage is an ordinary `python -m train` run with its own run directory under `--out`, so rerunning the
-command resumes an interrupted study and skips finished runs (change `--out` to start afresh).
+command resumes an interrupted study and skips finished runs (change `--out` to start afresh). Ctrl-C (or SIGTERM)
+is passed on to the running stage, which saves its stop checkpoint before the study exits 130 (143).
 
 1. BERT pretraining (`--size`, default the 4.4M-parameter tiny BERT) on the prepared `python_docs` corpus
    (prepared on first use: it downloads Debian's python3.11-doc once; `--corpus demo` takes the embedded
@@ -41,6 +42,7 @@ from benchmarks.common import REPO, csv_table, markdown_table, runnable_optimize
 from conf.checks import UserError, user_errors_exit
 from data.atomic import atomic_write_text
 from train.run_dir import RunDir
+from train.subprocess_stage import StageStopped, override, run_stage, stage_stops_exit
 
 PYTHON_DOCS = REPO / "data" / "prepared" / "python_docs"
 SWIN_LR = {"lamb": 1.0e-2, "slamb": 1.0e-2, "slamb_v2_official": 1.0e-2}  # swin_demo's AdamW LR is 3e-3
@@ -99,23 +101,24 @@ class Study:
 
     def bert_command(self, name: str) -> list[str]:
         a = self.args
-        data = ["data=python_docs", f"data.path={a.corpus_path}"] if a.corpus == "python_docs" else ["data=demo"]
+        data = ["data=demo"] if a.corpus == "demo" else ["data=python_docs", override("data.path", a.corpus_path)]
         return [optimizer_choice(name), f"name=reproduce_bert_{name}", f"model=bert_{a.size}", *data,
                 f"trainer.max_steps={a.steps}", f"trainer.log_every={max(1, a.steps // 50)}",
                 "trainer.checkpoint_every=0", *schedule_overrides(name, a.steps), *self.parallel, *a.override,
-                f"hydra.run.dir={self.bert_dir(name)}"]
+                override("hydra.run.dir", self.bert_dir(name))]
 
     def squad_command(self, name: str) -> list[str]:
         weights = RunDir(self.bert_dir(name)).export_dir
-        return ["experiment=squad_demo", f"name=reproduce_squad_{name}", f"model.config_from={weights}",
-                f"trainer.init_from={weights}", "data.vocab_path=null", f"trainer.epochs={self.args.squad_epochs}",
-                *self.single, f"hydra.run.dir={self.squad_dir(name)}"]
+        return ["experiment=squad_demo", f"name=reproduce_squad_{name}", override("model.config_from", weights),
+                override("trainer.init_from", weights), "data.vocab_path=null",
+                f"trainer.epochs={self.args.squad_epochs}", *self.single,
+                override("hydra.run.dir", self.squad_dir(name))]
 
     def swin_command(self, name: str) -> list[str]:
         lr = [f"optim.lr={SWIN_LR[name]}"] if name in SWIN_LR else []
         return ["experiment=swin_demo", f"optim={name}", *lr, f"name=reproduce_swin_{name}",
                 f"trainer.epochs={self.args.swin_epochs}", "trainer.micro_batch_size=null", *self.parallel,
-                f"hydra.run.dir={self.swin_dir(name)}"]
+                override("hydra.run.dir", self.swin_dir(name))]
 
 
 def finished_as_asked(run_dir: Path, overrides: list[str]) -> bool:
@@ -125,7 +128,11 @@ def finished_as_asked(run_dir: Path, overrides: list[str]) -> bool:
     if not (summary.is_file() and recorded.is_file()):
         return False
     asked = [o for o in overrides if not o.startswith("hydra.")]
-    return json.loads(summary.read_text()).get("finished") is True and yaml.safe_load(recorded.read_text()) == asked
+    try:
+        finished = json.loads(summary.read_text()).get("finished") is True
+    except ValueError:  # cut mid-write: the run, resumed, writes it again
+        return False
+    return finished and yaml.safe_load(recorded.read_text()) == asked
 
 
 def train(label: str, overrides: list[str], run_dir: Path) -> None:
@@ -139,8 +146,12 @@ def train(label: str, overrides: list[str], run_dir: Path) -> None:
     start = time.perf_counter()
     print(f"{label:<34} ...", end="", flush=True)
     with open(run_dir / "reproduce.log", "w") as log:
-        result = subprocess.run([sys.executable, "-m", "train", *overrides], cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, text=True)
+        try:
+            result = run_stage([sys.executable, "-m", "train", *overrides], f"{' '.join(label.split())} "
+                               f"({run_dir})", cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        except StageStopped:
+            print(" stopped", flush=True)
+            raise
     if result.returncode != 0:
         print(" failed")
         tail = (run_dir / "reproduce.log").read_text().strip().splitlines()[-15:]
@@ -157,8 +168,9 @@ def prepare_corpus(path: Path) -> None:
     if (path / "phase1").is_dir():
         return
     print(f"preparing the python_docs corpus into {path} (once) ...", flush=True)
-    result = subprocess.run([sys.executable, "-m", "data.prepare", "corpus=python_docs", f"output_dir={path}"],
-                            cwd=REPO, capture_output=True, text=True)
+    result = run_stage([sys.executable, "-m", "data.prepare", "corpus=python_docs", override("output_dir", path)],
+                       f"the preparation of {path}", cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True)
     if result.returncode != 0:
         print(result.stderr.strip()[-2000:], file=sys.stderr)
         raise UserError(f"could not prepare the python_docs corpus into {path} (it downloads Debian's "
@@ -169,7 +181,10 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     path = RunDir(run_dir).summary_file
     if not path.exists():
         raise UserError(f"{path} is missing: the run did not finish; rerun the same command to resume it")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise UserError(f"{path} is not valid JSON ({err}): delete it and rerun the same command") from None
 
 
 COLUMNS = ("optimizer", "pretraining loss", "bits/param/step", "vs lamb", "GB sent per rank", "step ms",
@@ -214,7 +229,7 @@ def draw_report(run_dirs: list[Path], out: Path) -> None:
     """`python -m benchmarks.paper.report` over `run_dirs` into `out`: a stage like the training runs, its output
     in this one's (a script runs another script, never imports it)."""
     command = [sys.executable, "-m", "benchmarks.paper.report", *map(str, run_dirs), "--out", str(out)]
-    result = subprocess.run(command, cwd=REPO)
+    result = run_stage(command, "the report", cwd=REPO)
     if result.returncode != 0:
         print(f"the report failed (exit {result.returncode}); command: python {' '.join(command[1:])}",
               file=sys.stderr)
@@ -252,7 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    with user_errors_exit():
+    with user_errors_exit(), stage_stops_exit():
         run_study(parse_args(argv))
 
 

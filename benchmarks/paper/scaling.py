@@ -52,6 +52,7 @@ from benchmarks.common import (
     runnable_optimizers,
     stage_kinds,
 )
+from conf.checks import UserError, user_errors_exit
 from data.atomic import atomic_write_text
 from optim import build_optimizer, get_optimizer_spec
 from optim.comm import WIRE_DTYPES, MirrorComm
@@ -194,17 +195,19 @@ def comm_cost(profile: Profile, kinds: list[str], params: int, gpus: int, cluste
 
 # ------------------------------------------------------------------------------------------ measured runs
 def read_runs(run_dirs: list[Path]) -> dict[str, tuple[float, int]]:
-    """optimizer -> (bits per parameter per step, world size) from runs' summary.json; unreadable ones are named
-    on stderr and skipped."""
+    """optimizer -> (bits per parameter per step, world size) from runs' summary.json; a run that cannot tell them
+    is a `UserError` naming it (the study would otherwise quietly fall back to the built-in profile)."""
     measured = {}
     for run_dir in run_dirs:
         path = RunDir(run_dir).summary_file
+        if not path.is_file():
+            raise UserError(f"--runs {run_dir}: no {path.name} there (not a finished run directory)")
         try:
             summary = json.loads(path.read_text())
             measured[str(summary["optimizer"])] = (float(summary["bits_per_param_per_step"]),
                                                    int(summary["world_size"]))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            print(f"--runs: skipping {path}: {err!r}", file=sys.stderr)
+        except (ValueError, KeyError, TypeError) as err:
+            raise UserError(f"--runs {run_dir}: {path} does not hold a run's summary ({err!r})") from None
     return measured
 
 
@@ -222,8 +225,8 @@ def throughput_per_gpu(target: Target, gpu: str, given: dict[str, float], bert_l
         f"{target.params / 1e6:.0f}M parameters (FLOPs 6 x params x tokens) [{source}]"
 
 
-def study(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows (model, optimizer, GPUs) of the model's figures, and the printed report."""
+def study(args: argparse.Namespace, measured: dict[str, tuple[float, int]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows (model, optimizer, GPUs) of the model's figures, and the printed report; `measured`: `read_runs`."""
     cluster = Cluster(LINKS[args.network], GPUS_PER_NODE, LINKS[args.nvlink])
     models = targets()
     bert_large = next(t for t in models if t.key == "bert_large").params
@@ -231,7 +234,7 @@ def study(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     lines = [f"network: {args.network} between nodes of {GPUS_PER_NODE} GPUs over {args.nvlink} (nominal rates, "
              "optim/network.py); no compute/communication overlap",
              f"communication: measured on a tiny BERT as {MEASURE_WORLD} ranks, scaled by parameter count"]
-    for name, (bits, world) in read_runs(args.runs).items():
+    for name, (bits, world) in measured.items():
         if name in profiles:
             built_in = comm_cost(profiles[name], profiles[name].schedule, bert_large, world, cluster)
             profiles[name].scale = bits / built_in["bits_per_param"]
@@ -303,12 +306,47 @@ def paper_claims(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[s
     return lines
 
 
+THROUGHPUT_KEYS = ("bert_large", "bert_xl", "swin_base")  # the keys of targets()
+
+
 def _throughputs(pairs: list[str], json_file: str | None) -> dict[str, float]:
-    given = json.loads(Path(json_file).read_text()) if json_file else {}
+    """--throughput MODEL=SAMPLES_PER_S pairs over --throughput-json's object; a bad one is a `UserError`."""
+    given: dict[str, object] = {}
+    if json_file:
+        try:
+            given = json.loads(Path(json_file).read_text())
+        except ValueError as err:
+            raise UserError(f"--throughput-json {json_file}: not JSON ({err})") from None
+        if not isinstance(given, dict):
+            raise UserError(f"--throughput-json {json_file}: must hold an object such as {{\"bert_large\": 600}}")
     for pair in pairs:
-        key, _, value = pair.partition("=")
-        given[key] = float(value)
-    return {key: float(value) for key, value in given.items()}
+        key, equals, value = pair.partition("=")
+        if not equals:
+            raise UserError(f"--throughput {pair}: must be MODEL=SAMPLES_PER_S, e.g. bert_large=600")
+        given[key] = value
+    throughputs = {}
+    for key, value in given.items():
+        if key not in THROUGHPUT_KEYS:
+            raise UserError(f"--throughput {key}: unknown model; choose from {', '.join(THROUGHPUT_KEYS)}")
+        try:
+            figure = float(value)
+        except (TypeError, ValueError):
+            figure = math.nan
+        if not 0 < figure < math.inf:
+            raise UserError(f"--throughput {key}={value}: must be a positive number of samples per second")
+        throughputs[key] = figure
+    return throughputs
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The values argparse cannot check: GPU counts and optimizer names."""
+    bad = [g for g in args.gpus if g < 1]
+    if bad:
+        raise UserError(f"--gpus {' '.join(map(str, bad))}: GPU counts must be >= 1")
+    runnable = runnable_optimizers()
+    unknown = [name for name in args.optimizers if name not in runnable]
+    if unknown:
+        raise UserError(f"--optimizers {' '.join(unknown)}: not runnable here; choose from {', '.join(runnable)}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -333,11 +371,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path, help="scaling efficiency against GPUs, a panel per model")
     args = parser.parse_args(argv)
-    args.nvlink = args.nvlink or {"a100": "nvlink3", "v100": "nvlink2"}[args.gpu]
-    args.throughput = _throughputs(args.throughput, args.throughput_json)
-    args.optimizers = args.optimizers or runnable_optimizers()
-    torch.manual_seed(0)
-    rows, lines = study(args)
+    with user_errors_exit():
+        args.nvlink = args.nvlink or {"a100": "nvlink3", "v100": "nvlink2"}[args.gpu]
+        args.throughput = _throughputs(args.throughput, args.throughput_json)
+        args.optimizers = args.optimizers or runnable_optimizers()
+        check_args(args)
+        measured = read_runs(args.runs)
+        torch.manual_seed(0)
+        rows, lines = study(args, measured)
+        write_outputs(args, rows, lines)
+
+
+def write_outputs(args: argparse.Namespace, rows: list[dict[str, Any]], lines: list[str]) -> None:
+    """The report on stdout, then the files asked for."""
     sys.stdout.write("\n".join(lines) + "\n")
     if args.csv:
         table = io.StringIO()

@@ -17,7 +17,8 @@ The pipeline, per phase (phase 1: seq 128 / 20 predictions, phase 2: seq 512 / 8
    the input fingerprint, counts, the vocab checksum and every shard's sha256.
 
 Resuming: rerunning the same command skips every chunk whose shards and records are complete and intact
-(sha256 re-checked) and redoes the rest; the output is byte-identical to an uninterrupted run. A rerun with
+(sha256 re-checked) and redoes the rest; the output (shards, records, manifests, vocabulary) is byte-identical to an
+uninterrupted run's (the preparation time is logged, never written into a manifest). A rerun with
 a different config or changed inputs in the same ``output_dir`` is refused (``prepare_state.json``).
 """
 
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from conf.checks import ConfigError
 from data.corpus.sources import (
     SENTENCE_SPLITTER,
     CorpusError,
@@ -95,7 +97,7 @@ def chunk_seed(seed: int, chunk: int) -> int:
 def validate_prepare_config(cfg: PrepareConfig) -> None:
     """Reject values that cannot work, naming the key, before anything is read or written."""
     def fail(key: str, why: str) -> None:
-        raise ValueError(f"{key}={getattr(cfg, key, None)!r} {why}")
+        raise ConfigError(f"{key}={getattr(cfg, key, None)!r} {why}")
 
     if cfg.output_dir in ("", "???"):
         fail("output_dir", "must be set (output_dir=/path/to/shards)")
@@ -118,7 +120,7 @@ def validate_prepare_config(cfg: PrepareConfig) -> None:
         fail("phases", "is empty")
     for name, phase in cfg.phases.items():
         if phase.max_seq_len < 5 or not 0 < phase.max_predictions < phase.max_seq_len:
-            raise ValueError(f"phases.{name}: need max_seq_len >= 5 and 0 < max_predictions < max_seq_len, "
+            raise ConfigError(f"phases.{name}: need max_seq_len >= 5 and 0 < max_predictions < max_seq_len, "
                              f"got {phase.max_seq_len} / {phase.max_predictions}")
 
 
@@ -265,20 +267,36 @@ def _resolve_vocab(cfg: PrepareConfig, sources: list[CorpusSource], out: Path) -
 
 
 def _check_state(out: Path, state: dict[str, Any]) -> None:
-    """Refuse to resume into ``out`` when it was started with another config or other inputs."""
+    """Refuse to resume into ``out`` when it was started with another config or other inputs, naming the key."""
     path = out / STATE_NAME
     if not path.is_file():
         from data.atomic import atomic_write_json
 
         atomic_write_json(path, state, indent=1, sort_keys=True)
         return
-    old = json.loads(path.read_text())
-    for key in sorted(set(old) | set(state)):
-        if old.get(key) != state.get(key):
-            raise CorpusError(
-                f"{out} holds a preparation with a different {key!r} ({path}): use another output_dir, or "
-                "delete the directory to start over"
-            )
+    difference = _first_difference(json.loads(path.read_text()), state)
+    if difference is not None:
+        key, before, now = difference
+        key = key.removeprefix("config.")  # config keys as the command line spells them
+        raise CorpusError(
+            f"{out} was prepared with {key}={json.dumps(before)}, this command has {key}={json.dumps(now)} ({path}): "
+            "use another output_dir, rerun with the prepared value, or delete the directory to start over"
+        )
+
+
+def _first_difference(old: Any, new: Any, key: str = "") -> tuple[str, Any, Any] | None:
+    """The first dotted key (`config.dupe_factor`, `inputs.0.bytes`) whose value differs, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        pairs = [(name, old.get(name), new.get(name)) for name in sorted(set(old) | set(new))]
+    elif isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        pairs = [(str(i), o, n) for i, (o, n) in enumerate(zip(old, new, strict=True))]
+    else:
+        return None if old == new else (key, old, new)
+    for name, o, n in pairs:
+        found = _first_difference(o, n, f"{key}.{name}" if key else name)
+        if found is not None:
+            return found
+    return None
 
 
 def _clean_temporaries(directory: Path) -> None:
@@ -287,7 +305,7 @@ def _clean_temporaries(directory: Path) -> None:
 
 
 def _phase_manifest(cfg: PrepareConfig, name: str, phase: PhaseConfig, records: list[dict[str, Any]],
-                    vocab: Path, inputs: list[Any], seconds: float) -> dict[str, Any]:
+                    vocab: Path, inputs: list[Any]) -> dict[str, Any]:
     from data.text.shards import FORMAT_NAME, FORMAT_VERSION, sha256_file
 
     with vocab.open(encoding="utf-8") as f:
@@ -318,7 +336,6 @@ def _phase_manifest(cfg: PrepareConfig, name: str, phase: PhaseConfig, records: 
         "random_next_fraction": totals["random_next"] / totals["instances"],
         "config": {k: v for k, v in config.items() if k not in _RUNTIME_KEYS},
         "inputs": inputs,
-        "prepare_seconds": round(seconds, 1),
         "python": sys.version.split()[0],
         "shards": records,
     }
@@ -393,14 +410,15 @@ def prepare(cfg: PrepareConfig) -> dict[str, dict[str, Any]]:
         log.info("resumed: %d of %d chunks were already prepared", reused, len(records))
 
     manifests = {}
-    seconds = time.perf_counter() - start
     for name, phase in cfg.phases.items():
         phase_records = [records[i][name] for i in range(len(records))]
-        manifest = _phase_manifest(cfg, name, phase, phase_records, vocab, inputs, seconds)
+        manifest = _phase_manifest(cfg, name, phase, phase_records, vocab, inputs)
         write_manifest(out / name, manifest)
         manifests[name] = manifest
         counts = manifest["counts"]
         log.info("%s: %d shards, %d instances, %d documents, %d words, %.1f MB raw text -> %s", name,
                  len(phase_records), counts["instances"], counts["documents"], counts["words"],
                  counts["raw_bytes"] / 1e6, out / name)
+    # The time goes to the log, not the manifest: a resumed preparation writes the same bytes as an uninterrupted one.
+    log.info("prepared in %.1f s", time.perf_counter() - start)
     return manifests

@@ -25,6 +25,8 @@ class TextDataConfig:
     num_workers: int = MISSING  # loader worker processes per rank
     # shards only: a prepared output_dir (the phase matching max_seq_len is picked) or one phase directory
     path: str | None = MISSING
+    # shards only: check every shard's sha256 before training starts (else each when first read, maybe hours in)
+    verify_shards: bool = MISSING
 
 
 def check_text_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
@@ -76,11 +78,13 @@ def build_demo_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fals
 def build_shards_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
     """This rank's loader over shards from `python -m data.prepare` (data.path), checked against the config.
 
-    data.vocab_path null means the vocabulary stored with the shards; an explicit one must match its sha256.
+    data.vocab_path null means the vocabulary stored with the shards; an explicit one must match its sha256. The
+    dry build (the launching process, before any worker) also checks every shard's sha256 with data.verify_shards.
     """
     from data.text.shards import (
         PREPARED_KEYS,
         VOCAB_NAME,
+        ShardSet,
         check_prepared_keys,
         check_vocab,
         load_prepared_dataset,
@@ -98,6 +102,8 @@ def build_shards_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fa
         check_prepared_keys(manifest, directory, expected)
         require_file(vocab_path, "data.vocab_path: WordPiece vocabulary file")
         check_vocab(manifest, directory, vocab_path)
+        if data_cfg.verify_shards:
+            ShardSet(directory).verify()
         return None
     tokenizer = load_tokenizer(vocab_path)
     dataset = load_prepared_dataset(directory, tokenizer, vocab_path, seed=request.seed, **expected)

@@ -25,7 +25,9 @@ column                   type          meaning
 
 Reading (:class:`ShardSet`) checks at open that every shard exists with its recorded size, and checks each
 shard's sha256 when it is first loaded (the bytes are read once anyway), so a corrupt, truncated or
-swapped shard fails with an error naming the file before any of its rows is used.
+swapped shard fails with an error naming the file before any of its rows is used. :meth:`ShardSet.verify`
+checks every shard's sha256 up front (``data.verify_shards``), so a long run cannot fail hours in on a shard
+it reaches late.
 """
 
 from __future__ import annotations
@@ -236,11 +238,13 @@ class ShardSet(Sequence[PretrainingInstance]):
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def load_shard(self, shard: int) -> _DecodedShard:
-        """Read, verify (sha256) and decode one shard; cached."""
-        if shard in self._cache:
-            self._cache.move_to_end(shard)
-            return self._cache[shard]
+    def verify(self) -> None:
+        """Check every shard's bytes against its recorded sha256 now, not when training first reaches it."""
+        for shard in range(len(self.records)):
+            self._verified_bytes(shard)
+
+    def _verified_bytes(self, shard: int) -> bytes:
+        """The bytes of one shard, a `ShardError` naming the file unless they are the ones the manifest records."""
         record = self.records[shard]
         path = self.directory / record["file"]
         data = path.read_bytes()
@@ -248,6 +252,16 @@ class ShardSet(Sequence[PretrainingInstance]):
         if len(data) != record["bytes"] or digest != record["sha256"]:
             raise ShardError(f"shard {path} is corrupt: sha256 {digest[:12]}… ({len(data)} bytes) but the manifest "
                              f"records {record['sha256'][:12]}… ({record['bytes']} bytes)")
+        return data
+
+    def load_shard(self, shard: int) -> _DecodedShard:
+        """Read, verify (sha256) and decode one shard; cached."""
+        if shard in self._cache:
+            self._cache.move_to_end(shard)
+            return self._cache[shard]
+        record = self.records[shard]
+        path = self.directory / record["file"]
+        data = self._verified_bytes(shard)
         try:
             table = pq.read_table(pa.BufferReader(data))
         except (pa.ArrowException, OSError) as err:
