@@ -5,6 +5,7 @@ Scripts import shared helpers from here only, never from each other (tests/test_
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import os
@@ -32,6 +33,18 @@ SIZES = {  # BertConfig fields; base is BertConfig's defaults
     "base": dict(),
     "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
 }
+
+
+def chosen_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
+    """The `--device` a benchmark runs on; a CUDA device that is not visible is a usage error, not a traceback."""
+    if name == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    return torch.device(name)
+
+
+def device_label(device: torch.device) -> str:
+    """The device as a benchmark's header names it: the GPU's name, or the CPU threads the timing uses."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
 
 
 def bert_parameters(size: str, device: torch.device) -> nn.Module:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import SIZES, bert_parameters, config_kwargs
+from benchmarks.common import SIZES, bert_parameters, chosen_device, config_kwargs, device_label
 from optim import build_optimizer
 from optim.comm import MirrorComm
 from optim.memory import state_bytes
@@ -73,14 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (past the 1-bit warm-up)")
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per optimizer")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is visible")
-    device = torch.device(args.device)
+    device = chosen_device(parser, args.device)
     model = bert_parameters(args.size, device)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     bandwidth = copy_bandwidth(device, min(numel, 1 << 28))
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    where = device_label(device)
     print(f"optimizer step vs bandwidth bound, BERT-{args.size}: {numel / 1e6:.1f}M fp32 parameters in "
           f"{len(params)} tensors | {where} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e9:.0f} GB/s "
           f"(read + write) | min and median of {args.repeats} steps after {args.warmup}")

@@ -20,7 +20,7 @@ import torch
 from timm.optim import Lamb as TimmLamb
 from torch import nn
 
-from benchmarks.common import SIZES, bert_parameters, step_times
+from benchmarks.common import SIZES, bert_parameters, chosen_device, device_label, step_times
 from optim import LAMB, param_groups_weight_decay
 
 NVLAMB = dict(lr=6e-3, betas=(0.9, 0.999), eps=1e-6, bias_correction=True, max_grad_norm=1.0)
@@ -53,14 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation first")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is visible")
-    device = torch.device(args.device)
+    device = chosen_device(parser, args.device)
 
     model = bert_parameters(args.size, device)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    name = device_label(device)
     print(f"LAMB step, BERT-{args.size}: {numel / 1e6:.1f}M fp32 parameters in {len(params)} tensors | {name} | "
           f"torch {torch.__version__} | best of {args.repeats} after {args.warmup} warm-up steps")
     times = best_step_times(candidates(model), device, args.warmup, args.repeats)

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from benchmarks.common import SIZES, bert_parameters, config_kwargs, step_times
+from benchmarks.common import SIZES, bert_parameters, chosen_device, config_kwargs, device_label, step_times
 from optim import build_optimizer
 from optim.comm import MirrorComm
 from optim.memory import state_bytes
@@ -50,18 +50,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall time, or this process's CPU time (steadier on a shared CPU; --device cpu only)")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is visible")
+    device = chosen_device(parser, args.device)
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu: only for --device cpu")
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    device = torch.device(args.device)
 
     model = bert_parameters(args.size, device)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    name = device_label(device)
     print(f"optimizer step, BERT-{args.size}: {numel / 1e6:.1f}M fp32 parameters in {len(params)} tensors | {name} | "
           f"torch {torch.__version__} | {args.repeats} interleaved steps after {args.warmup} warm-up, "
           f"{args.clock} clock | SLAMB k=0.1 with a loopback collective")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import synchronize
+from benchmarks.common import chosen_device, device_label, synchronize
 from models import create_model
 
 PAPER_INFERENCE_IMG_PER_S = 278.0  # Swin-B 224, V100 (Liu et al. 2021, Table 1)
@@ -53,9 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is visible")
-    device = torch.device(args.device)
+    device = chosen_device(parser, args.device)
     dtype = torch.bfloat16 if args.precision == "bf16" else None
 
     torch.manual_seed(0)
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
                 best[name] = min(best[name], time.perf_counter() - start)
         return best
 
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    where = device_label(device)
     params = sum(p.numel() for p in next(iter(models.values())).parameters())
     print(f"Swin-B {args.img_size}px, {params / 1e6:.1f}M params, batch {args.batch}, {args.precision} | {where} | "
           f"torch {torch.__version__} | best of {args.repeats} after {args.warmup} warm-up")

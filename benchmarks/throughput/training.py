@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.common import device_label
 from models import create_model
 from optim import build_optimizer
 from train.precision import PRECISIONS, autocast, make_grad_scaler, set_matmul_precision
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     rate = samples_per_step / seconds
     achieved_tflops = flops_per_step / seconds / 1e12
     peak = device_peak_tflops(device, precision)
-    where = torch.cuda.get_device_name(device) if gpu else f"cpu, {torch.get_num_threads()} threads"
+    where = device_label(device)
     params = sum(p.numel() for p in model.parameters())
     unit = "seq/s" if args.task == "bert" else "img/s"
     print(f"{work.label}, {params / 1e6:.1f}M params, micro-batch {micro_batch} x {args.accumulation}, {precision}"
