@@ -66,6 +66,12 @@ def test_rerunning_a_finished_run_does_nothing(finished_run):
     assert (tmp_path / "checkpoints" / "step_00000002" / "shared.pt").stat().st_mtime_ns == stamp
 
 
+def test_a_run_whose_metrics_end_in_a_cut_record_resumes(finished_run):
+    with open(finished_run / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 3, "loss": 9')  # as a crash mid-write leaves it
+    assert [r["step"] for r in _train(finished_run, "trainer.max_steps=4")] == [1, 2, 3, 4]
+
+
 def test_resume_false_refuses_to_overwrite(finished_run):
     tmp_path = finished_run
     with pytest.raises(RuntimeError, match="already has checkpoint"):

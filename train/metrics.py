@@ -7,6 +7,7 @@ Only rank 0 writes; other ranks get a logger whose methods do nothing.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -18,8 +19,11 @@ from typing import Any
 from omegaconf import MISSING
 from tqdm import tqdm
 
+from conf.checks import UserError
 from data.atomic import atomic_write_text
 from train.run_dir import RunDir
+
+log = logging.getLogger(__name__)
 
 
 class WandbMode(str, Enum):
@@ -93,12 +97,24 @@ _BAR_KEYS = {"loss": "loss", "lr": "lr", "seq_per_s": "seq/s", "comm_bytes_per_s
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The metric records of a run, one dict per logged step."""
+    """The metric records of a run, one dict per logged step.
+
+    A cut last line (a crash or a full disk mid-write) is dropped with a warning: the steps it recorded are redone
+    on resume. A bad line before the last is damage no crash leaves: a `UserError` naming the file and line.
+    """
     path = RunDir(run_dir).metrics_file
     if not path.exists():
         return []
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if index < len(lines) - 1:
+                raise UserError(f"{path} line {number} is not a JSON record: repair or remove that line") from None
+            log.warning("warning: %s ends in a cut record (line %d), dropped", path, number)
+    return records
 
 
 class MetricLogger:
