@@ -314,6 +314,11 @@ def test_refused_runs_leave_the_recorded_config_alone(tmp_path):
     assert (tmp_path / ".hydra" / "overrides.yaml").read_text().strip() == "- trainer.max_steps=2"
 
 
+def test_a_refused_model_names_the_values_in_use_not_the_nulls(finished_run):
+    with pytest.raises(ConfigError, match=r"^model\.num_hidden_layers=2: .* with model\.num_hidden_layers=1 "):
+        run(compose([*TINY, "trainer.max_steps=4", "model.num_hidden_layers=null"]), finished_run)
+
+
 def test_surprising_settings_are_said_once_at_start_up(tmp_path, capsys):
     _train(tmp_path, "precision=fp16", "optim=onebit_lamb", "trainer.max_steps=2")
     out = capsys.readouterr()
