@@ -18,6 +18,8 @@ from transformers import AutoTokenizer, BertForPreTraining
 
 from conf.checks import ConfigError
 from data.loader import ResumableLoader
+from optim.comm import Comm
+from train.checkpoint import Checkpointer
 from train.metrics import read_metrics
 from train.plan import plan_run
 from train.precision import set_matmul_precision
@@ -340,3 +342,15 @@ def test_sigterm_to_the_local_launcher_stops_every_worker_with_a_checkpoint(tmp_
     assert time.monotonic() - signalled < 20  # promptly: not after the launcher's 30 s kill timeout
     last_logged = read_metrics(tmp_path)[-1]["step"]
     assert (tmp_path / "checkpoints" / f"step_{last_logged:08d}" / "rank_00001.pt").exists()
+
+
+def test_init_from_weights_of_another_model_is_one_line_before_anything_is_recorded(tmp_path):
+    other = Checkpointer(tmp_path / "swin" / "checkpoints", keep_last=1, comm=Comm())
+    other.save(2, {"model": {"layers.0.blocks.0.attn.qkv.weight": torch.zeros(3, 3)}}, {})
+    result = run_train([*TINY, f"trainer.init_from={tmp_path / 'swin'}", f"hydra.run.dir={tmp_path / 'bert'}"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"config error: trainer.init_from={tmp_path / 'swin'}: none of its weights match the model's parameter names "
+        "(a run of another model?)"
+    ]
+    assert not any((tmp_path / "bert").iterdir())  # Hydra makes the directory; nothing is recorded in it
