@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
 import signal
@@ -16,6 +18,7 @@ from conftest import REPO, TINY, compose, run_train
 from distributed_harness import run_on_ranks
 from transformers import AutoTokenizer, BertForPreTraining
 
+import train.checkpoint
 from conf.checks import ConfigError
 from data.loader import ResumableLoader
 from optim.comm import Comm
@@ -24,6 +27,7 @@ from train.metrics import read_metrics
 from train.plan import plan_run
 from train.precision import set_matmul_precision
 from train.run import run
+from train.stop import RunStopped
 
 NO_DROPOUT = ["model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0"]
 
@@ -115,9 +119,15 @@ def test_tf32_is_fp32_with_tf32_matmuls(tmp_path, _finished_two_step_run):
     assert [r["loss"] for r in tf32] == [r["loss"] for r in fp32]  # on CPU, TF32 changes nothing
 
 
-def test_non_finite_loss_stops_without_saving(tmp_path):
-    with pytest.raises(FloatingPointError, match="non-finite loss"):
-        _train(tmp_path, "optim=adamw", "optim.lr=1e30", "trainer.grad_clip=0", "trainer.checkpoint_every=1")
+def test_non_finite_loss_stops_without_saving_with_a_record_and_one_line(tmp_path):
+    result = run_train([*TINY, "optim=adamw", "optim.lr=1e30", "trainer.grad_clip=0", "trainer.checkpoint_every=1",
+                        f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert line.startswith("error: non-finite loss at step ") and "\n" not in line, line
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped"] == line.removeprefix("error: ") and not summary["finished"]
+    assert f"stopped at step {summary['steps']}: non-finite loss" in (tmp_path / "train.log").read_text()
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     for name in saved:
         state = torch.load(tmp_path / "checkpoints" / name / "shared.pt", weights_only=False)
@@ -283,7 +293,7 @@ def test_srun_environment_runs_unchanged(tmp_path):
 
 
 def test_non_finite_weights_are_never_checkpointed_between_log_records(tmp_path):
-    with pytest.raises(FloatingPointError, match="non-finite weights at step") as info:
+    with pytest.raises(RunStopped, match="non-finite weights at step") as info:
         _train(tmp_path, "optim=adamw", "optim.lr=1e30", "trainer.grad_clip=0", "trainer.log_every=10",
                "trainer.checkpoint_every=1")
     assert "None" not in str(info.value)
@@ -354,3 +364,24 @@ def test_init_from_weights_of_another_model_is_one_line_before_anything_is_recor
         "(a run of another model?)"
     ]
     assert not any((tmp_path / "bert").iterdir())  # Hydra makes the directory; nothing is recorded in it
+
+
+def test_a_full_disk_mid_checkpoint_is_one_line_that_keeps_the_previous_checkpoints(tmp_path, monkeypatch):
+    real_save = train.checkpoint.atomic_torch_save
+
+    def disk_full_at_step_4(obj, path):
+        if path.parent.name == "step_00000004.tmp" and path.name == "shared.pt":  # after this rank's own file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real_save(obj, path)
+
+    monkeypatch.setattr(train.checkpoint, "atomic_torch_save", disk_full_at_step_4)
+    with pytest.raises(RunStopped) as info:
+        _train(tmp_path)
+    line = str(info.value)
+    assert "No space left on device" in line and "\n" not in line
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no chained tracebacks
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000002"]  # no step_00000004.tmp
+    assert Checkpointer(checkpoints, keep_last=1, comm=Comm()).load(checkpoints / "step_00000002")[0]["step"] == 2
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == line
+    assert "stopped at step 4: [Errno 28] No space left on device" in (tmp_path / "train.log").read_text()

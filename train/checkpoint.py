@@ -164,12 +164,16 @@ class Checkpointer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         self.comm.barrier()
-        atomic_torch_save(own, staging / _rank_file(self.comm.rank))
-        if self.comm.rank == 0:
-            atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
-            rank_bound = sorted(set(own) - {*GLOBAL_OWN_KEYS, *RESEEDED_OWN_KEYS})  # the same keys on every rank
-            atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step, "world_size": self.comm.world_size,
-                                                    "rank_bound": rank_bound})
+        try:
+            atomic_torch_save(own, staging / _rank_file(self.comm.rank))
+            if self.comm.rank == 0:
+                atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
+                rank_bound = sorted(set(own) - {*GLOBAL_OWN_KEYS, *RESEEDED_OWN_KEYS})  # the same keys on every rank
+                atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step,
+                                                        "world_size": self.comm.world_size, "rank_bound": rank_bound})
+        except BaseException:  # a full disk, say: the partial checkpoint goes, not to fill it further
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         self.comm.barrier()
         if self.comm.rank == 0:
             replace_directory(staging, final)  # the same step saved again after a resume: replaced whole
