@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
@@ -149,6 +150,7 @@ class MetricLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard_dir), purge_step=start_step + 1)
+            _leave_writer_errors_to_the_training_thread()
         mode = os.environ.get("WANDB_MODE", wandb_mode)
         # Started at the first record: a rerun that has nothing to do starts no wandb run.
         self._wandb_start = None if mode == "disabled" else dict(
@@ -208,6 +210,22 @@ class MetricLogger:
         self._file.close()
         self._log_file.close()
         self.enabled = False
+
+
+def _leave_writer_errors_to_the_training_thread() -> None:
+    """TensorBoard's writer thread dies on a write error (a full or unwritable run directory) and prints its
+    traceback; its next write re-raises that error in the training thread, which stops the run with the error's one
+    line. So the thread's own report, which would bury that line, is left out; other threads' are not."""
+    previous = threading.excepthook
+    if getattr(previous, "leaves_writer_errors", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ != "_AsyncWriterThread":  # tensorboard.summary.writer.event_file_writer
+            previous(args)
+
+    hook.leaves_writer_errors = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def _wandb_run_id(run_dir: Path) -> str:
