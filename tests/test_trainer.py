@@ -186,6 +186,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, stop_signal):
     last_logged = read_metrics(tmp_path)[-1]["step"]
     assert (tmp_path / "checkpoints" / f"step_{last_logged:08d}" / "shared.pt").exists()
     assert not (tmp_path / "hf_model").exists()  # not finished, so not exported
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == stop_signal.name
 
 
 # 4 micro-batches per step; the stop request comes inside step 4 (before its third micro-batch), with dropout and
