@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, BertForPreTraining
 import train.checkpoint
 from conf.checks import ConfigError
 from data.loader import ResumableLoader
+from data.text.shards import ShardError
 from optim.comm import Comm
 from train.checkpoint import Checkpointer
 from train.metrics import read_metrics
@@ -386,3 +387,22 @@ def test_a_full_disk_mid_checkpoint_is_one_line_that_keeps_the_previous_checkpoi
     assert Checkpointer(checkpoints, keep_last=1, comm=Comm()).load(checkpoints / "step_00000002")[0]["step"] == 2
     assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == line
     assert "stopped at step 4: [Errno 28] No space left on device" in (tmp_path / "train.log").read_text()
+
+
+def test_a_data_error_mid_run_stops_with_a_record(tmp_path, monkeypatch):
+    handed_out = []
+    original = ResumableLoader.__next__
+
+    def corrupt_after_three_steps(self):
+        handed_out.append(1)
+        if len(handed_out) > 3 * 2:  # 2 micro-batches per step
+            raise ShardError("shard-00003.parquet fails its checksum: prepare the data again")
+        return original(self)
+
+    monkeypatch.setattr(ResumableLoader, "__next__", corrupt_after_three_steps)
+    with pytest.raises(ShardError):
+        _train(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["steps"], summary["stopped"]) == (3, "shard-00003.parquet fails its checksum: prepare the data "
+                                                         "again")
+    assert "stopped at step 3: shard-00003.parquet fails its checksum" in (tmp_path / "train.log").read_text()
