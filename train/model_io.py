@@ -45,12 +45,20 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 def check_init_from(name: str, options: Mapping[str, Any], init_from: str) -> None:
     """`trainer.init_from`'s weights checked against the model built on the meta device (no memory, no compute),
-    so the launching process refuses weights of another model before it records the run or starts a worker."""
+    so the launching process refuses weights of another model before it records the run or starts a worker.
+
+    A transformers export is left to `from_pretrained`, which checks it as the worker loads it (loading it here
+    too would double its time and its report).
+    """
     import torch
 
     with torch.device("meta"):
         model = create_model(name, **options)
-    check_init_weights(model, init_weights(model, Path(init_from)), Path(init_from))
+    path = Path(init_from)
+    state = model_state(path)
+    if state is None and (path / "config.json").is_file() and hasattr(type(model), "from_pretrained"):
+        return
+    check_init_weights(model, init_weights(model, path) if state is None else state, path)
 
 
 def init_weights(model: nn.Module, path: Path) -> Mapping[str, Any]:
