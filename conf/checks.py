@@ -11,6 +11,7 @@ import collections.abc
 import contextlib
 import importlib
 import inspect
+import os
 import sys
 import types
 import typing
@@ -52,6 +53,39 @@ def user_errors_exit() -> Iterator[None]:
     except USER_ERRORS as err:
         print(user_error_line(err), file=sys.stderr)
         sys.exit(2)
+
+
+@contextlib.contextmanager
+def compose_errors_exit() -> Iterator[None]:
+    """Around a `@hydra.main` command: an override Hydra cannot apply (an unknown group option, bad syntax, a key
+    the schema lacks) becomes one line and exit code 2, like every user error, instead of Hydra's report of
+    several lines and exit code 1. Hydra then raises its errors instead of reporting them (`HYDRA_FULL_ERROR`)."""
+    from hydra.errors import HydraException  # here: this module stays importable without Hydra
+
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except HydraException as err:
+        print(f"config error: {_compose_error_text(err)}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+
+
+def _compose_error_text(err: Exception) -> str:
+    """Hydra's several-line message in one line: its first line, then the group's options or the cause's first line."""
+    first = str(err).strip().splitlines()[0].rstrip(".")
+    if getattr(err, "override", None) is not None:  # a parse error: the value needs quotes, most often
+        return (f"cannot parse override '{err.override}' ({first}); a value with spaces or characters other than "
+                """letters, digits and -_./ goes in quotes: 'key="value"'""")
+    if getattr(err, "options", None):  # an unknown group option
+        return f"{first}; options: {', '.join(err.options)}"
+    cause = str(err.__cause__ or "").strip().splitlines()
+    return f"{first}: {cause[0]}" if cause else first
 
 
 class InvalidOption(ConfigError):

@@ -4,7 +4,7 @@ Importing this package loads no model library (transformers, timm): the builders
 checks a config stays light. The BERT module class is `models.bert_heads.BertForPreTrainingMaskedLM`.
 """
 
-from models._registry import check_model_config, create_model, list_models, register_model
+from models._registry import check_model_config, create_model, list_models, model_options_in_use, register_model
 from models.bert import BERT_SIZES, build_bert_config, pad_vocab_size
 from models.swin import export_timm_model, swin
 
@@ -15,6 +15,7 @@ __all__ = [
     "create_model",
     "export_timm_model",
     "list_models",
+    "model_options_in_use",
     "pad_vocab_size",
     "register_model",
     "swin",

@@ -18,22 +18,26 @@ class ModelSpec:
     name: str  # the builder's own name, as `model.name` in conf/model/*.yaml
     build: Callable[..., nn.Module]
     check: Callable[..., None] | None = None
+    in_use: Callable[..., dict[str, Any]] | None = None  # the options with the values their nulls stand for
 
 
 _MODELS: dict[str, ModelSpec] = {}
 
 
-def register_model(fn: Callable[..., nn.Module] | None = None, *, check: Callable[..., None] | None = None) -> Any:
+def register_model(fn: Callable[..., nn.Module] | None = None, *, check: Callable[..., None] | None = None,
+                   in_use: Callable[..., dict[str, Any]] | None = None) -> Any:
     """Register a builder under its own function name (`@register_model` or `@register_model(check=...)`).
 
     `check` takes the builder's keyword arguments (None ones dropped, as `create_model` does) and raises
-    `InvalidOption` for a value that cannot build. A second builder with the same name is an error.
+    `InvalidOption` for a value that cannot build; `in_use` takes them too and returns them with each null replaced
+    by the value the builder uses for it (BERT's shape from its `size`). A second builder with the same name is an
+    error.
     """
 
     def add(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if builder.__name__ in _MODELS:
             raise ValueError(f"model '{builder.__name__}' is registered twice")
-        _MODELS[builder.__name__] = ModelSpec(builder.__name__, builder, check)
+        _MODELS[builder.__name__] = ModelSpec(builder.__name__, builder, check, in_use)
         return builder
 
     return add if fn is None else add(fn)
@@ -59,6 +63,13 @@ def check_model_config(name: str, kwargs: Mapping[str, Any]) -> None:
         check_kwargs(spec.build, kwargs, owner=f"model '{name}'")
         if spec.check is not None:
             spec.check(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def model_options_in_use(name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A checked model's options as the builder uses them, so a refusal names the value in use, not a null."""
+    in_use = _spec(name).in_use
+    plain = {k: v for k, v in kwargs.items() if v is not None}
+    return dict(kwargs) if in_use is None else {**kwargs, **in_use(**plain)}
 
 
 def create_model(name: str, **kwargs: Any) -> nn.Module:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -98,6 +98,16 @@ def check_bert_options(fused_layer_norm: bool = False, activation_checkpointing:
             raise InvalidOption("fused_layer_norm", f"{NVIDIA_APEX_HINT}; here {missing}", fused_layer_norm)
 
 
+_SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")  # null: the size's
+
+
+def bert_options_in_use(**options: Any) -> dict[str, Any]:
+    """The options with the shape their size (or `config_from`'s config.json) gives in place of the nulls."""
+    config_kwargs = {k: v for k, v in options.items() if k not in ("fused_layer_norm", "activation_checkpointing")}
+    config = build_bert_config(**config_kwargs)
+    return {**options, **{key: getattr(config, key) for key in _SHAPE}}
+
+
 def _with_options(model: nn.Module, fused_layer_norm: bool, activation_checkpointing: bool) -> nn.Module:
     """Apply the speed/memory options that leave the weights as they are (exports stay stock transformers)."""
     if activation_checkpointing:  # recompute each layer's activations in backward: phase 2 / BERT-XL memory
@@ -120,7 +130,7 @@ def _use_fused_layer_norm(model: nn.Module) -> None:
                 setattr(parent, name, fused)
 
 
-@register_model(check=check_bert_options)
+@register_model(check=check_bert_options, in_use=bert_options_in_use)
 def bert_pretraining(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
                      **config_kwargs) -> BertForPreTrainingMaskedLM:
     """BERT with MLM + NSP heads; the other keyword arguments are those of `build_bert_config`."""
@@ -132,7 +142,7 @@ def bert_pretraining(fused_layer_norm: bool = False, activation_checkpointing: b
     return _with_options(model, fused_layer_norm, activation_checkpointing)
 
 
-@register_model(check=check_bert_options)
+@register_model(check=check_bert_options, in_use=bert_options_in_use)
 def bert_question_answering(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
                             **config_kwargs) -> BertForQuestionAnswering:
     """BERT with a span start/end head (SQuAD); the other keyword arguments are those of `build_bert_config`."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import random
+import shutil
 from datetime import timedelta
 from pathlib import Path
 
@@ -216,3 +217,26 @@ def test_ranks_with_a_stale_view_of_the_checkpoints_save_and_resume_the_same_ste
     assert run_on_ranks(_resume_twice_with_a_stale_listing_on_rank_1, 2, tmp_path) == [[(0, 4), (4, 6)]] * 2
     assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == [
         "step_00000002", "step_00000004", "step_00000006"]
+
+
+def test_a_kill_mid_prune_leaves_only_loadable_checkpoints_and_the_next_save_cleans_up(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, keep_last=1, comm=Comm())
+    ckpt.save(2, {"x": 2}, {})
+
+    real_rmtree = shutil.rmtree
+
+    def killed_mid_delete(path, *args, **kwargs):  # deleting a checkpoint: its first file goes, then the process dies
+        if not (Path(path) / "shared.pt").is_file():
+            return real_rmtree(path, *args, **kwargs)
+        (Path(path) / "shared.pt").unlink()
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr("train.checkpoint.shutil.rmtree", killed_mid_delete)
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save(4, {"x": 4}, {})
+    assert [p.name for p in ckpt.complete_checkpoints()] == ["step_00000004"]
+    for checkpoint in ckpt.complete_checkpoints():
+        assert ckpt.load(checkpoint)[0]["x"] == 4
+    ckpt.save(6, {"x": 6}, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000006"]

@@ -114,6 +114,27 @@ def test_bad_values_name_the_key(override, key):
     assert "\n" not in str(info.value)
 
 
+def test_an_appended_key_no_schema_declares_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"^trainer\.max_stpes is not a key of trainer; did you mean "
+                                          r"trainer\.max_steps\?$"):
+        validate(compose([*TINY, "+trainer.max_stpes=5"]))
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["+trainer.max_stpes=5"], "config error: trainer.max_stpes is not a key of trainer; did you mean "
+                                "trainer.max_steps?"),
+    (["optim=nope", "--cfg", "job"], "config error: In 'config': Could not find 'optim/nope'; options: adamw, "),
+    (["trainer.max_stpes=5", "--cfg", "job"], "config error: Could not override 'trainer.max_stpes': Key "
+                                              "'max_stpes' not in 'TrainerConfig'"),
+    (["name=café", "--cfg", "job"], "config error: cannot parse override 'name=café' ("),
+])
+def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, args, line):
+    result = run_train([*TINY, f"hydra.run.dir={tmp_path / 'run'}", *args], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith(line), result.stderr
+    assert not (tmp_path / "run" / ".hydra").exists()
+
+
 @pytest.mark.slow
 def test_cli_rejects_bad_key_and_value_before_training(tmp_path):
     bad_key = run_train(["trainer.no_such_key=1", f"hydra.run.dir={tmp_path}"], timeout=120)

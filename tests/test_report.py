@@ -22,8 +22,9 @@ from train.summary import best_values, final_values
 
 SUMMARY_FIELDS = {
     "task", "model", "optimizer", "optimizer_options", "world_size", "global_batch_size", "steps", "max_steps",
-    "finished", "num_params", "final", "best", "bits_per_param_per_step", "bytes_total", "collectives_per_step",
-    "mean_step_seconds", "samples_per_second", "samples_unit", "elapsed_seconds", "device", "precision",
+    "finished", "stopped", "num_params", "final", "best", "bits_per_param_per_step", "bytes_total",
+    "collectives_per_step", "mean_step_seconds", "samples_per_second", "samples_unit", "elapsed_seconds", "device",
+    "precision",
     "simulated_network", "torch_version",
 }
 SMALL = [*TINY, "trainer.micro_batch_size=8"]  # one micro-batch per step: the quickest steps

@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO, TINY, compose
 from torchmetrics.text import SQuAD
 
+from conf.checks import ConfigError
 from data.squad.features import SquadExample, SquadFormatError, build_features, load_squad, postprocess_predictions
 from data.squad.metric import f1_score, normalize_answer, squad_scores
 from data.text.tokenizer import load_tokenizer
@@ -315,7 +316,7 @@ def test_qa_starts_from_our_pretraining_run(tmp_path, pretrained):
 
 
 def test_init_from_a_different_architecture_fails_clearly(tmp_path, pretrained):
-    with pytest.raises(RuntimeError, match="size mismatch"):
+    with pytest.raises(ConfigError, match=r"does not fit the model: \S+ has shape \(\d+, 32\) there and \(\d+, 64\)"):
         run(compose([*QA_TINY, "model.hidden_size=64", f"trainer.init_from={pretrained}"]), tmp_path / "qa")
 
 

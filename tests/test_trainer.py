@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
 import signal
@@ -16,12 +18,17 @@ from conftest import REPO, TINY, compose, run_train
 from distributed_harness import run_on_ranks
 from transformers import AutoTokenizer, BertForPreTraining
 
+import train.checkpoint
 from conf.checks import ConfigError
 from data.loader import ResumableLoader
+from data.text.shards import ShardError
+from optim.comm import Comm
+from train.checkpoint import Checkpointer
 from train.metrics import read_metrics
 from train.plan import plan_run
 from train.precision import set_matmul_precision
 from train.run import run
+from train.stop import RunStopped
 
 NO_DROPOUT = ["model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0"]
 
@@ -66,6 +73,12 @@ def test_rerunning_a_finished_run_does_nothing(finished_run):
     assert (tmp_path / "checkpoints" / "step_00000002" / "shared.pt").stat().st_mtime_ns == stamp
 
 
+def test_a_run_whose_metrics_end_in_a_cut_record_resumes(finished_run):
+    with open(finished_run / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 3, "loss": 9')  # as a crash mid-write leaves it
+    assert [r["step"] for r in _train(finished_run, "trainer.max_steps=4")] == [1, 2, 3, 4]
+
+
 def test_resume_false_refuses_to_overwrite(finished_run):
     tmp_path = finished_run
     with pytest.raises(RuntimeError, match="already has checkpoint"):
@@ -107,9 +120,15 @@ def test_tf32_is_fp32_with_tf32_matmuls(tmp_path, _finished_two_step_run):
     assert [r["loss"] for r in tf32] == [r["loss"] for r in fp32]  # on CPU, TF32 changes nothing
 
 
-def test_non_finite_loss_stops_without_saving(tmp_path):
-    with pytest.raises(FloatingPointError, match="non-finite loss"):
-        _train(tmp_path, "optim=adamw", "optim.lr=1e30", "trainer.grad_clip=0", "trainer.checkpoint_every=1")
+def test_non_finite_loss_stops_without_saving_with_a_record_and_one_line(tmp_path):
+    result = run_train([*TINY, "optim=adamw", "optim.lr=1e30", "trainer.grad_clip=0", "trainer.checkpoint_every=1",
+                        f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert line.startswith("error: non-finite loss at step ") and "\n" not in line, line
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped"] == line.removeprefix("error: ") and not summary["finished"]
+    assert f"stopped at step {summary['steps']}: non-finite loss" in (tmp_path / "train.log").read_text()
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     for name in saved:
         state = torch.load(tmp_path / "checkpoints" / name / "shared.pt", weights_only=False)
@@ -168,6 +187,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, stop_signal):
     last_logged = read_metrics(tmp_path)[-1]["step"]
     assert (tmp_path / "checkpoints" / f"step_{last_logged:08d}" / "shared.pt").exists()
     assert not (tmp_path / "hf_model").exists()  # not finished, so not exported
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == stop_signal.name
 
 
 # 4 micro-batches per step; the stop request comes inside step 4 (before its third micro-batch), with dropout and
@@ -275,7 +295,7 @@ def test_srun_environment_runs_unchanged(tmp_path):
 
 
 def test_non_finite_weights_are_never_checkpointed_between_log_records(tmp_path):
-    with pytest.raises(FloatingPointError, match="non-finite weights at step") as info:
+    with pytest.raises(RunStopped, match="non-finite weights at step") as info:
         _train(tmp_path, "optim=adamw", "optim.lr=1e30", "trainer.grad_clip=0", "trainer.log_every=10",
                "trainer.checkpoint_every=1")
     assert "None" not in str(info.value)
@@ -308,6 +328,11 @@ def test_refused_runs_leave_the_recorded_config_alone(tmp_path):
     assert (tmp_path / ".hydra" / "overrides.yaml").read_text().strip() == "- trainer.max_steps=2"
 
 
+def test_a_refused_model_names_the_values_in_use_not_the_nulls(finished_run):
+    with pytest.raises(ConfigError, match=r"^model\.num_hidden_layers=2: .* with model\.num_hidden_layers=1 "):
+        run(compose([*TINY, "trainer.max_steps=4", "model.num_hidden_layers=null"]), finished_run)
+
+
 def test_surprising_settings_are_said_once_at_start_up(tmp_path, capsys):
     _train(tmp_path, "precision=fp16", "optim=onebit_lamb", "trainer.max_steps=2")
     out = capsys.readouterr()
@@ -329,3 +354,55 @@ def test_sigterm_to_the_local_launcher_stops_every_worker_with_a_checkpoint(tmp_
     assert time.monotonic() - signalled < 20  # promptly: not after the launcher's 30 s kill timeout
     last_logged = read_metrics(tmp_path)[-1]["step"]
     assert (tmp_path / "checkpoints" / f"step_{last_logged:08d}" / "rank_00001.pt").exists()
+
+
+def test_init_from_weights_of_another_model_is_one_line_before_anything_is_recorded(tmp_path):
+    other = Checkpointer(tmp_path / "swin" / "checkpoints", keep_last=1, comm=Comm())
+    other.save(2, {"model": {"layers.0.blocks.0.attn.qkv.weight": torch.zeros(3, 3)}}, {})
+    result = run_train([*TINY, f"trainer.init_from={tmp_path / 'swin'}", f"hydra.run.dir={tmp_path / 'bert'}"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"config error: trainer.init_from={tmp_path / 'swin'}: none of its weights match the model's parameter names "
+        "(a run of another model?)"
+    ]
+    assert not any((tmp_path / "bert").iterdir())  # Hydra makes the directory; nothing is recorded in it
+
+
+def test_a_full_disk_mid_checkpoint_is_one_line_that_keeps_the_previous_checkpoints(tmp_path, monkeypatch):
+    real_save = train.checkpoint.atomic_torch_save
+
+    def disk_full_at_step_4(obj, path):
+        if path.parent.name == "step_00000004.tmp" and path.name == "shared.pt":  # after this rank's own file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real_save(obj, path)
+
+    monkeypatch.setattr(train.checkpoint, "atomic_torch_save", disk_full_at_step_4)
+    with pytest.raises(RunStopped) as info:
+        _train(tmp_path)
+    line = str(info.value)
+    assert "No space left on device" in line and "\n" not in line
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no chained tracebacks
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000002"]  # no step_00000004.tmp
+    assert Checkpointer(checkpoints, keep_last=1, comm=Comm()).load(checkpoints / "step_00000002")[0]["step"] == 2
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == line
+    assert "stopped at step 4: [Errno 28] No space left on device" in (tmp_path / "train.log").read_text()
+
+
+def test_a_data_error_mid_run_stops_with_a_record(tmp_path, monkeypatch):
+    handed_out = []
+    original = ResumableLoader.__next__
+
+    def corrupt_after_three_steps(self):
+        handed_out.append(1)
+        if len(handed_out) > 3 * 2:  # 2 micro-batches per step
+            raise ShardError("shard-00003.parquet fails its checksum: prepare the data again")
+        return original(self)
+
+    monkeypatch.setattr(ResumableLoader, "__next__", corrupt_after_three_steps)
+    with pytest.raises(ShardError):
+        _train(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["steps"], summary["stopped"]) == (3, "shard-00003.parquet fails its checksum: prepare the data "
+                                                         "again")
+    assert "stopped at step 3: shard-00003.parquet fails its checksum" in (tmp_path / "train.log").read_text()

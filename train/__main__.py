@@ -8,7 +8,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from conf.checks import user_errors_exit
+from conf.checks import compose_errors_exit, user_errors_exit
 from train.config import register_configs
 from train.run import run
 
@@ -32,7 +32,8 @@ def accept_appended_experiment(argv: list[str]) -> list[str]:
 def cli() -> None:
     """`python -m train` and the `slamb-train` console script: one entry, so both accept the same arguments."""
     sys.argv = accept_appended_experiment(sys.argv)
-    main()
+    with compose_errors_exit():  # a bad override: one line, exit code 2
+        main()
 
 
 if __name__ == "__main__":

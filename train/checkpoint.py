@@ -5,7 +5,8 @@ checks before any worker starts), `shared.pt` (written by rank 0: state that is 
 `rank_00000.pt` ... (each rank's own state: RNG streams, data position, and for optimizers
 that keep per-rank state, the model and optimizer). A checkpoint is built in `step_N.tmp/` and renamed only
 after every rank has written, so a directory without `.tmp` is always complete; a kill mid-save leaves a
-`.tmp` directory that is ignored and later removed.
+`.tmp` directory that is ignored and later removed. Pruning renames a checkpoint to `step_N.pruned/` before
+deleting it, for the same reason.
 
 Another world size: `meta.json` lists under `rank_bound` the per-rank entries that tie a checkpoint to the
 number of ranks that wrote it (the learner of a self-synchronising optimizer). When there are none (DDP
@@ -24,6 +25,7 @@ directory): `init_checkpoint` finds the checkpoint of a run directory or a check
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -162,12 +164,16 @@ class Checkpointer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         self.comm.barrier()
-        atomic_torch_save(own, staging / _rank_file(self.comm.rank))
-        if self.comm.rank == 0:
-            atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
-            rank_bound = sorted(set(own) - {*GLOBAL_OWN_KEYS, *RESEEDED_OWN_KEYS})  # the same keys on every rank
-            atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step, "world_size": self.comm.world_size,
-                                                    "rank_bound": rank_bound})
+        try:
+            atomic_torch_save(own, staging / _rank_file(self.comm.rank))
+            if self.comm.rank == 0:
+                atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
+                rank_bound = sorted(set(own) - {*GLOBAL_OWN_KEYS, *RESEEDED_OWN_KEYS})  # the same keys on every rank
+                atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step,
+                                                        "world_size": self.comm.world_size, "rank_bound": rank_bound})
+        except BaseException:  # a full disk, say: the partial checkpoint goes, not to fill it further
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         self.comm.barrier()
         if self.comm.rank == 0:
             replace_directory(staging, final)  # the same step saved again after a resume: replaced whole
@@ -222,13 +228,19 @@ class Checkpointer:
         self.comm.barrier()
 
     def _prune(self) -> None:
-        """Keep the newest `keep_last` checkpoints and the best ones; drop staging leftovers of interrupted saves."""
+        """Keep the newest `keep_last` checkpoints and the best ones; drop leftovers of interrupted saves and prunes.
+
+        A checkpoint is renamed out of the complete ones (`step_N.pruned`) before it is deleted, so a kill mid-delete
+        never leaves a half-deleted directory under a checkpoint's name; the next prune removes it.
+        """
+        for leftover in [*self.directory.glob("step_*.tmp"), *self.directory.glob("step_*.pruned")]:
+            shutil.rmtree(leftover, ignore_errors=True)
         protected = {_step_dir(entry["step"]) for entry in self.best()}
         for stale in self.complete_checkpoints()[: -self.keep_last]:
             if stale.name not in protected:
-                shutil.rmtree(stale)
-        for leftover in self.directory.glob("step_*.tmp"):
-            shutil.rmtree(leftover, ignore_errors=True)
+                doomed = stale.with_name(stale.name + ".pruned")
+                os.replace(stale, doomed)
+                shutil.rmtree(doomed)
 
 
 def init_checkpoint(path: Path) -> Path | None:

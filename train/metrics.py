@@ -7,8 +7,10 @@ Only rank 0 writes; other ranks get a logger whose methods do nothing.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
@@ -18,8 +20,11 @@ from typing import Any
 from omegaconf import MISSING
 from tqdm import tqdm
 
+from conf.checks import UserError
 from data.atomic import atomic_write_text
 from train.run_dir import RunDir
+
+log = logging.getLogger(__name__)
 
 
 class WandbMode(str, Enum):
@@ -93,12 +98,24 @@ _BAR_KEYS = {"loss": "loss", "lr": "lr", "seq_per_s": "seq/s", "comm_bytes_per_s
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The metric records of a run, one dict per logged step."""
+    """The metric records of a run, one dict per logged step.
+
+    A cut last line (a crash or a full disk mid-write) is dropped with a warning: the steps it recorded are redone
+    on resume. A bad line before the last is damage no crash leaves: a `UserError` naming the file and line.
+    """
     path = RunDir(run_dir).metrics_file
     if not path.exists():
         return []
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if index < len(lines) - 1:
+                raise UserError(f"{path} line {number} is not a JSON record: repair or remove that line") from None
+            log.warning("warning: %s ends in a cut record (line %d), dropped", path, number)
+    return records
 
 
 class MetricLogger:
@@ -133,6 +150,7 @@ class MetricLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard_dir), purge_step=start_step + 1)
+            _leave_writer_errors_to_the_training_thread()
         mode = os.environ.get("WANDB_MODE", wandb_mode)
         # Started at the first record: a rerun that has nothing to do starts no wandb run.
         self._wandb_start = None if mode == "disabled" else dict(
@@ -192,6 +210,22 @@ class MetricLogger:
         self._file.close()
         self._log_file.close()
         self.enabled = False
+
+
+def _leave_writer_errors_to_the_training_thread() -> None:
+    """TensorBoard's writer thread dies on a write error (a full or unwritable run directory) and prints its
+    traceback; its next write re-raises that error in the training thread, which stops the run with the error's one
+    line. So the thread's own report, which would bury that line, is left out; other threads' are not."""
+    previous = threading.excepthook
+    if getattr(previous, "leaves_writer_errors", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ != "_AsyncWriterThread":  # tensorboard.summary.writer.event_file_writer
+            previous(args)
+
+    hook.leaves_writer_errors = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def _wandb_run_id(run_dir: Path) -> str:

@@ -35,32 +35,67 @@ def build_model(name: str, options: Mapping[str, Any], init_from: str | None, to
 def load_weights(model: nn.Module, path: Path) -> None:
     """Start `model` from a run directory, one of our checkpoints, or a `save_pretrained` directory.
 
-    Heads the source lacks (a QA head on pretraining weights) start fresh; a module the source has only
-    in part is an error, since that means the architectures differ.
+    Heads the source lacks (a QA head on pretraining weights) start fresh; weights that do not fit are refused
+    (`check_init_weights`).
     """
-    state = model_state(path)
-    if state is None:
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"trainer.init_from={path}: expected a run directory (checkpoints/), a checkpoint directory "
-                "(shared.pt) or a save_pretrained directory (config.json)"
-            )
-        if hasattr(type(model), "from_pretrained"):
-            # transformers maps base-model prefixes (a saved BertModel into BertForQuestionAnswering) for us.
-            state = type(model).from_pretrained(path, config=model.config).state_dict()
-        else:  # a timm export (models.export_timm_model)
-            from safetensors.torch import load_file
+    state = init_weights(model, path)
+    check_init_weights(model, state, path)
+    model.load_state_dict(state, strict=False)
 
-            state = load_file(str(path / "model.safetensors"))
-    missing, _ = model.load_state_dict(state, strict=False)
-    loaded_modules = {key.split(".")[0] for key in state if key in model.state_dict()}
-    if not loaded_modules:
-        raise ValueError(f"trainer.init_from={path}: none of its weights match the model's parameter names")
-    partial = [key for key in missing if key.split(".")[0] in loaded_modules]
-    if partial:
-        raise ValueError(
-            f"trainer.init_from={path} does not fit the model: it lacks {partial[0]} ({len(partial)} keys missing)"
+
+def check_init_from(name: str, options: Mapping[str, Any], init_from: str) -> None:
+    """`trainer.init_from`'s weights checked against the model built on the meta device (no memory, no compute),
+    so the launching process refuses weights of another model before it records the run or starts a worker.
+
+    A transformers export is left to `from_pretrained`, which checks it as the worker loads it (loading it here
+    too would double its time and its report).
+    """
+    import torch
+
+    with torch.device("meta"):
+        model = create_model(name, **options)
+    path = Path(init_from)
+    state = model_state(path)
+    if state is None and (path / "config.json").is_file() and hasattr(type(model), "from_pretrained"):
+        return
+    check_init_weights(model, init_weights(model, path) if state is None else state, path)
+
+
+def init_weights(model: nn.Module, path: Path) -> Mapping[str, Any]:
+    """The weights `trainer.init_from=path` gives `model`, under the model's parameter names."""
+    state = model_state(path)
+    if state is not None:
+        return state
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"trainer.init_from={path}: expected a run directory (checkpoints/), a checkpoint directory "
+            "(shared.pt) or a save_pretrained directory (config.json)"
         )
+    if hasattr(type(model), "from_pretrained"):
+        # transformers maps base-model prefixes (a saved BertModel into BertForQuestionAnswering) for us.
+        return type(model).from_pretrained(path, config=model.config).state_dict()
+    from safetensors.torch import load_file  # a timm export (models.export_timm_model)
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def check_init_weights(model: nn.Module, state: Mapping[str, Any], path: Path) -> None:
+    """Refuse, in one line, weights of another model: none of their names match, a shape differs, or a module
+    they have is only partly there (the architectures differ)."""
+    own = model.state_dict()
+    matching = [key for key in state if key in own]
+    if not matching:
+        raise ConfigError(f"trainer.init_from={path}: none of its weights match the model's parameter names (a "
+                          "run of another model?)")
+    for key in matching:
+        if tuple(state[key].shape) != tuple(own[key].shape):
+            raise ConfigError(f"trainer.init_from={path} does not fit the model: {key} has shape "
+                              f"{tuple(state[key].shape)} there and {tuple(own[key].shape)} here")
+    loaded_modules = {key.split(".")[0] for key in matching}
+    partial = [key for key in own if key not in state and key.split(".")[0] in loaded_modules]
+    if partial:
+        raise ConfigError(f"trainer.init_from={path} does not fit the model: it lacks {partial[0]} ({len(partial)} "
+                          "keys missing)")
 
 
 def optimizer_checkpoint(init_from: str | None, optimizer: str, world_size: int) -> Path:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from conf.checks import ConfigError
 from data import DataRequest
 from train.config import BatchGeometry, validate
-from train.model_io import optimizer_checkpoint
+from train.model_io import check_init_from, optimizer_checkpoint
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ class RunPlan:
 
 
 def plan_run(cfg: DictConfig, run_dir: str | Path) -> RunPlan:
-    """Check every value (`validate`), resolve the init checkpoint, and freeze the result for the workers.
+    """Check every value (`validate`) and the init weights' fit, resolve the init checkpoint, and freeze the result
+    for the workers.
 
     Raises `ConfigError` (one line naming the key) on a value that cannot work.
     """
@@ -57,6 +58,8 @@ def plan_run(cfg: DictConfig, run_dir: str | Path) -> RunPlan:
     init_checkpoint = None
     if trainer.init_optimizer_state:  # or a one-line refusal
         init_checkpoint = optimizer_checkpoint(trainer.init_from, cfg.optim.name, checked.geometry.world_size)
+    if trainer.init_from:
+        check_init_from(cfg.model.name, checked.model_options, trainer.init_from)
     return RunPlan(
         run_dir=Path(run_dir), geometry=checked.geometry,
         model=cfg.model.name, model_options=checked.model_options,

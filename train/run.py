@@ -9,10 +9,12 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from data import build_data
+from models import model_options_in_use
 from train.checkpoint import RunDirectoryError, check_world_size, newest_checkpoint_meta
 from train.config import BatchGeometry
 from train.distributed import (
@@ -84,8 +86,8 @@ def check_same_model(cfg: DictConfig, run_dir: Path, checkpoint: Path) -> None:
     recorded_config = RunDir(run_dir).recorded_config()
     if recorded_config is None:
         return
-    recorded = OmegaConf.to_container(recorded_config.get("model", {}), resolve=True)
-    wanted = OmegaConf.to_container(cfg.model, resolve=True)
+    recorded, wanted = (_model_in_use(OmegaConf.to_container(model, resolve=True))
+                        for model in (recorded_config.get("model", {}), cfg.model))
     differing = sorted(k for k in recorded.keys() | wanted.keys() if recorded.get(k) != wanted.get(k))
     if differing:
         key = differing[0]
@@ -94,6 +96,14 @@ def check_same_model(cfg: DictConfig, run_dir: Path, checkpoint: Path) -> None:
             f"{recorded.get(key)} ({checkpoint.name}); resume with that model, or pick another name=... (another run "
             "directory) for this one"
         )
+
+
+def _model_in_use(model: dict[str, Any]) -> dict[str, Any]:
+    """A model group's values with each null as the builder fills it, so a refusal names the value in use."""
+    if "name" not in model:
+        return model
+    options = {key: value for key, value in model.items() if key != "name"}
+    return {"name": model["name"], **model_options_in_use(model["name"], options)}
 
 
 def train_worker(plan: RunPlan) -> None:

@@ -14,9 +14,15 @@ import signal
 from types import TracebackType
 from typing import Any
 
+from conf.checks import UserError
 from optim.comm import Comm, PendingVote
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class RunStopped(UserError):
+    """An error that stopped a run (a non-finite loss, a full disk), recorded in its summary.json and train.log:
+    reported as its one line, with no traceback, like a user error."""
 
 
 class StopRequest:

@@ -1,6 +1,7 @@
 """`summary.json`: one record of what a run did (config, final and best metrics, data sent, speed), for reports.
 
-Rank 0 writes it at the end of every run, a run stopped early included (`"finished": false`); `python -m
+Rank 0 writes it at the end of every run, a run stopped early included (`"finished": false`, and `"stopped"` says
+by what: a signal, a non-finite loss, a full disk); `python -m
 benchmarks.paper.report` turns summaries into tables and plots, and rebuilds what it can of one from `metrics.jsonl`
 and the recorded config for a run that has none.
 """
@@ -76,8 +77,10 @@ def build_summary(
     device: torch.device,
     samples_unit: str,
     elapsed_seconds: float,
+    stopped: str | None = None,
 ) -> dict[str, Any]:
-    """The whole summary of a run that has done `steps` of `max_steps`; `records` are its metrics.jsonl."""
+    """The whole summary of a run that has done `steps` of `max_steps`; `records` are its metrics.jsonl;
+    `stopped` says what stopped it early (a signal's name, an error's line)."""
     return {
         **config_fields(cfg),
         "world_size": world_size,
@@ -85,6 +88,7 @@ def build_summary(
         "steps": steps,
         "max_steps": max_steps,
         "finished": steps >= max_steps,
+        "stopped": stopped,
         "num_params": num_params,
         "final": final_values(records),
         "best": best_values(records),

@@ -3,6 +3,7 @@ then logging, evaluation and checkpointing, in that order."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -14,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from conf.checks import UserError
 from data import atomic_write_json, build_data
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
@@ -26,7 +28,7 @@ from train.model_io import build_model, export_pretrained
 from train.plan import RunPlan
 from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
 from train.run_dir import RunDir
-from train.stop import StopRequest
+from train.stop import RunStopped, StopRequest
 from train.summary import build_summary, write_summary
 from train.tasks import EvalShard, get_task
 
@@ -141,7 +143,35 @@ class Trainer:
         SIGTERM (a scheduler's notice) and SIGINT (Ctrl-C) both stop the run at the next micro-batch boundary
         (see `train.stop`): a partial step is abandoned and the last completed one saved, with its data position
         and random streams, so the resumed run repeats the series of the uninterrupted one.
+
+        An error stops the run with a record too: its reason in train.log and as summary.json's `stopped`. One the
+        user can act on (a non-finite loss, a full or unwritable disk, bad data) is then raised as `RunStopped`,
+        its one line.
         """
+        try:
+            self._fit()
+        except Exception as err:
+            reason = self._stop_reason(err)
+            # A full disk may refuse the record as well: the error itself is still reported.
+            with contextlib.suppress(OSError):
+                self.logger.info(f"stopped at step {self.step}: {reason}")
+            with contextlib.suppress(OSError):
+                self._write_summary(stopped=reason)
+            if isinstance(err, FloatingPointError | OSError):
+                raise RunStopped(reason) from None
+            raise
+
+    def _stop_reason(self, err: Exception) -> str:
+        """The line an error that stopped the run is recorded and reported with."""
+        if isinstance(err, FloatingPointError | UserError):  # these name their own remedy
+            return str(err)
+        if not isinstance(err, OSError):
+            return f"{type(err).__name__}: {err}"
+        newest = self.checkpointer.latest()
+        resume = f"rerun to resume from {newest}" if newest is not None else "rerun to start over"
+        return f"{err}; the checkpoints written before are kept: fix that, then {resume}"
+
+    def _fit(self) -> None:
         tcfg = self.cfg.trainer
         if self.step >= self.max_steps:
             if self._finished():
@@ -156,6 +186,7 @@ class Trainer:
             stop_at = min(stop_at, self.step + tcfg.steps_this_run)
         window = _Window(self.totals)
         mark = time.perf_counter()
+        stopped = None  # what stopped the run before stop_at: a signal's name
         with self.stop:
             while self.step < stop_at:
                 metrics = self.train_step()
@@ -179,13 +210,13 @@ class Trainer:
                 if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and stepped:
                     self.save_checkpoint()
                 if stopping:
-                    why = self.stop.signal_name or "a stop signal on another rank"
-                    self.logger.info(f"{why}: stopping at step {self.step} with a checkpoint")
+                    stopped = self.stop.signal_name or "a stop signal on another rank"
+                    self.logger.info(f"{stopped}: stopping at step {self.step} with a checkpoint")
                     break
             self.save_checkpoint()
             if self.step >= self.max_steps:
                 self._finish()
-        self._write_summary()
+        self._write_summary(stopped=stopped)
 
     @property
     def stop_signal(self) -> str | None:
@@ -433,15 +464,15 @@ class Trainer:
                 self.logger.info(f"EMA weights exported to {path}")
         self.comm.barrier()
 
-    def _write_summary(self) -> None:
-        """summary.json (rank 0): the run so far, whether it reached max_steps or stopped early."""
+    def _write_summary(self, stopped: str | None = None) -> None:
+        """summary.json (rank 0): the run so far, whether it reached max_steps or was `stopped` early (why)."""
         if not self.is_main:
             return
         summary = build_summary(
             self.cfg, read_metrics(self.run_dir.path), self.totals, steps=self.step, max_steps=self.max_steps,
             world_size=self.comm.world_size, global_batch_size=self.geometry.global_batch_size,
             num_params=self.num_params, device=self.device, samples_unit=f"{self.task.sample_unit}/s",
-            elapsed_seconds=self.clock.elapsed(),
+            elapsed_seconds=self.clock.elapsed(), stopped=stopped,
         )
         write_summary(self.run_dir, summary)
         self.logger.info(f"summary: {self.run_dir.summary_file}")
