@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,8 @@ def export_pretrained(
     shutil.rmtree(staging, ignore_errors=True)
     try:
         if is_transformers:
-            model.save_pretrained(staging)
+            with _no_progress_bars():
+                model.save_pretrained(staging)
             _name_stock_architecture(model, staging)
         else:  # a timm model: model.safetensors + timm's config.json (timm.create_model("local-dir:<dir>"))
             from models import export_timm_model
@@ -130,6 +132,21 @@ def export_pretrained(
         raise
     replace_directory(staging, directory)
     return directory
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Without transformers' bars: its "Writing model shards" bar would land in batch logs; the run says in a line
+    of its own where the export went."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _name_stock_architecture(model: nn.Module, directory: Path) -> None:
