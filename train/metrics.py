@@ -164,7 +164,7 @@ class MetricLogger:
         # Started at the first record: a rerun that has nothing to do starts no wandb run.
         self._wandb_start = None if mode == "disabled" else dict(
             project=wandb_project, dir=str(run_dir.path), mode=mode, config=config,
-            name=run_dir.name, resume="allow", id=wandb_run_id(run_dir),
+            name=run_dir.display_name(), resume="allow", id=wandb_run_id(run_dir),
         )
 
     def _truncate_after(self, step: int) -> None:

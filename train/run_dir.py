@@ -103,8 +103,7 @@ class RunDir:
     def eval_file(self) -> Path:
         return self.path / "eval.json"
 
-    @property
-    def name(self) -> str:
+    def display_name(self) -> str:
         """What wandb and reports call the run: the directory's name, or for a multirun job (a numbered directory,
         whose number says nothing) its overrides."""
         overrides = self.recorded_overrides()
