@@ -34,6 +34,7 @@ class TaskData:
     tokenizer: Any | None = None  # exported beside text models
     source: str = ""  # what the run trains on, in words, for its start-up lines
     preprocessing: dict[str, Any] | None = None  # image mean/std, crop and size, carried by the model's export
+    class_names: list[str] | None = None  # the image labels' names in label order, carried by the model's export
 
 
 @dataclass(frozen=True)

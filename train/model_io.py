@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,8 @@ def optimizer_checkpoint(init_from: str | None, optimizer: str, world_size: int)
 
 
 def export_pretrained(
-    model: nn.Module, tokenizer: Any, directory: Path, *, data_config: Mapping[str, Any] | None = None
+    model: nn.Module, tokenizer: Any, directory: Path, *, data_config: Mapping[str, Any] | None = None,
+    label_names: Sequence[str] | None = None,
 ) -> Path:
     """`save_pretrained` model and tokenizer into `directory`, replacing it only once fully written.
 
@@ -105,13 +106,13 @@ def export_pretrained(
     `vocab.txt` (WordPiece) and `model_max_length` = the model's `max_position_embeddings`.
     timm models: `model.safetensors` + timm's `config.json`, whose `pretrained_cfg` carries `data_config`
     (mean, std, crop_pct, interpolation, input_size: see `data.images.kinds.image_preprocessing` and
-    `models.swin.timm_data_config`).
+    `models.swin.timm_data_config`), and its `label_names` the data's class names.
     Every file gets mode 0o666 & ~umask (directories 0o777 & ~umask), as a plain `open()` would create it:
     0644 under the usual umask 022, so the weights are as readable as the config beside them.
     """
     is_transformers = hasattr(model, "save_pretrained")
-    if data_config is not None and is_transformers:
-        raise ValueError("data_config is image preprocessing for timm models; this model is a transformers model")
+    if (data_config is not None or label_names) and is_transformers:
+        raise ValueError("data_config and label_names describe timm image models; this model is a transformers model")
     staging = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     try:
@@ -122,7 +123,7 @@ def export_pretrained(
         else:  # a timm model: model.safetensors + timm's config.json (timm.create_model("local-dir:<dir>"))
             from models import export_timm_model
 
-            export_timm_model(model, staging, data_config=data_config)
+            export_timm_model(model, staging, data_config=data_config, label_names=label_names)
         if tokenizer is not None:
             max_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
             save_tokenizer(tokenizer, staging, model_max_length=max_length)

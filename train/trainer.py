@@ -29,7 +29,7 @@ from train.precision import autocast, load_scaler_state, make_grad_scaler, set_d
 from train.run_dir import RunDir
 from train.stop import StopRequest
 from train.summary import build_summary, write_summary
-from train.tasks import EvalShard, get_task
+from train.tasks import EvalShard, evaluate_model, get_task
 
 
 class Trainer:
@@ -380,12 +380,8 @@ class Trainer:
         return EvalShard() if self.is_main else None
 
     def _evaluate_model(self, model: nn.Module, shard: EvalShard) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
-        with torch.no_grad(), autocast(self.cfg.precision.dtype, self.device):
-            results = self.task.evaluate(model, self.data.eval, self.run_dir, shard)
-        model.train(was_training)
-        return results
+        return evaluate_model(self.task, model, self.data.eval, self.run_dir, shard, self.cfg.precision.dtype,
+                              self.device)
 
     # ----------------------------------------------------------------------------------------- EMA, best-K
     def _build_ema(self, decay: float | None) -> Any:
@@ -434,12 +430,12 @@ class Trainer:
 
     def _export(self) -> None:
         if self.is_main:
-            data_config = self.data.preprocessing  # what an image model was trained with, for timm's loaders
-            path = export_pretrained(self.model, self.tokenizer, self.run_dir.export_dir, data_config=data_config)
+            # What an image model was trained with and what its outputs mean, for timm's loaders and users.
+            described = dict(data_config=self.data.preprocessing, label_names=self.data.class_names)
+            path = export_pretrained(self.model, self.tokenizer, self.run_dir.export_dir, **described)
             self.logger.info(f"final weights exported with save_pretrained to {path}")
             if self.ema is not None:
-                path = export_pretrained(self.ema.module, self.tokenizer, self.run_dir.ema_export_dir,
-                                         data_config=data_config)
+                path = export_pretrained(self.ema.module, self.tokenizer, self.run_dir.ema_export_dir, **described)
                 self.logger.info(f"EMA weights exported to {path}")
         self.comm.barrier()
 
