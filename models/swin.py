@@ -123,8 +123,8 @@ def export_timm_model(model: nn.Module, directory: Path, data_config: Mapping[st
     preprocessing the run trained and evaluated with; it goes into the config's `pretrained_cfg`, so
     `timm.data.resolve_data_config({}, model=<loaded model>)` gives the run's values. Without it the
     architecture's ImageNet defaults stay there. `label_names` (each output's class, in order: an ImageFolder's
-    folder names) goes into the config, and timm loads it into `pretrained_cfg["label_names"]`. Either way the source weights' tag and licence are dropped:
-    these weights were trained here (the builder never downloads any).
+    folder names) goes into the config, and timm loads it into `pretrained_cfg["label_names"]`. Either way the
+    source weights' tag and licence are dropped: these weights were trained here (the builder never downloads any).
     """
     from timm.models import save_for_hf
 

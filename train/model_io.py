@@ -112,7 +112,8 @@ def export_pretrained(
     """
     is_transformers = hasattr(model, "save_pretrained")
     if (data_config is not None or label_names) and is_transformers:
-        raise ValueError("data_config and label_names describe timm image models; this model is a transformers model")
+        raise ValueError("data_config and label_names are for timm models (image preprocessing, class names); this "
+                         "model is a transformers model")
     staging = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     try:
