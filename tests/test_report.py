@@ -196,3 +196,31 @@ def test_two_rank_summary_counts_the_bytes_the_records_show(tmp_path):
     _check_summary_against_records(summary, records)
     assert summary["world_size"] == 2 and summary["bytes_total"] > 0
     assert 0 < summary["bits_per_param_per_step"] < 32
+
+
+def _fake_run(run_dir: Path, task: str, overrides: list[str]) -> Path:
+    """A run directory as a Hydra multirun job leaves it, with one training record."""
+    RunDir(run_dir).overrides_file.parent.mkdir(parents=True)
+    RunDir(run_dir).overrides_file.write_text(OmegaConf.to_yaml(OmegaConf.create(overrides)))
+    RunDir(run_dir).metrics_file.write_text(json.dumps({"step": 1, "loss": 2.0, "elapsed": 1.0}) + "\n")
+    RunDir(run_dir).summary_file.write_text(json.dumps({"task": task, "optimizer": "lamb", "final": {"loss": 2.0}}))
+    return run_dir
+
+
+def test_multirun_jobs_are_named_by_the_overrides_that_set_them_apart(tmp_path):
+    from benchmarks.paper.report import find_runs, load_runs
+
+    sweep = tmp_path / "demo-multirun"
+    for job, optim in enumerate(["lamb", "adamw"]):
+        _fake_run(sweep / str(job), "bert_pretraining", [f"optim={optim}", "trainer.max_steps=4"])
+    assert [run.name for run in load_runs(find_runs([str(sweep)]))] == ["optim=lamb", "optim=adamw"]
+
+
+def test_runs_of_different_tasks_are_refused_in_one_line(tmp_path, capsys):
+    _fake_run(tmp_path / "bert", "bert_pretraining", [])
+    _fake_run(tmp_path / "swin", "image_classification", [])
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path), "--out", str(tmp_path / "report")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("error: runs of 2 tasks (bert_pretraining: bert; image_classification: swin): "
+                                       "report each task's runs separately\n")
