@@ -142,23 +142,49 @@ def write_plots(runs: list[PlottedRun], out_dir: Path) -> list[Path]:
     return paths
 
 
+_MARKERS = "os^vDPX*h<"  # with the line styles, every optimizer its own look where colours repeat or lines meet
+_LINE_STYLES = ("-", "--", "-.", ":")
+_SAME_LINE = 0.01  # of a panel's height: curves closer than this everywhere would be drawn over each other
+
+
 def write_scaling_plot(rows: list[dict], path: Path) -> Path:
     """`benchmarks.paper.scaling`'s rows as one panel per model: scaling efficiency against GPUs, a line per
-    optimizer."""
+    optimizer. Optimizers whose curves lie within `_SAME_LINE` of the panel's height of each other (the DDP ones send
+    the same gradients) share one line named after all of them, so no curve hides behind another; each panel has its
+    own y range and legend."""
     models = list(dict.fromkeys(row["model"] for row in rows))
     optimizers = list(dict.fromkeys(row["optimizer"] for row in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.5), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        for index, optimizer in enumerate(optimizers):
+        panel = [100 * r["efficiency"] for r in rows if r["model"] == model]
+        tolerance = _SAME_LINE * (max(panel) - min(panel))
+        lines: list[tuple[list[tuple[int, float]], list[str]]] = []  # (points, the optimizers drawn by them)
+        for optimizer in optimizers:
             points = [(r["gpus"], 100 * r["efficiency"]) for r in rows
                       if r["model"] == model and r["optimizer"] == optimizer]
-            ax.plot(*zip(*points, strict=True), marker=".", color=_colour(index), label=optimizer)
+            same = next((names for drawn, names in lines if _same_line(drawn, points, tolerance)), None)
+            if same is None:
+                lines.append((points, [optimizer]))
+            else:
+                same.append(optimizer)
+        for points, names in lines:
+            index = optimizers.index(names[0])
+            ax.plot(*zip(*points, strict=True), marker=_MARKERS[index % len(_MARKERS)], markersize=5,
+                    linestyle=_LINE_STYLES[index % len(_LINE_STYLES)], color=_colour(index), label=" = ".join(names))
         ax.set_xscale("log", base=2)
         ax.set_title(f"{model} ({rows[0]['network']})")
         ax.set_xlabel("GPUs")
-    axes[0][0].set_ylabel("scaling efficiency (%)")
-    axes[0][-1].legend(fontsize="small")
-    fig.tight_layout()
+        ax.set_ylabel("scaling efficiency (%)")
+        ax.legend(fontsize="x-small", loc="lower left")
+    fig.text(0.5, 0.0, f"a = b: optimizers within {_SAME_LINE:.0%} of the panel's height of each other at every GPU "
+             "count, drawn as one line", ha="center", va="bottom", fontsize="small")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=120))
     plt.close(fig)
     return path
+
+
+def _same_line(drawn: list[tuple[int, float]], points: list[tuple[int, float]], tolerance: float) -> bool:
+    """Whether two efficiency curves would be drawn over each other (same GPU counts, within `tolerance`)."""
+    return len(drawn) == len(points) and all(
+        g == h and abs(a - b) <= tolerance for (g, a), (h, b) in zip(drawn, points, strict=True))
