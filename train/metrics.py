@@ -209,8 +209,13 @@ class MetricLogger:
             self._line(message, console=True)
 
     def _line(self, message: str, *, console: bool) -> None:
-        if console:
-            tqdm.write(message)
+        if console and self._bar is not None:
+            tqdm.write(message)  # above the bar
+        elif console:
+            # Flushed: a batch job's stdout is a file, buffered by the block. And not through tqdm, whose write lock
+            # is a multiprocessing semaphore that a worker leaving with os._exit (train.run) would leak.
+            sys.stdout.write(message + "\n")
+            sys.stdout.flush()
         self._log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
         self._log_file.flush()
 

@@ -453,6 +453,9 @@ class Trainer:
         self.logger.info(f"summary: {self.run_dir.summary_file}")
 
     def close(self) -> None:
+        # The loader's worker processes and their queues go now: a signalled elastic worker leaves with os._exit
+        # (train.run), which skips the queues' finalizers, and the resource tracker then warns of leaked semaphores.
+        self.loader.close()
         if self.is_main:
             self.logger.info(_closing_line([r for r in read_metrics(self.run_dir.path) if "loss" in r]))
         self.logger.info(f"metrics: {self.logger.path} | checkpoints: {self.checkpointer.directory}")
