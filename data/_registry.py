@@ -29,11 +29,12 @@ class DataRequest:
 class TaskData:
     """What a run gets from its data: the training stream, the held-out data and the tokenizer."""
 
-    train: Any  # an endless, resumable micro-batch iterator: state_dict(), load_state_dict(), samples_per_epoch
+    train: Any  # endless, resumable micro-batches: state_dict(), load_state_dict(), samples_per_epoch, close()
     eval: Any | None = None  # held-out data for the task's evaluate(), on every rank (each evaluates a share)
     tokenizer: Any | None = None  # exported beside text models
     source: str = ""  # what the run trains on, in words, for its start-up lines
     preprocessing: dict[str, Any] | None = None  # image mean/std, crop and size, carried by the model's export
+    class_names: list[str] | None = None  # the image labels' names in label order, carried by the model's export
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,8 @@ def timm_data_config(data_config: Mapping[str, Any]) -> dict[str, Any]:
     return config
 
 
-def export_timm_model(model: nn.Module, directory: Path, data_config: Mapping[str, Any] | None = None) -> Path:
+def export_timm_model(model: nn.Module, directory: Path, data_config: Mapping[str, Any] | None = None,
+                      label_names: Sequence[str] | None = None) -> Path:
     """Write `model.safetensors` + timm's `config.json` into `directory`.
 
     The result loads with `timm.create_model(f"local-dir:{directory}", pretrained=True)` (the architecture
@@ -121,8 +122,9 @@ def export_timm_model(model: nn.Module, directory: Path, data_config: Mapping[st
     `data_config` (keys `DATA_CONFIG_KEYS`: mean, std, crop_pct, interpolation, input_size) is the
     preprocessing the run trained and evaluated with; it goes into the config's `pretrained_cfg`, so
     `timm.data.resolve_data_config({}, model=<loaded model>)` gives the run's values. Without it the
-    architecture's ImageNet defaults stay there. Either way the source weights' tag and licence are dropped:
-    these weights were trained here (the builder never downloads any).
+    architecture's ImageNet defaults stay there. `label_names` (each output's class, in order: an ImageFolder's
+    folder names) goes into the config, and timm loads it into `pretrained_cfg["label_names"]`. Either way the
+    source weights' tag and licence are dropped: these weights were trained here (the builder never downloads any).
     """
     from timm.models import save_for_hf
 
@@ -131,7 +133,7 @@ def export_timm_model(model: nn.Module, directory: Path, data_config: Mapping[st
     model.pretrained_cfg = {k: v for k, v in original.items() if k not in _SOURCE_FIELDS}
     try:
         save_for_hf(model, str(directory), model_args=getattr(model, "model_args", None), safe_serialization=True,
-                    data_config=timm_data)
+                    data_config=timm_data, model_config={"label_names": list(label_names)} if label_names else None)
     finally:
         model.pretrained_cfg = original
     return Path(directory)

@@ -79,10 +79,10 @@ def test_qa_export_names_bert_for_question_answering(tmp_path, tokenizer):
     assert (out / "vocab.txt").is_file() and AutoTokenizer.from_pretrained(out).model_max_length == 512
 
 
-def test_data_config_is_for_image_models_only(tmp_path, tokenizer):
+@pytest.mark.parametrize("described", [dict(data_config=DIGITS_DATA), dict(label_names=["a", "b"])])
+def test_data_config_and_label_names_are_for_image_models_only(tmp_path, tokenizer, described):
     with pytest.raises(ValueError, match="timm models"):
-        export_pretrained(create_model("bert_pretraining", **BERT_SHAPE), tokenizer, tmp_path / "x",
-                          data_config=DIGITS_DATA)
+        export_pretrained(create_model("bert_pretraining", **BERT_SHAPE), tokenizer, tmp_path / "x", **described)
     assert not (tmp_path / "x").exists()
 
 

@@ -213,3 +213,71 @@ def test_two_rank_summary_counts_the_bytes_the_records_show(tmp_path):
     _check_summary_against_records(summary, records)
     assert summary["world_size"] == 2 and summary["bytes_total"] > 0
     assert 0 < summary["bits_per_param_per_step"] < 32
+
+
+def _fake_run(run_dir: Path, task: str, overrides: list[str]) -> Path:
+    """A run directory as a Hydra multirun job leaves it, with one training record."""
+    RunDir(run_dir).overrides_file.parent.mkdir(parents=True)
+    RunDir(run_dir).overrides_file.write_text(OmegaConf.to_yaml(OmegaConf.create(overrides)))
+    RunDir(run_dir).metrics_file.write_text(json.dumps({"step": 1, "loss": 2.0, "elapsed": 1.0}) + "\n")
+    RunDir(run_dir).summary_file.write_text(json.dumps({"task": task, "optimizer": "lamb", "final": {"loss": 2.0}}))
+    return run_dir
+
+
+def test_multirun_jobs_are_named_by_the_overrides_that_set_them_apart(tmp_path):
+    from benchmarks.paper.report import find_runs, load_runs
+
+    sweep = tmp_path / "demo-multirun"
+    for job, optim in enumerate(["lamb", "adamw"]):
+        _fake_run(sweep / str(job), "bert_pretraining", [f"optim={optim}", "trainer.max_steps=4"])
+    assert [run.name for run in load_runs(find_runs([str(sweep)]))] == ["optim=lamb", "optim=adamw"]
+
+
+def test_runs_of_different_tasks_are_refused_in_one_line(tmp_path, capsys):
+    _fake_run(tmp_path / "bert", "bert_pretraining", [])
+    _fake_run(tmp_path / "swin", "image_classification", [])
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path), "--out", str(tmp_path / "report")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("error: runs of 2 tasks (bert_pretraining: bert; image_classification: swin): "
+                                       "report each task's runs separately\n")
+
+
+def _plotted(name: str, optimizer: str, losses: list[float], sent: float, bits: float):
+    from benchmarks.paper.report import Run
+
+    records = [{"step": i + 1, "loss": loss, "elapsed": i + 1.0, "comm_bytes_total": sent * (i + 1)}
+               for i, loss in enumerate(losses)]
+    return Run(name=name, path=Path(name), summary={"optimizer": optimizer, "bits_per_param_per_step": bits},
+               records=records)
+
+
+def test_a_diverging_run_is_cut_and_marked_and_the_others_keep_the_axis():
+    import matplotlib.pyplot as plt
+
+    from benchmarks.paper.plots import loss_vs_step
+
+    runs = [_plotted("lamb", "lamb", [11.0, 9.0, 8.0], 1e6, 32.0),
+            _plotted("zero_one_adam", "zero_one_adam", [11.0, 73.0, 12.0], 1e5, 5.0)]
+    fig, ax = plt.subplots()
+    loss_vs_step(ax, runs)
+    assert ax.get_ylim()[1] < 1.25 * 11.0 * 1.1  # the spike to 73 does not set the axis
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["lamb", "zero_one_adam (peaks at 73)"]
+    assert any("loss axis cut at 13.8" in t.get_text() for t in ax.texts)
+    plt.close(fig)
+
+
+def test_runs_that_sent_nothing_are_named_and_bits_start_at_zero():
+    import matplotlib.pyplot as plt
+
+    from benchmarks.paper.plots import bits_per_param, loss_vs_bytes
+
+    runs = [_plotted("optim=adamw", "adamw", [11.0, 10.0], 0.0, 0.0), _plotted("lamb-run", "lamb", [11.0, 9.0], 0, 0)]
+    fig, (bytes_ax, bits_ax) = plt.subplots(1, 2)
+    loss_vs_bytes(bytes_ax, runs)
+    assert "optim=adamw, lamb-run\nsent nothing (one rank)" in bytes_ax.texts[0].get_text()
+    bits_per_param(bits_ax, runs)
+    assert bits_ax.get_ylim() == (0.0, 1.0)
+    assert [t.get_text() for t in bits_ax.get_xticklabels()] == ["optim=adamw", "lamb-run"]
+    assert [t.get_text() for t in bits_ax.texts] == ["0: sent nothing"] * 2
+    plt.close(fig)

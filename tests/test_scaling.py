@@ -155,3 +155,19 @@ def test_bad_arguments_exit_2_with_one_line(args, error, tmp_path, capsys, monke
     assert info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(error.format(tmp=tmp_path))
+
+
+def test_curves_that_would_hide_each_other_are_one_line_named_after_both(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from benchmarks.paper import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "atomic_write", lambda path, write: drawn.append(plt.gcf()))
+    efficiency = {"lamb": 1.0, "adamw": 1.0, "slamb": 1.002, "onebit_lamb": 1.3}  # slamb within 1 % of the height
+    rows = [dict(model="bert_large", optimizer=opt, gpus=g, network="ib100", efficiency=0.5 / (1 + g / 64) * scale)
+            for opt, scale in efficiency.items() for g in (8, 64, 1024)]
+    plots.write_scaling_plot(rows, tmp_path / "scaling.png")
+    lines = drawn[0].axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["lamb = adamw = slamb", "onebit_lamb"]
+    assert len({(line.get_marker(), line.get_linestyle()) for line in lines}) == 2

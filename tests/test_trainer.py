@@ -351,6 +351,7 @@ def test_sigterm_to_the_local_launcher_stops_every_worker_with_a_checkpoint(tmp_
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
     assert "Traceback" not in stderr
+    assert "leaked semaphore" not in stderr  # the workers leave with os._exit: nothing multiprocessing is left open
     assert time.monotonic() - signalled < 20  # promptly: not after the launcher's 30 s kill timeout
     last_logged = read_metrics(tmp_path)[-1]["step"]
     assert (tmp_path / "checkpoints" / f"step_{last_logged:08d}" / "rank_00001.pt").exists()
@@ -406,3 +407,13 @@ def test_a_data_error_mid_run_stops_with_a_record(tmp_path, monkeypatch):
     assert (summary["steps"], summary["stopped"]) == (3, "shard-00003.parquet fails its checksum: prepare the data "
                                                          "again")
     assert "stopped at step 3: shard-00003.parquet fails its checksum" in (tmp_path / "train.log").read_text()
+
+
+def test_the_closing_line_compares_the_first_and_last_records_never_one_with_itself():
+    from train.trainer import _closing_line
+
+    first, last = {"step": 1, "loss": 11.02, "mlm_loss": 10.3, "lr": 1.0}, {"step": 4, "loss": 10.89, "mlm_loss": 10.2}
+    assert _closing_line([first, {"step": 2, "loss": 12.0}, last]) == (
+        "steps 1 -> 4: loss 11.02 -> 10.89, mlm_loss 10.3 -> 10.2")
+    assert _closing_line([last]) == "one training record (step 4): loss 10.89, mlm_loss 10.2"
+    assert _closing_line([]) == "no training record was logged"

@@ -256,6 +256,13 @@ def init_checkpoint(path: Path) -> Path | None:
     return path if (path / SHARED_FILE).is_file() else None
 
 
+def best_checkpoint(directory: Path) -> Path | None:
+    """The best of the checkpoints `best.json` keeps in `directory` (trainer.keep_best); None when it keeps none."""
+    best_file = Path(directory) / "best.json"
+    ranked = json.loads(best_file.read_text()) if best_file.is_file() else []
+    return Path(directory) / _step_dir(ranked[0]["step"]) if ranked else None
+
+
 def model_state(path: Path) -> dict[str, torch.Tensor] | None:
     """The model weights of `init_checkpoint(path)`; None when there is none (a `save_pretrained` export, say),
     which the caller reads its own way."""

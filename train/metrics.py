@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -97,6 +98,30 @@ class RunTotals:
 _BAR_KEYS = {"loss": "loss", "lr": "lr", "seq_per_s": "seq/s", "comm_bytes_per_step": "B/step"}
 
 
+def record_line(record: dict[str, Any], total_steps: int) -> str:
+    """A training record as one line of a log: step, loss, LR, throughput, bytes sent per step, elapsed time."""
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}"]
+    if "lr" in record:
+        parts.append(f"lr {record['lr']:.3g}")
+    if "seq_per_s" in record:
+        parts.append(f"{record['seq_per_s']:.1f} samples/s")
+    if "comm_bytes_per_step" in record:
+        parts.append(f"{_bytes(record['comm_bytes_per_step'])} sent/step")
+    minutes, seconds = divmod(round(record["elapsed"]), 60)
+    parts.append(f"elapsed {minutes // 60}:{minutes % 60:02d}:{seconds:02d}")
+    return " | ".join(parts)
+
+
+def _bytes(count: float) -> str:
+    """A byte count in decimal units (1.5 MB), as network and storage figures are quoted."""
+    unit = "B"
+    for larger in ("kB", "MB", "GB"):
+        if count < 1000:
+            break
+        count, unit = count / 1000, larger
+    return f"{count:.0f} B" if unit == "B" else f"{count:.3g} {unit}"
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The metric records of a run, one dict per logged step.
 
@@ -143,8 +168,10 @@ class MetricLogger:
         self._truncate_after(start_step)
         self._file = open(self.path, "a")  # noqa: SIM115 - lives as long as the run
         self._log_file = open(run_dir.log_file, "a")  # noqa: SIM115 - lives as long as the run
-        # A bar redrawn in a batch log (SLURM, a pipe) is noise: only on a terminal.
-        if progress_bar and sys.stderr.isatty():
+        self.total_steps = total_steps
+        # A bar redrawn in a batch log (SLURM, a pipe) is noise: only on a terminal. Elsewhere every training record
+        # becomes one line, so a job's log shows the loss.
+        if progress_bar and sys.stderr.isatty() and sys.stdout.isatty():
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -155,7 +182,7 @@ class MetricLogger:
         # Started at the first record: a rerun that has nothing to do starts no wandb run.
         self._wandb_start = None if mode == "disabled" else dict(
             project=wandb_project, dir=str(run_dir.path), mode=mode, config=config,
-            name=run_dir.path.name, resume="allow", id=_wandb_run_id(run_dir.path),
+            name=run_dir.display_name(), resume="allow", id=wandb_run_id(run_dir),
         )
 
     def _truncate_after(self, step: int) -> None:
@@ -182,10 +209,13 @@ class MetricLogger:
             self._wandb = wandb.init(**self._wandb_start, settings=wandb.Settings(silent=True))
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+        if "loss" not in metrics:  # an evaluation: the trainer says its results in a line of its own
+            return
         if self._bar is not None:
             self._bar.set_postfix(
                 {label: f"{metrics[key]:.4g}" for key, label in _BAR_KEYS.items() if key in metrics}, refresh=False
             )
+        self._line(record_line(record, self.total_steps), console=self._bar is None)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
@@ -194,9 +224,18 @@ class MetricLogger:
     def info(self, message: str) -> None:
         """A line for the user, printed above the progress bar and kept in the run's log file."""
         if self.enabled:
-            tqdm.write(message)
-            self._log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
-            self._log_file.flush()
+            self._line(message, console=True)
+
+    def _line(self, message: str, *, console: bool) -> None:
+        if console and self._bar is not None:
+            tqdm.write(message)  # above the bar
+        elif console:
+            # Flushed: a batch job's stdout is a file, buffered by the block. And not through tqdm, whose write lock
+            # is a multiprocessing semaphore that a worker leaving with os._exit (train.run) would leak.
+            sys.stdout.write(message + "\n")
+            sys.stdout.flush()
+        self._log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+        self._log_file.flush()
 
     def close(self) -> None:
         if not self.enabled:
@@ -228,8 +267,12 @@ def _leave_writer_errors_to_the_training_thread() -> None:
     threading.excepthook = hook
 
 
-def _wandb_run_id(run_dir: Path) -> str:
-    """A stable id per run directory, so a resumed run continues the same wandb run."""
-    import hashlib
-
-    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+def wandb_run_id(run_dir: RunDir) -> str:
+    """The run's wandb id, drawn at random on its first start and kept in the run directory: a resume continues the
+    same wandb run, and no other run (a directory of the same name in another checkout or image) shares it."""
+    path = run_dir.wandb_id_file
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(8)
+    atomic_write_text(path, run_id + "\n")
+    return run_id

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,8 @@ def optimizer_checkpoint(init_from: str | None, optimizer: str, world_size: int)
 
 
 def export_pretrained(
-    model: nn.Module, tokenizer: Any, directory: Path, *, data_config: Mapping[str, Any] | None = None
+    model: nn.Module, tokenizer: Any, directory: Path, *, data_config: Mapping[str, Any] | None = None,
+    label_names: Sequence[str] | None = None,
 ) -> Path:
     """`save_pretrained` model and tokenizer into `directory`, replacing it only once fully written.
 
@@ -139,23 +141,25 @@ def export_pretrained(
     `vocab.txt` (WordPiece) and `model_max_length` = the model's `max_position_embeddings`.
     timm models: `model.safetensors` + timm's `config.json`, whose `pretrained_cfg` carries `data_config`
     (mean, std, crop_pct, interpolation, input_size: see `data.images.kinds.image_preprocessing` and
-    `models.swin.timm_data_config`).
+    `models.swin.timm_data_config`), and its `label_names` the data's class names.
     Every file gets mode 0o666 & ~umask (directories 0o777 & ~umask), as a plain `open()` would create it:
     0644 under the usual umask 022, so the weights are as readable as the config beside them.
     """
     is_transformers = hasattr(model, "save_pretrained")
-    if data_config is not None and is_transformers:
-        raise ValueError("data_config is image preprocessing for timm models; this model is a transformers model")
+    if (data_config is not None or label_names) and is_transformers:
+        raise ValueError("data_config and label_names are for timm models (image preprocessing, class names); this "
+                         "model is a transformers model")
     staging = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     try:
         if is_transformers:
-            model.save_pretrained(staging)
+            with _no_progress_bars():
+                model.save_pretrained(staging)
             _name_stock_architecture(model, staging)
         else:  # a timm model: model.safetensors + timm's config.json (timm.create_model("local-dir:<dir>"))
             from models import export_timm_model
 
-            export_timm_model(model, staging, data_config=data_config)
+            export_timm_model(model, staging, data_config=data_config, label_names=label_names)
         if tokenizer is not None:
             max_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
             save_tokenizer(tokenizer, staging, model_max_length=max_length)
@@ -165,6 +169,21 @@ def export_pretrained(
         raise
     replace_directory(staging, directory)
     return directory
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Without transformers' bars: its "Writing model shards" bar would land in batch logs; the run says in a line
+    of its own where the export went."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _name_stock_architecture(model: nn.Module, directory: Path) -> None:

@@ -8,14 +8,17 @@
     ├── checkpoints/             step_00000200/ (meta.json, shared.pt, rank_00000.pt, ...) and best.json:
     │                            see train.checkpoint, which owns what is inside
     ├── metrics.jsonl            one record per logged step: train and eval/ metrics, time, elapsed
-    ├── train.log                rank 0's info lines (start-up, checkpoints, evaluations, warnings), with times
+    ├── train.log                rank 0's info lines (start-up, one per training record, checkpoints, evaluations,
+    │                            warnings), with times
     ├── tensorboard/             the same metrics for TensorBoard (logger.tensorboard=true)
+    ├── wandb_id.txt             the run's wandb id, drawn at random on its first start (a resume reuses it)
     ├── predictions.json         SQuAD: the answer to every question of the latest evaluation
     ├── nbest_predictions.json   SQuAD: the n best answers to each
     ├── hf_model/                the final weights, save_pretrained (with the tokenizer; timm: model.safetensors)
     ├── hf_model_ema/            the final EMA weights (trainer.ema_decay set)
     ├── finished.json            the end-of-run evaluation and exports are done
-    └── summary.json             what the run did, for reports (train.summary)
+    ├── summary.json             what the run did, for reports (train.summary)
+    └── eval.json                the metrics of `python -m train.evaluate` on this run's weights
 
 wandb keeps its own files in `wandb/` beside them when logger.wandb is not disabled.
 
@@ -74,6 +77,10 @@ class RunDir:
         return self.path / "tensorboard"
 
     @property
+    def wandb_id_file(self) -> Path:
+        return self.path / "wandb_id.txt"
+
+    @property
     def predictions_file(self) -> Path:
         return self.path / "predictions.json"
 
@@ -97,6 +104,16 @@ class RunDir:
     def summary_file(self) -> Path:
         return self.path / "summary.json"
 
+    @property
+    def eval_file(self) -> Path:
+        return self.path / "eval.json"
+
+    def display_name(self) -> str:
+        """What wandb and reports call the run: the directory's name, or for a multirun job (a numbered directory,
+        whose number says nothing) its overrides."""
+        overrides = self.recorded_overrides()
+        return " ".join(overrides) if self.path.name.isdigit() and overrides else self.path.name
+
     def record_config(self, cfg: DictConfig, overrides: Sequence[str] | None,
                       choices: Mapping[str, str | None] | None = None) -> None:
         """Write the run's resolved config, its command-line overrides and its config group choices (Hydra's
@@ -115,3 +132,7 @@ class RunDir:
     def recorded_config(self) -> DictConfig | None:
         """The config the run's checkpoints were trained with (None before any run was accepted here)."""
         return OmegaConf.load(self.config_file) if self.config_file.is_file() else None
+
+    def recorded_overrides(self) -> list[str]:
+        """The command-line overrides of the accepted run (none recorded: an empty list)."""
+        return list(OmegaConf.load(self.overrides_file)) if self.overrides_file.is_file() else []

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from train.precision import autocast, load_scaler_state, make_grad_scaler, set_d
 from train.run_dir import RunDir
 from train.stop import RunStopped, StopRequest
 from train.summary import build_summary, write_summary
-from train.tasks import EvalShard, get_task
+from train.tasks import EvalShard, evaluate_model, get_task
 
 
 class Trainer:
@@ -89,7 +90,6 @@ class Trainer:
             clock=self.clock,
         )
         self.stop = StopRequest(comm)  # SIGTERM / SIGINT, agreed by the ranks between micro-batches
-        self._first_logged = self._last_logged = None  # (step, metrics) of this invocation, for the closing line
         self._announce(resumed_from)
 
     # ----------------------------------------------------------------------------------------- set-up
@@ -106,6 +106,11 @@ class Trainer:
             f"{self.cfg.precision.dtype} | {self.max_steps} steps"
         )
         self.logger.info(f"data {self.data.source}")
+        epochs = self.max_steps * g.global_batch_size / self.loader.samples_per_epoch
+        self.logger.info(
+            f"peak lr {self.peak_lr:g} ({self.cfg.schedule.name}, warm-up {self._warmup_steps()} of {self.max_steps} "
+            f"steps) | {epochs:.3g} epochs of data | seed {self.cfg.trainer.seed} | commit {_source_commit()}"
+        )
         estimate = estimate_memory(self.model, self.spec, self.plan.optimizer_options, self.comm.world_size)
         device_total = (torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda"
                         else None)
@@ -115,6 +120,13 @@ class Trainer:
             self.logger.info(f"warning: {warning}")
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
+
+    def _warmup_steps(self) -> int:
+        """The schedule's warm-up in steps, as its kwargs give it (a count, or a fraction of the run)."""
+        kwargs = self.cfg.schedule.kwargs
+        if kwargs.get("warmup_steps") is not None:
+            return int(kwargs.warmup_steps)
+        return round(kwargs.get("warmup_fraction", 0.0) * self.max_steps)
 
     def _surprising_settings(self) -> list[str]:
         """Settings that work but rarely do what the user wants, each said once at start-up."""
@@ -297,8 +309,6 @@ class Trainer:
         if self.scaler.is_enabled():
             metrics["loss_scale"] = self.scaler.get_scale()
         self.logger.log(metrics, self.step)
-        self._first_logged = self._first_logged or (self.step, metrics)
-        self._last_logged = (self.step, metrics)
 
     # ----------------------------------------------------------------------------------------- state
     def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -401,12 +411,8 @@ class Trainer:
         return EvalShard() if self.is_main else None
 
     def _evaluate_model(self, model: nn.Module, shard: EvalShard) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
-        with torch.no_grad(), autocast(self.cfg.precision.dtype, self.device):
-            results = self.task.evaluate(model, self.data.eval, self.run_dir, shard)
-        model.train(was_training)
-        return results
+        return evaluate_model(self.task, model, self.data.eval, self.run_dir, shard, self.cfg.precision.dtype,
+                              self.device)
 
     # ----------------------------------------------------------------------------------------- EMA, best-K
     def _build_ema(self, decay: float | None) -> Any:
@@ -455,12 +461,12 @@ class Trainer:
 
     def _export(self) -> None:
         if self.is_main:
-            data_config = self.data.preprocessing  # what an image model was trained with, for timm's loaders
-            path = export_pretrained(self.model, self.tokenizer, self.run_dir.export_dir, data_config=data_config)
+            # What an image model was trained with and what its outputs mean, for timm's loaders and users.
+            described = dict(data_config=self.data.preprocessing, label_names=self.data.class_names)
+            path = export_pretrained(self.model, self.tokenizer, self.run_dir.export_dir, **described)
             self.logger.info(f"final weights exported with save_pretrained to {path}")
             if self.ema is not None:
-                path = export_pretrained(self.ema.module, self.tokenizer, self.run_dir.ema_export_dir,
-                                         data_config=data_config)
+                path = export_pretrained(self.ema.module, self.tokenizer, self.run_dir.ema_export_dir, **described)
                 self.logger.info(f"EMA weights exported to {path}")
         self.comm.barrier()
 
@@ -478,12 +484,35 @@ class Trainer:
         self.logger.info(f"summary: {self.run_dir.summary_file}")
 
     def close(self) -> None:
-        if self._first_logged and self._last_logged:
-            (first_step, first), (last_step, last) = self._first_logged, self._last_logged
-            changes = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in first if k.endswith("loss"))
-            self.logger.info(f"steps {first_step} -> {last_step}: {changes}")
+        # The loader's worker processes and their queues go now: a signalled elastic worker leaves with os._exit
+        # (train.run), which skips the queues' finalizers, and the resource tracker then warns of leaked semaphores.
+        self.loader.close()
+        if self.is_main:
+            self.logger.info(_closing_line([r for r in read_metrics(self.run_dir.path) if "loss" in r]))
         self.logger.info(f"metrics: {self.logger.path} | checkpoints: {self.checkpointer.directory}")
         self.logger.close()
+
+
+def _closing_line(records: list[dict[str, Any]]) -> str:
+    """The run's losses from its first training record to its last (resumed parts included)."""
+    if not records:
+        return "no training record was logged"
+    first, last = records[0], records[-1]
+    losses = [key for key in first if key.endswith("loss")]
+    if len(records) == 1:
+        return f"one training record (step {first['step']}): " + ", ".join(f"{k} {first[k]:.4g}" for k in losses)
+    return f"steps {first['step']} -> {last['step']}: " + ", ".join(
+        f"{k} {first[k]:.4g} -> {last[k]:.4g}" for k in losses if k in last)
+
+
+def _source_commit() -> str:
+    """The git commit of the code that runs, so a log says which version produced it ("unknown" outside a clone)."""
+    try:
+        found = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).parent,
+                               capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return found.stdout.strip()
 
 
 class _Window:

@@ -66,9 +66,30 @@ def find_runs(paths: list[str]) -> list[Path]:
 
 
 def load_runs(paths: list[Path]) -> list[Run]:
+    """The runs of one task (a `UserError` names the tasks otherwise: their losses share no axis or target)."""
+    runs = [Run(name=name, path=p, summary=_summary(p), records=read_metrics(p))
+            for name, p in zip(run_names(paths), paths, strict=True)]
+    tasks: dict[str, list[str]] = {}
+    for run in runs:
+        tasks.setdefault(str(run.summary.get("task")), []).append(run.name)
+    if len(tasks) > 1:
+        listed = "; ".join(f"{task}: {', '.join(names)}" for task, names in tasks.items())
+        raise UserError(f"runs of {len(tasks)} tasks ({listed}): report each task's runs separately")
+    return runs
+
+
+def run_names(paths: list[Path]) -> list[str]:
+    """Each run's path relative to the folder the runs share; a multirun job (a numbered directory) is named by the
+    overrides that set it apart from the other jobs, not by its number."""
     common = Path(os.path.commonpath([p.resolve() for p in paths]))
-    return [Run(name=p.name if len(paths) == 1 else str(p.resolve().relative_to(common)), path=p,
-                summary=_summary(p), records=read_metrics(p)) for p in paths]
+    overrides = {p: RunDir(p).recorded_overrides() for p in paths if p.name.isdigit()}
+    shared = set.intersection(*map(set, overrides.values())) if len(overrides) > 1 else set()
+    names = []
+    for p in paths:
+        relative = Path(p.resolve().name) if len(paths) == 1 else p.resolve().relative_to(common)
+        own = " ".join(o for o in overrides.get(p, []) if o not in shared) or RunDir(p).display_name()
+        names.append(str(relative.with_name(own)))
+    return names
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:

@@ -93,7 +93,7 @@ def build_image_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fal
                              num_workers=data_cfg.num_workers, pin_memory=request.pin_memory, collate_fn=collate)
     return TaskData(train=loader, eval=evaluation,
                     source=f"{data_cfg.name}: {data_cfg.format} images at {path}",
-                    preprocessing=image_preprocessing(data_cfg))
+                    preprocessing=image_preprocessing(data_cfg), class_names=getattr(dataset.source, "classes", None))
 
 
 def image_preprocessing(data_cfg: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -200,7 +200,9 @@ class HFImageSource:
             raise ValueError(f"HF dataset {path} split '{split}' is empty")
         self.dataset = loaded
         feature = loaded.features[label_key]
-        self.num_classes = feature.num_classes if isinstance(feature, datasets.ClassLabel) else None
+        is_class_label = isinstance(feature, datasets.ClassLabel)
+        self.num_classes = feature.num_classes if is_class_label else None
+        self.classes = list(feature.names) if is_class_label else None  # the label names, in label order
         labels = np.asarray(loaded[label_key])
         self.max_label = int(labels.max())
 

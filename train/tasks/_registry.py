@@ -85,6 +85,20 @@ def get_task(name: str) -> Task:
         raise ValueError(f"unknown task '{name}'; known tasks: {', '.join(list_tasks())}") from None
 
 
+def evaluate_model(task: Task, model: nn.Module, eval_data: Any, run_dir: RunDir, shard: EvalShard, precision: str,
+                   device: torch.device) -> dict[str, float]:
+    """`task.evaluate` in eval mode, without gradients, under the run's autocast: the one way the trainer and
+    `python -m train.evaluate` evaluate, so their metrics agree."""
+    from train.precision import autocast
+
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), autocast(precision, device):
+        results = task.evaluate(model, eval_data, run_dir, shard)
+    model.train(was_training)
+    return results
+
+
 def check_task_config(name: str) -> None:
     """Compose-time check of `task.name`."""
     if name not in _TASKS:

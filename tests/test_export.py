@@ -1,0 +1,64 @@
+"""`python -m train.export`: a run's best, newest or a named checkpoint as the stock export, with Swin's class names;
+what it refuses, in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from conftest import REPO, compose
+from test_swin import _tiny_run
+
+from data.images.digits import write_digits_imagefolder
+from train.checkpoint import model_state
+from train.restore import find_weights
+from train.run import run
+from train.run_dir import RunDir
+
+
+@pytest.fixture(scope="module")
+def swin_run(tmp_path_factory) -> Path:
+    """A 4-step Swin digits run that evaluates (and keeps the best checkpoint) every 2 steps."""
+    digits = write_digits_imagefolder(tmp_path_factory.mktemp("data") / "digits")
+    run_dir = tmp_path_factory.mktemp("runs") / "swin"
+    run(compose(_tiny_run(digits, run_dir)), run_dir)
+    return run_dir
+
+
+def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_best_checkpoint_exports_for_timm_with_its_class_names(swin_run, tmp_path):
+    best = RunDir(swin_run).checkpoints_dir / "best.json"
+    best.write_text(json.dumps([{"step": 2, "score": 99.0}]))  # the best is not the newest
+    result = _cli("train.export", swin_run, tmp_path / "best", "--best")
+    assert result.returncode == 0, result.stderr
+    assert "step_00000002" in result.stdout and "Writing model shards" not in result.stdout + result.stderr
+    model = timm.create_model(f"local-dir:{tmp_path / 'best'}", pretrained=True)
+    assert model.pretrained_cfg["label_names"] == [str(digit) for digit in range(10)]  # the ImageFolder's classes
+    assert list(model.pretrained_cfg["mean"]) == [0.5, 0.5, 0.5]
+    expected = model_state(RunDir(swin_run).checkpoints_dir / "step_00000002")
+    assert all(torch.equal(value, expected[key]) for key, value in model.state_dict().items())
+
+
+def test_the_newest_checkpoint_is_exported_without_best(swin_run):
+    assert find_weights(swin_run).path.name == "step_00000004"
+    assert find_weights(swin_run / "checkpoints" / "step_00000002").run_dir == RunDir(swin_run)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["{run}/nowhere", "{tmp}/out"], "does not exist"),
+    (["{run}/hf_model", "{tmp}/out"], "is already an export"),
+    (["{run}/checkpoints/step_00000004", "{tmp}/out", "--best"], "give the run directory"),
+    (["{run}/.hydra", "{tmp}/out"], "is neither a run directory"),
+])
+def test_what_cannot_be_exported_is_refused_in_one_line(swin_run, tmp_path, args, message):
+    result = _cli("train.export", *(a.format(run=swin_run, tmp=tmp_path) for a in args))
+    assert result.returncode == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
