@@ -284,7 +284,7 @@ def test_under_torchrun_only_rank_zero_writes_the_run_directorys_log(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*.log")) == ["train.log"]
-    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["config.yaml", "overrides.yaml"]
+    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["choices.yaml", "config.yaml", "overrides.yaml"]
     lines = [line.split(" ", 2)[2] for line in (run_dir / "train.log").read_text().splitlines()]
     assert len(lines) == len(set(lines))  # no line twice: one writer
     assert sum(line.startswith("run dir ") for line in lines) == 1
