@@ -50,6 +50,13 @@ def poly_warmup(step: int, total_steps: int, warmup_fraction: float, degree: flo
     return max(1.0 - progress, 0.0) ** degree
 
 
+def warmup_steps_of(total_steps: int, warmup_steps: int | None = None, warmup_fraction: float | None = None) -> int:
+    """A schedule's warm-up in steps, given as a count or as a fraction of the run (rounded); 0 without either."""
+    if warmup_steps is not None:
+        return int(warmup_steps)
+    return round((warmup_fraction or 0.0) * total_steps)
+
+
 def linear_warmup_cosine(step: int, total_steps: int, warmup_steps: int | None = None, min_ratio: float = 0.0,
                          warmup_fraction: float | None = None) -> float:
     """Linear warm-up to 1 over `warmup_steps`, then cosine decay to `min_ratio` at `total_steps`, held after.
@@ -64,7 +71,7 @@ def linear_warmup_cosine(step: int, total_steps: int, warmup_steps: int | None =
             f"and warmup_fraction={warmup_fraction}: give exactly one of them")
     if warmup_fraction is not None:
         check_range("warmup_fraction", warmup_fraction, 0.0, 1.0)
-        warmup_steps = round(warmup_fraction * total_steps)
+    warmup_steps = warmup_steps_of(total_steps, warmup_steps, warmup_fraction)
     require(0 <= warmup_steps <= total_steps, "warmup_steps", warmup_steps,
             f"must be in [0, total_steps={total_steps}]")
     check_range("min_ratio", min_ratio, 0.0, 1.0)

@@ -43,6 +43,7 @@ from train.run_dir import RunDir
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 SHARED_FILE = "shared.pt"
 META_FILE = "meta.json"
+BEST_FILE = "best.json"
 # Per-rank entries that do not bind a checkpoint to its world size: the data position is the same global one on
 # every rank (see data/loader.py), so any rank may take rank 0's; RNG streams are re-seeded (`reseed_rng`) instead.
 # Any other per-rank entry (a self-synchronising optimizer's learner) binds it to the ranks that wrote it.
@@ -204,8 +205,7 @@ class Checkpointer:
 
     def best(self) -> list[dict[str, float]]:
         """The kept best checkpoints, best first: `[{"step": ..., "score": ...}, ...]`."""
-        path = self.directory / "best.json"
-        return json.loads(path.read_text()) if path.is_file() else []
+        return _ranked_best(self.directory)
 
     def is_among_best(self, score: float) -> bool:
         """Whether a checkpoint scoring `score` would enter the best `keep_best` (ties keep the older one)."""
@@ -223,7 +223,7 @@ class Checkpointer:
             ranked = [entry for entry in self.best() if entry["step"] != step] + [{"step": step, "score": score}]
             # Stable sort: among equal scores the earlier checkpoint stays ahead.
             ranked.sort(key=lambda entry: -entry["score"] if self.best_mode == "max" else entry["score"])
-            atomic_write_json(self.directory / "best.json", ranked[: self.keep_best], indent=1)
+            atomic_write_json(self.directory / BEST_FILE, ranked[: self.keep_best], indent=1)
             self._prune()
         self.comm.barrier()
 
@@ -258,9 +258,14 @@ def init_checkpoint(path: Path) -> Path | None:
 
 def best_checkpoint(directory: Path) -> Path | None:
     """The best of the checkpoints `best.json` keeps in `directory` (trainer.keep_best); None when it keeps none."""
-    best_file = Path(directory) / "best.json"
-    ranked = json.loads(best_file.read_text()) if best_file.is_file() else []
+    ranked = _ranked_best(Path(directory))
     return Path(directory) / _step_dir(ranked[0]["step"]) if ranked else None
+
+
+def _ranked_best(directory: Path) -> list[dict[str, float]]:
+    """`best.json` of a checkpoints directory, best first; [] before any checkpoint was ranked."""
+    path = directory / BEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else []
 
 
 def model_state(path: Path) -> dict[str, torch.Tensor] | None:

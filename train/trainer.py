@@ -21,6 +21,7 @@ from data import atomic_write_json, build_data
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
 from optim.memory import estimate_memory, memory_lines
+from optim.schedule import warmup_steps_of
 from train.checkpoint import Checkpointer, release_mapped, reseed_rng, rng_state, set_rng_state
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
@@ -107,8 +108,11 @@ class Trainer:
         )
         self.logger.info(f"data {self.data.source}")
         epochs = self.max_steps * g.global_batch_size / self.loader.samples_per_epoch
+        schedule = self.cfg.schedule
+        warmup = warmup_steps_of(self.max_steps, schedule.kwargs.get("warmup_steps"),
+                                 schedule.kwargs.get("warmup_fraction"))
         self.logger.info(
-            f"peak lr {self.peak_lr:g} ({self.cfg.schedule.name}, warm-up {self._warmup_steps()} of {self.max_steps} "
+            f"peak lr {self.peak_lr:g} ({schedule.name}, warm-up {warmup} of {self.max_steps} "
             f"steps) | {epochs:.3g} epochs of data | seed {self.cfg.trainer.seed} | commit {_source_commit()}"
         )
         estimate = estimate_memory(self.model, self.spec, self.plan.optimizer_options, self.comm.world_size)
@@ -120,13 +124,6 @@ class Trainer:
             self.logger.info(f"warning: {warning}")
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
-
-    def _warmup_steps(self) -> int:
-        """The schedule's warm-up in steps, as its kwargs give it (a count, or a fraction of the run)."""
-        kwargs = self.cfg.schedule.kwargs
-        if kwargs.get("warmup_steps") is not None:
-            return int(kwargs.warmup_steps)
-        return round(kwargs.get("warmup_fraction", 0.0) * self.max_steps)
 
     def _surprising_settings(self) -> list[str]:
         """Settings that work but rarely do what the user wants, each said once at start-up."""
