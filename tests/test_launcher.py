@@ -5,6 +5,7 @@ commands through."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,12 @@ def test_a_user_error_in_workers_is_reported_once_in_one_line():
     with pytest.raises(ReportedError) as info:  # rank 0 is fine; ranks 1 and 2 meet the same error
         launch_local_workers(_worker, 3, [1, 2], "user")
     assert str(info.value) == "config error: data.path=/nowhere does not exist"
+
+
+def test_the_launchers_stop_signal_handlers_are_back_after_the_workers(tmp_path):
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    launch_local_workers(_record_threads, 2, str(tmp_path))
+    assert {signum: signal.getsignal(signum) for signum in before} == before  # Ctrl-C is a KeyboardInterrupt again
 
 
 def test_a_crash_in_a_worker_keeps_the_launchers_report():

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -178,7 +180,7 @@ def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any)
         monitor_interval=0.5,
     )
     threads = local_worker_threads(nproc, os.environ, visible_cores())
-    with tempfile.TemporaryDirectory(prefix="train-user-errors-") as report_dir:
+    with tempfile.TemporaryDirectory(prefix="train-user-errors-") as report_dir, _signal_handlers_kept():
         try:
             elastic_launch(config, _local_worker)(report_dir, threads, entrypoint, *args)
         except SignalException:
@@ -190,6 +192,21 @@ def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any)
             if not reports:
                 raise  # a crash, not a user error: the launcher's report and the workers' tracebacks
             raise ReportedError("\n".join(dict.fromkeys(p.read_text() for p in reports))) from None
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """The process's stop-signal handlers as they were: torch's launcher installs its own (which raise
+    `SignalException`) and leaves them, so a later Ctrl-C in the same process would no longer be a
+    KeyboardInterrupt."""
+    signums = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    previous = {signum: signal.getsignal(signum) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: installed outside Python, left as it is
+                signal.signal(signum, handler)
 
 
 def _local_worker(report_dir: str, threads: int | None, entrypoint: Callable[..., Any], *args: Any) -> Any:
