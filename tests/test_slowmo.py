@@ -251,7 +251,7 @@ def test_step_and_sync_read_nothing_on_the_host(monkeypatch):
             p.grad = _grad(0, step, i)
         slowmo.step()
     assert reads == []
-    # The trainer warns when a run ends between syncs: rank 0 would evaluate and export its own replica.
+    # Between syncs the trainer evaluates and exports the replicas' average (train.replicas).
     assert [slowmo.replicas_agree_after(step) for step in range(1, 5)] == [False, True, False, True]
 
 

@@ -269,15 +269,20 @@ def _ranked_best(directory: Path) -> list[dict[str, float]]:
 
 
 def model_state(path: Path) -> dict[str, torch.Tensor] | None:
-    """The model weights of `init_checkpoint(path)`; None when there is none (a `save_pretrained` export, say),
-    which the caller reads its own way."""
+    """The model weights of `init_checkpoint(path)` (the ranks' average where each rank keeps its own); None when
+    there is none (a `save_pretrained` export, say), which the caller reads its own way."""
     path = init_checkpoint(path)
     if path is None:
         return None
     state = load_torch(path / SHARED_FILE)
-    if "model" not in state:  # self-synchronising optimizers keep the model with each rank
-        state = load_torch(path / _rank_file(0))
-    return state["model"]
+    if "model" in state:
+        return state["model"]
+    # Self-synchronising optimizers keep the model with each rank, whose replicas may differ (SLAMB between its
+    # dense averages): their average, as the trainer evaluates and exports it (train.replicas). Memory-mapped, the
+    # ranks' files are read one tensor at a time.
+    states = [load_torch(path / _rank_file(rank))["model"] for rank in range(read_meta(path)["world_size"])]
+    return {key: torch.stack([state[key] for state in states]).double().mean(0).to(value.dtype)
+            if value.is_floating_point() else value for key, value in states[0].items()}
 
 
 def check_world_size(checkpoint: Path, meta: dict[str, Any], world_size: int) -> None:

@@ -30,10 +30,11 @@ def evaluate(source: str | Path, overrides: list[str], *, best: bool = False,
     cfg = weights_config(weights, overrides)
     task = get_task(cfg.task.name)
     if task.evaluate is None:
-        raise UserError(f"task {cfg.task.name} has no evaluation (image_classification and question_answering do)")
+        raise UserError(f"task {cfg.task.name} has no evaluation")
     model, data, device = rebuild(cfg, weights.path, cfg.trainer.device)
     if data.eval is None:
-        raise UserError(f"data {cfg.data.name} has no held-out split to evaluate on (data.eval_split)")
+        raise UserError(f"data {cfg.data.name} has no held-out split to evaluate on (images: data.eval_split; "
+                        "prepared text: python -m data.prepare heldout_sequences=...)")
     out_dir.path.mkdir(parents=True, exist_ok=True)
     metrics = evaluate_model(task, model, data.eval, out_dir, EvalShard(), cfg.precision.dtype, device)
     record = {"weights": str(weights.path), "metrics": {f"eval/{k}": v for k, v in metrics.items()}}

@@ -18,6 +18,7 @@ from train.metrics import RunTotals
 from train.run_dir import RunDir
 
 _STAMPS = ("step", "time", "elapsed")  # what every record carries besides its metrics
+VALIDATION_LOSS = "eval/loss"  # the held-out loss, where a task's evaluation reports one (BERT, image classification)
 
 
 def higher_is_better(key: str) -> bool | None:
@@ -81,6 +82,7 @@ def build_summary(
 ) -> dict[str, Any]:
     """The whole summary of a run that has done `steps` of `max_steps`; `records` are its metrics.jsonl;
     `stopped` says what stopped it early (a signal's name, an error's line)."""
+    final = final_values(records)
     return {
         **config_fields(cfg),
         "world_size": world_size,
@@ -90,8 +92,10 @@ def build_summary(
         "finished": steps >= max_steps,
         "stopped": stopped,
         "num_params": num_params,
-        "final": final_values(records),
+        "final": final,
         "best": best_values(records),
+        # The last evaluation's loss on held-out data (BERT: MLM + NSP, the paper's "BERT validation loss").
+        "validation_loss": final.get(VALIDATION_LOSS),
         "bits_per_param_per_step": 8 * totals.bytes / steps / num_params if steps else None,
         "bytes_total": totals.bytes,
         "collectives_per_step": totals.collectives / steps if steps else None,

@@ -29,6 +29,7 @@ from train.metrics import MetricLogger, RunClock, RunTotals, read_metrics
 from train.model_io import build_model, export_pretrained
 from train.plan import RunPlan
 from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
+from train.replicas import averaged_copy
 from train.run_dir import RunDir
 from train.stop import RunStopped, StopRequest
 from train.summary import build_summary, write_summary
@@ -138,10 +139,6 @@ class Trainer:
         if warmup is not None and warmup >= self.max_steps:
             warnings.append(f"optim.{warmup_option}={warmup} is not below the run's {self.max_steps} steps: "
                             f"{self.spec.name} never compresses and sends 32 bits per parameter per step, like LAMB")
-        if self.comm.distributed and not self.spec.replicas_agree_after(self.optimizer, self.max_steps):
-            warnings.append(f"the run's {self.max_steps} steps do not end on one of {self.spec.name}'s weight "
-                            "averages: the final evaluation and export use rank 0's own replica; make "
-                            "trainer.max_steps a multiple of the sync interval")
         return warnings
 
     # ----------------------------------------------------------------------------------------- loop
@@ -378,34 +375,37 @@ class Trainer:
                  else "No checkpoint was written before it: rerun to start over")
         return f"{what}; no checkpoint was written for it. {where}, with a lower optim.lr or precision=bf16"
 
-    def evaluate(self) -> None:
+    def evaluate(self, weights: _Weights | None = None) -> None:
         """The task's evaluation on held-out data, logged by rank 0 as eval/<metric>.
 
         The ranks share it (`EvalShard`: every rank evaluates every world_size-th batch, the task pools the
         results), so no GPU idles through it and it ends well within the collective timeout; the metrics are
-        those of one rank evaluating everything. Replicas that differ at this step (SlowMo between its syncs)
-        cannot share one evaluation: rank 0 evaluates its own alone. With an EMA its weights are evaluated too
+        those of one rank evaluating everything. It evaluates `weights`, by default `agreed_weights()`: the
+        replicas' average where they differ at this step. With an EMA its weights are evaluated too
         (eval/ema_<metric>). Every rank takes part in the barrier and in keeping a best checkpoint.
         """
         if self.task.evaluate is None or self.data.eval is None:  # alike on every rank: the same config
             return
-        shard = self._eval_shard()
-        results: dict[str, float] = {}
-        if shard is not None:
-            results = {f"eval/{k}": v for k, v in self._evaluate_model(self.model, shard).items()}
-            if self.ema is not None:
-                results.update({f"eval/ema_{k}": v for k, v in self._evaluate_model(self.ema.module, shard).items()})
+        weights = weights or self.agreed_weights()
+        shard = EvalShard(self.comm.rank, self.comm.world_size, self.comm.group)
+        results = {f"eval/{k}": v for k, v in self._evaluate_model(weights.model, shard).items()}
+        if weights.ema is not None:
+            results.update({f"eval/ema_{k}": v for k, v in self._evaluate_model(weights.ema, shard).items()})
         if self.is_main:
             self.logger.log(results, self.step)
-            self.logger.info(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in results.items()))
+            of = f" ({weights.what})" if weights.what else ""
+            self.logger.info(f"eval at step {self.step}{of}: " + ", ".join(f"{k} {v:.4g}" for k, v in results.items()))
         self._keep_if_best(results)
         self.comm.barrier()
 
-    def _eval_shard(self) -> EvalShard | None:
-        """This rank's part of an evaluation: a share when the replicas agree now, else rank 0 alone (None: no part)."""
-        if self.spec.replicas_agree_after(self.optimizer, self.step):
-            return EvalShard(self.comm.rank, self.comm.world_size, self.comm.group)
-        return EvalShard() if self.is_main else None
+    def agreed_weights(self) -> _Weights:
+        """The weights every rank evaluates and exports now: the model (and EMA) where the replicas agree after
+        this step, else their average across the ranks in a copy (`train.replicas`); training is not disturbed."""
+        ema = self.ema.module if self.ema is not None else None
+        if not self.comm.distributed or self.spec.replicas_agree_after(self.optimizer, self.step):
+            return _Weights(self.model, ema)
+        return _Weights(averaged_copy(self.model, self.comm), ema and averaged_copy(ema, self.comm),
+                        f"the average of the {self.comm.world_size} ranks' replicas")
 
     def _evaluate_model(self, model: nn.Module, shard: EvalShard) -> dict[str, float]:
         return evaluate_model(self.task, model, self.data.eval, self.run_dir, shard, self.cfg.precision.dtype,
@@ -443,9 +443,11 @@ class Trainer:
         self.logger.info(f"{tcfg.best_metric} {value:.4g} at step {self.step}: kept among the best {tcfg.keep_best}")
 
     def _finish(self) -> None:
-        """End-of-run work: the final evaluation and the exports, then the mark that they are done."""
-        self.evaluate()
-        self._export()
+        """End-of-run work: the final evaluation and the exports (of the replicas' average where they differ),
+        then the mark that they are done."""
+        weights = self.agreed_weights()
+        self.evaluate(weights)
+        self._export(weights)
         if self.is_main:
             atomic_write_json(self.run_dir.finished_file, {"step": self.step})
         self.comm.barrier()
@@ -456,14 +458,15 @@ class Trainer:
         done = marker.is_file() and json.loads(marker.read_text()).get("step") == self.step if self.is_main else None
         return bool(self.comm.broadcast_object(done))
 
-    def _export(self) -> None:
+    def _export(self, weights: _Weights) -> None:
         if self.is_main:
             # What an image model was trained with and what its outputs mean, for timm's loaders and users.
             described = dict(data_config=self.data.preprocessing, label_names=self.data.class_names)
-            path = export_pretrained(self.model, self.tokenizer, self.run_dir.export_dir, **described)
-            self.logger.info(f"final weights exported with save_pretrained to {path}")
-            if self.ema is not None:
-                path = export_pretrained(self.ema.module, self.tokenizer, self.run_dir.ema_export_dir, **described)
+            path = export_pretrained(weights.model, self.tokenizer, self.run_dir.export_dir, **described)
+            of = f" ({weights.what})" if weights.what else ""
+            self.logger.info(f"final weights{of} exported with save_pretrained to {path}")
+            if weights.ema is not None:
+                path = export_pretrained(weights.ema, self.tokenizer, self.run_dir.ema_export_dir, **described)
                 self.logger.info(f"EMA weights exported to {path}")
         self.comm.barrier()
 
@@ -488,6 +491,16 @@ class Trainer:
             self.logger.info(_closing_line([r for r in read_metrics(self.run_dir.path) if "loss" in r]))
         self.logger.info(f"metrics: {self.logger.path} | checkpoints: {self.checkpointer.directory}")
         self.logger.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weights:
+    """What an evaluation or export reads: the model, its EMA (None: no EMA), and which weights they are when
+    they are not simply the trained model's (`what`, for the log)."""
+
+    model: nn.Module
+    ema: nn.Module | None = None
+    what: str = ""
 
 
 def _closing_line(records: list[dict[str, Any]]) -> str:

@@ -134,12 +134,16 @@ def write_plots(runs: list[PlottedRun], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(max(7.0, 0.7 * len(runs) + 2), 4.5))
         draw(ax, runs)
         ax.set_title(name.removesuffix(".png").replace("_", " "))
-        path = Path(out_dir) / name
-        # bbox "tight": the legend beside the axes and the notes under them are part of the figure.
-        atomic_write(path, lambda handle, fig=fig: fig.savefig(handle, format="png", dpi=120, bbox_inches="tight"))
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, Path(out_dir) / name))
     return paths
+
+
+def save_figure(fig: plt.Figure, path: Path) -> Path:
+    """`fig` as a PNG at `path`, written atomically, then closed."""
+    # bbox "tight": the legend beside the axes and the notes under them are part of the figure.
+    atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=120, bbox_inches="tight"))
+    plt.close(fig)
+    return path
 
 
 _MARKERS = "os^vDPX*h<"  # with the line styles, every optimizer its own look where colours repeat or lines meet

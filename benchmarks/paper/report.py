@@ -9,9 +9,11 @@ fills the row; a run without one (killed, or trained before summaries existed) i
 and `.hydra/config.yaml`, with what those cannot tell left blank. Writes `table.md`, `table.csv` and the plots of
 `benchmarks.paper.plots` to `--out`, and prints the Markdown table.
 
-Time to target is the `elapsed` training time of a run's first record whose loss is at most the target loss; the
-default target is the highest final loss among the runs, so that every run reaches it. Eval columns hold the final
-value of every eval score any run logged (`train.summary.higher_is_better` says which keys are scores).
+Runs are compared on their validation loss (`eval/loss`, the paper's "BERT validation loss") when every run has one,
+else on their training loss. Time to target is the `elapsed` training time of a run's first record whose loss is at
+most the target loss; the default target is the highest final loss among the runs, so that every run reaches it.
+Eval columns hold the final value of every eval score any run logged (`train.summary.higher_is_better` says which
+keys are scores).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from conf.checks import UserError, user_errors_exit
 from data.atomic import atomic_write_text
 from train.metrics import read_metrics
 from train.run_dir import RunDir
-from train.summary import best_values, config_fields, final_values, higher_is_better
+from train.summary import VALIDATION_LOSS, best_values, config_fields, final_values, higher_is_better
 
 
 @dataclass
@@ -119,19 +121,27 @@ def summary_from_records(run_dir: Path) -> dict[str, Any]:
             "elapsed_seconds": records[-1].get("elapsed")}
 
 
-def default_target_loss(runs: list[Run]) -> float | None:
-    """The highest final loss among the runs: a loss every run reached."""
-    finals = [run.summary["final"]["loss"] for run in runs if "loss" in run.summary.get("final", {})]
+def compared_loss(runs: list[Run]) -> str:
+    """The loss the runs are compared on: the validation loss (`eval/loss`, the paper's "BERT validation loss")
+    when every run has one, else the training loss."""
+    every = all(VALIDATION_LOSS in run.summary.get("final", {}) for run in runs)
+    return VALIDATION_LOSS if every else "loss"
+
+
+def default_target_loss(runs: list[Run], key: str) -> float | None:
+    """The highest final `key` loss among the runs: a loss every run reached."""
+    finals = [run.summary["final"][key] for run in runs if key in run.summary.get("final", {})]
     return max(finals, default=None)
 
 
-def time_to_loss(run: Run, target: float) -> float | None:
-    """The training time of the run's first record at or below `target` (None: never, or no times recorded)."""
-    return next((r.get("elapsed") for r in run.train_records if r["loss"] <= target), None)
+def time_to_loss(run: Run, target: float, key: str = "loss") -> float | None:
+    """The training time of the run's first record whose `key` loss is at or below `target` (None: never, or no
+    times recorded)."""
+    return next((r.get("elapsed") for r in run.records if key in r and r[key] <= target), None)
 
 
-def table_rows(runs: list[Run], target: float | None) -> list[dict[str, Any]]:
-    """One row per run; None where the run cannot tell."""
+def table_rows(runs: list[Run], target: float | None, key: str = "loss") -> list[dict[str, Any]]:
+    """One row per run; None where the run cannot tell. The target and the time to it are of the `key` loss."""
     eval_keys = sorted({key for run in runs for key in run.summary.get("final", {})
                         if key.startswith("eval/") and higher_is_better(key) is not None})
     rows = []
@@ -149,8 +159,8 @@ def table_rows(runs: list[Run], target: float | None) -> list[dict[str, Any]]:
             "mean_step_seconds": s.get("mean_step_seconds"),
             "samples_per_second": s.get("samples_per_second"),
             "samples_unit": s.get("samples_unit"),
-            "target_loss": target,
-            "time_to_target_s": time_to_loss(run, target) if target is not None else None,
+            "target": f"{key} {target:.4g}" if target is not None else None,
+            "time_to_target_s": time_to_loss(run, target, key) if target is not None else None,
             "simulated": "simulated" if s.get("simulated_network") else "",
         })
     return rows
@@ -161,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("paths", nargs="+", metavar="RUN_DIR", help="run directories, globs or folders of runs")
     parser.add_argument("--out", type=Path, default=Path("report"), help="output folder (default: report/)")
     parser.add_argument("--target-loss", type=float, default=None,
-                        help="loss for the time-to-target column (default: the highest final loss among the runs)")
+                        help="loss for the time-to-target column (validation loss where every run has one; "
+                        "default: the highest final loss among the runs)")
     args = parser.parse_args(argv)
     with user_errors_exit():
         if args.out.exists() and not args.out.is_dir():
@@ -174,8 +185,9 @@ def write_report(runs: list[Run], out: Path, target_loss: float | None) -> None:
     """The table and plots of `runs` into `out`, and the table on stdout."""
     from benchmarks.paper.plots import write_plots  # matplotlib only once there is something to draw
 
-    target = target_loss if target_loss is not None else default_target_loss(runs)
-    rows = table_rows(runs, target)
+    key = compared_loss(runs)
+    target = target_loss if target_loss is not None else default_target_loss(runs, key)
+    rows = table_rows(runs, target, key)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows)
     atomic_write_text(out / "table.md", table)

@@ -108,17 +108,21 @@ class Study:
                 override("hydra.run.dir", self.bert_dir(name))]
 
     def squad_command(self, name: str) -> list[str]:
-        weights = RunDir(self.bert_dir(name)).export_dir
-        return ["experiment=squad_demo", f"name=reproduce_squad_{name}", override("model.config_from", weights),
-                override("trainer.init_from", weights), "data.vocab_path=null",
-                f"trainer.epochs={self.args.squad_epochs}", *self.single,
-                override("hydra.run.dir", self.squad_dir(name))]
+        return squad_overrides(RunDir(self.bert_dir(name)).export_dir, f"reproduce_squad_{name}",
+                               self.args.squad_epochs, self.single, self.squad_dir(name))
 
     def swin_command(self, name: str) -> list[str]:
         lr = [f"optim.lr={SWIN_LR[name]}"] if name in SWIN_LR else []
         return ["experiment=swin_demo", f"optim={name}", *lr, f"name=reproduce_swin_{name}",
                 f"trainer.epochs={self.args.swin_epochs}", "trainer.micro_batch_size=null", *self.parallel,
                 override("hydra.run.dir", self.swin_dir(name))]
+
+
+def squad_overrides(weights: Path, name: str, epochs: int, common: list[str], run_dir: Path) -> list[str]:
+    """The fine-tuning of pretrained `weights` (an export) on the shipped SQuAD-format file, one process."""
+    return ["experiment=squad_demo", f"name={name}", override("model.config_from", weights),
+            override("trainer.init_from", weights), "data.vocab_path=null", f"trainer.epochs={epochs}", *common,
+            override("hydra.run.dir", run_dir)]
 
 
 def finished_as_asked(run_dir: Path, overrides: list[str]) -> bool:

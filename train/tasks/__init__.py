@@ -10,7 +10,7 @@ from train.tasks._registry import (
     list_tasks,
     register_task,
 )
-from train.tasks.bert_pretraining import bert_pretraining_step
+from train.tasks.bert_pretraining import bert_pretraining_step, evaluate_bert_pretraining
 from train.tasks.image_classification import evaluate_image_classification, image_classification_step
 from train.tasks.question_answering import evaluate_squad, question_answering_step
 
@@ -20,6 +20,7 @@ __all__ = [
     "TaskConfig",
     "bert_pretraining_step",
     "check_task_config",
+    "evaluate_bert_pretraining",
     "evaluate_image_classification",
     "evaluate_model",
     "evaluate_squad",

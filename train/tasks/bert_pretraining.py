@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.tasks._registry import Task, register_task
+from train.run_dir import RunDir
+from train.tasks._registry import ONE_RANK, EvalShard, Task, register_task
 
 
 def bert_pretraining_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -34,4 +37,44 @@ def bert_pretraining_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> d
     }
 
 
-register_task(Task("bert_pretraining", bert_pretraining_step))
+def evaluate_bert_pretraining(model: nn.Module, data: Any, run_dir: RunDir,
+                              shard: EvalShard = ONE_RANK) -> dict[str, float]:
+    """MLM and NSP loss and accuracy over the whole held-out set (the paper's "BERT validation loss" is `loss`).
+
+    `data` is the text kinds' held-out set (`batches`, `dataset`, `batch_size`). The MLM loss is the mean over
+    every masked token of the set and the NSP loss the mean over its sequences, not means of batch means, so
+    neither depends on the batch size or on how the ranks of `shard` split the batches.
+    """
+    device = next(model.parameters()).device
+    mine = []
+    for batch in data.batches(shard.batches(len(data.dataset), data.batch_size)):
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        mlm_logits, nsp_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+                                       batch["masked_lm_positions"])
+        labels, nsp_labels = batch["masked_lm_labels"], batch["next_sentence_label"]
+        predicted = labels != -100
+        sums = torch.stack([
+            F.cross_entropy(mlm_logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                            reduction="sum").double(),
+            ((mlm_logits.argmax(-1) == labels) & predicted).sum().double(),
+            predicted.sum().double(),
+            F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="sum").double(),
+            (nsp_logits.argmax(-1) == nsp_labels).sum().double(),
+            torch.tensor(nsp_labels.numel(), dtype=torch.float64, device=device),
+        ])
+        mine.append(sums.tolist())  # one host read per batch
+    per_batch = shard.pool(mine)
+    mlm_loss, mlm_correct, tokens, nsp_loss, nsp_correct, sequences = (sum(b[i] for b in per_batch) for i in range(6))
+    if sequences == 0:
+        raise ValueError("the held-out text set is empty")
+    return {
+        "loss": mlm_loss / tokens + nsp_loss / sequences,
+        "mlm_loss": mlm_loss / tokens,
+        "nsp_loss": nsp_loss / sequences,
+        "mlm_accuracy": mlm_correct / tokens,
+        "nsp_accuracy": nsp_correct / sequences,
+        "sequences": float(sequences),
+    }
+
+
+register_task(Task("bert_pretraining", bert_pretraining_step, evaluate_bert_pretraining))

@@ -1,0 +1,36 @@
+"""The weights a run evaluates and exports when its ranks' replicas differ (SLAMB, SlowMo and 0/1 Adam between
+their synchronisations): the replicas' average, in a copy, so that training goes on from each rank's own.
+
+Rank 0's replica alone would be a different model from the one a synchronisation would make, and up to a sync
+interval behind it in agreement: evaluating it between syncs would compare the optimizers unfairly. The average is
+what the optimizer's next dense synchronisation would start from (SLAMB's and SlowMo's are parameter averages).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from optim.comm import Comm
+
+
+@torch.no_grad()
+def averaged_copy(model: nn.Module, comm: Comm) -> nn.Module:
+    """A copy of `model` holding the mean of every rank's parameters (every rank calls it, and gets the same).
+
+    The all-reduce goes around the comm's byte counters: it is evaluation's traffic, not training's, like the
+    pooling of evaluation results. Buffers are copied as they are (the models here keep no trained buffers).
+    """
+    average = copy.deepcopy(model)
+    params = list(average.parameters())
+    for dtype in dict.fromkeys(p.dtype for p in params):  # one all-reduce per dtype
+        group = [p for p in params if p.dtype == dtype]
+        flat = parameters_to_vector(group)
+        dist.all_reduce(flat, group=comm.group)
+        vector_to_parameters(flat.div_(comm.world_size), group)
+    return average
+
