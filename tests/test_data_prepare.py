@@ -49,10 +49,10 @@ def write_corpus(directory: Path, num_docs: int = 40) -> Path:
 
 
 def small_config(corpus: Path, output: Path, **overrides) -> PrepareConfig:
-    """Two short phases, small chunks (several shards), dupe factor 2: seconds on one core."""
+    """Two short phases, small chunks (several shards), dupe factor 2, 24 held-out sequences: seconds on one core."""
     cfg = dict(output_dir=str(output), corpus_name="test", sources=[{"kind": "files", "paths": [str(corpus)]}],
                phases={"phase1": PhaseConfig(64, 10), "phase2": PhaseConfig(128, 20)}, dupe_factor=2,
-               chunk_mb=0.05, num_proc=1, progress_bar=False, seed=7)
+               chunk_mb=0.05, num_proc=1, progress_bar=False, seed=7, heldout_sequences=24)
     cfg.update(overrides)
     return PrepareConfig(**cfg)
 
@@ -121,13 +121,15 @@ def test_shards_match_the_recipe(prepared, tokenizer, phase, max_seq_len, max_pr
     assert abs(actions["random"] / chosen - 0.1) < 0.03  # a random token can equal the original: ≈ keep
     counts = manifest["counts"]
     assert counts["predictions"] == chosen and counts["random_next"] == random_next
-    assert counts["tokens"] == lengths.sum() and counts["documents"] == 40
+    assert counts["tokens"] == lengths.sum()
+    assert counts["documents"] + manifest["heldout"]["documents"] == 40  # the held-out documents are in no shard
 
 
 def test_each_shard_is_what_build_pretraining_dataset_builds_from_its_chunk(prepared, corpus, tokenizer):
     cfg = small_config(corpus, prepared)
-    chunks = list(iter_chunks([CorpusSource(SourceConfig(paths=(str(corpus),)))], int(cfg.chunk_mb * 2**20)))
     shards = ShardSet(prepared / "phase2")
+    chunks = list(iter_chunks([CorpusSource(SourceConfig(paths=(str(corpus),)))], int(cfg.chunk_mb * 2**20),
+                              skip=shards.heldout_record["documents"]))
     assert [len(c.documents) for c in chunks] == [r["chunk_documents"] for r in shards.records]
     start = 0
     for chunk in chunks[:2]:
@@ -191,7 +193,7 @@ def test_rerun_after_interruption_redoes_only_what_is_missing_or_damaged(prepare
 def test_sigkill_during_preparation_then_rerun_gives_identical_output(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", num_docs=79)
     args = [f"sources.0.paths=[{corpus}]", "corpus_name=test", "chunk_mb=0.03",
-            "num_proc=1", "dupe_factor=3", "progress_bar=false"]
+            "num_proc=1", "dupe_factor=3", "progress_bar=false", "heldout_sequences=24"]
 
     def command(out: Path) -> list[str]:
         return [sys.executable, "-m", "data.prepare", "corpus=text_dir", *args, f"output_dir={out}"]
@@ -226,7 +228,8 @@ def test_a_different_config_in_the_same_output_dir_is_refused_naming_the_key(pre
 def test_the_command_records_its_config_and_a_refused_rerun_leaves_the_record(corpus, tmp_path):
     out = tmp_path / "out"
     args = [sys.executable, "-m", "data.prepare", "corpus=text_dir", f"sources.0.paths=[{corpus}]", "corpus_name=test",
-            "chunk_mb=0.03", "num_proc=1", "dupe_factor=2", "progress_bar=false", f"output_dir={out}"]
+            "chunk_mb=0.03", "num_proc=1", "dupe_factor=2", "progress_bar=false", "heldout_sequences=24",
+            f"output_dir={out}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -104,12 +104,12 @@ def test_verify_shards_checks_every_shard_before_training(prepared, tmp_path, ve
 
 def test_a_truncated_or_missing_shard_fails_at_open(prepared, tokenizer, tmp_path):
     directory = _copy(prepared, tmp_path)
-    with open(directory / shard_name(2), "r+b") as f:
+    with open(directory / shard_name(1), "r+b") as f:
         f.truncate(1000)
-    with pytest.raises(ShardError, match=rf"{shard_name(2)} has 1000 bytes but the manifest records"):
+    with pytest.raises(ShardError, match=rf"{shard_name(1)} has 1000 bytes but the manifest records"):
         ShardSet(directory)
-    (directory / shard_name(2)).unlink()
-    with pytest.raises(ShardError, match=rf"shard .*{shard_name(2)} listed in the manifest is missing"):
+    (directory / shard_name(1)).unlink()
+    with pytest.raises(ShardError, match=rf"shard .*{shard_name(1)} listed in the manifest is missing"):
         ShardSet(directory)
 
 

@@ -2,9 +2,14 @@
 
 The pipeline, per phase (phase 1: seq 128 / 20 predictions, phase 2: seq 512 / 80, as NVIDIA's recipe):
 
-1. The sources (:mod:`data.corpus.sources`) are read as one ordered stream of documents and cut into chunks of
-   about ``chunk_mb`` MB of raw text (at least two documents each). Chunks depend only on the input, never
-   on the number of processes.
+0. Held-out split (``heldout_sequences`` = N > 0, :mod:`data.text.heldout`): the first D documents of the stream
+   are held out, D the smallest count whose NSP instances (dupe_factor 1, seed ``heldout_seed(seed)``) number at
+   least N in every phase; each phase's first N, always statically masked with that seed, become
+   ``<output_dir>/<phase>/heldout.parquet`` (written like a shard) and the manifest's ``"heldout"`` record. No
+   sentence of those documents is in any shard.
+1. The remaining documents of the sources (:mod:`data.corpus.sources`), read as one ordered stream, are cut into
+   chunks of about ``chunk_mb`` MB of raw text (at least two documents each). Chunks depend only on the input (and
+   the D it implies), never on the number of processes.
 2. Each chunk is prepared by a worker process exactly as :func:`data.text.pretraining.build_pretraining_dataset` would
    prepare those documents with the seed ``chunk_seed(seed, chunk)``: sentences split, lower-cased
    WordPiece tokenisation, NSP pairs (``create_nsp_instances``: 50 % random B from another document *of the
@@ -14,12 +19,14 @@ The pipeline, per phase (phase 1: seq 128 / 20 predictions, phase 2: seq 512 / 8
    next segments come from the chunk, which is why chunks are tens of MB (thousands of documents).
 3. Chunk ``c`` becomes ``<output_dir>/<phase>/shard-<c>.parquet`` (:mod:`data.text.shards`, atomic writes) in
    every phase; when all chunks are done each phase gets its ``manifest.json`` with the whole config,
-   the input fingerprint, counts, the vocab checksum and every shard's sha256.
+   the input fingerprint, counts (of the training shards), the vocab checksum, every shard's sha256 and the
+   held-out record (file, bytes, sha256, sequences N, documents D, seed).
 
-Resuming: rerunning the same command skips every chunk whose shards and records are complete and intact
-(sha256 re-checked) and redoes the rest; the output (shards, records, manifests, vocabulary) is byte-identical to an
-uninterrupted run's (the preparation time is logged, never written into a manifest). A rerun with
-a different config or changed inputs in the same ``output_dir`` is refused (``prepare_state.json``).
+Resuming: rerunning the same command recomputes the held-out set (deterministic: the same bytes), skips every chunk
+whose shards and records are complete and intact (sha256 re-checked) and redoes the rest; the output (shards,
+held-out files, records, manifests, vocabulary) is byte-identical to an uninterrupted run's (the preparation time is
+logged, never written into a manifest). A rerun with a different config (``heldout_sequences`` included) or changed
+inputs in the same ``output_dir`` is refused (``prepare_state.json``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +84,7 @@ class PrepareConfig:
     short_seq_prob: float = 0.1  # chance of a shorter target length (Google's create_pretraining_data)
     dupe_factor: int = 5  # passes over each chunk with different pairings and masks
     seed: int = 12345  # the create_pretraining_data default
+    heldout_sequences: int = 1000  # held-out sequences per phase, from the first documents (0: no held-out set)
     vocab_path: str | None = None  # null: the vendored bert-base-uncased vocab (ignored with train_vocab)
     train_vocab: bool = False  # train a WordPiece vocab on the corpus (tokenizers' BertWordPieceTokenizer)
     vocab_size: int = 30522  # train_vocab only
@@ -116,6 +125,8 @@ def validate_prepare_config(cfg: PrepareConfig) -> None:
         fail("num_proc", "must be >= 0 (0: one per CPU core)")
     if cfg.seed < 0:
         fail("seed", "must be non-negative")
+    if cfg.heldout_sequences < 0:
+        fail("heldout_sequences", "must be >= 0 (0: no held-out set)")
     if not cfg.phases:
         fail("phases", "is empty")
     for name, phase in cfg.phases.items():
@@ -133,25 +144,31 @@ class Chunk:
     num_bytes: int
 
 
-def iter_chunks(sources: list[CorpusSource], chunk_bytes: int) -> Iterator[Chunk]:
-    """Cut the document stream into chunks of >= ``chunk_bytes`` and >= 2 documents (the last may be larger).
+def iter_documents(sources: list[CorpusSource]) -> Iterator[Document]:
+    """The document stream: every source's documents in order, blank ones dropped (they make no sentence)."""
+    for source in sources:
+        for doc in source.documents():
+            if doc.text.strip():
+                yield doc
+
+
+def iter_chunks(sources: list[CorpusSource], chunk_bytes: int, skip: int = 0) -> Iterator[Chunk]:
+    """Cut the document stream, after its first ``skip`` (held-out) documents, into chunks of >= ``chunk_bytes``
+    and >= 2 documents (the last may be larger).
 
     A chunk is yielded only once the next one has two documents, so a short tail is merged into the last
     chunk instead of becoming a chunk that cannot form random next-sentence pairs.
     """
     held: Chunk | None = None
     current = Chunk(0, [], 0)
-    for source in sources:
-        for doc in source.documents():
-            if not doc.text.strip():
-                continue
-            current.documents.append(doc)
-            current.num_bytes += len(doc.text.encode("utf-8"))
-            if held is not None and len(current.documents) == 2:
-                yield held
-                held = None
-            if current.num_bytes >= chunk_bytes and len(current.documents) >= 2:
-                held, current = current, Chunk(current.index + 1, [], 0)
+    for doc in islice(iter_documents(sources), skip, None):
+        current.documents.append(doc)
+        current.num_bytes += len(doc.text.encode("utf-8"))
+        if held is not None and len(current.documents) == 2:
+            yield held
+            held = None
+        if current.num_bytes >= chunk_bytes and len(current.documents) >= 2:
+            held, current = current, Chunk(current.index + 1, [], 0)
     if held is not None:
         if len(current.documents) >= 2:
             yield held
@@ -305,7 +322,7 @@ def _clean_temporaries(directory: Path) -> None:
 
 
 def _phase_manifest(cfg: PrepareConfig, name: str, phase: PhaseConfig, records: list[dict[str, Any]],
-                    vocab: Path, inputs: list[Any]) -> dict[str, Any]:
+                    vocab: Path, inputs: list[Any], heldout: dict[str, Any] | None) -> dict[str, Any]:
     from data.text.shards import FORMAT_NAME, FORMAT_VERSION, sha256_file
 
     with vocab.open(encoding="utf-8") as f:
@@ -317,7 +334,7 @@ def _phase_manifest(cfg: PrepareConfig, name: str, phase: PhaseConfig, records: 
                 total = "shard_bytes" if key == "bytes" else key.removeprefix("chunk_")
                 totals[total] = totals.get(total, 0) + value
     config = asdict(cfg)
-    return {
+    manifest = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "corpus": cfg.corpus_name,
@@ -339,6 +356,34 @@ def _phase_manifest(cfg: PrepareConfig, name: str, phase: PhaseConfig, records: 
         "python": sys.version.split()[0],
         "shards": records,
     }
+    if heldout is not None:
+        manifest["heldout"] = heldout
+    return manifest
+
+
+# ----- the held-out set ---------------------------------------------------------------------------------
+
+def prepare_heldout(cfg: PrepareConfig, sources: list[CorpusSource], vocab: Path,
+                    out: Path) -> tuple[int, dict[str, dict[str, Any]]]:
+    """Hold out the first documents (:mod:`data.text.heldout`), write each phase's ``heldout.parquet``; return D
+    and each phase's manifest record. Recomputed on resume: it depends on the config and input only."""
+    from data.text.heldout import check_training_documents, heldout_seed, select_heldout
+    from data.text.pretraining import tokenize_documents
+    from data.text.shards import HELDOUT_NAME, write_instances
+
+    tokenizer = _tokenizer(str(vocab))
+    seed = heldout_seed(cfg.seed)
+    stream = iter_documents(sources)
+    tokens = (tokenize_documents(tokenizer, [document_sentences(doc)])[0] for doc in stream)
+    phases = {name: (p.max_seq_len, p.max_predictions) for name, p in cfg.phases.items()}
+    count, sets = select_heldout(tokens, phases, cfg.heldout_sequences, seed, tokenizer,
+                                 masked_lm_prob=cfg.masked_lm_prob, short_seq_prob=cfg.short_seq_prob)
+    check_training_documents(sum(1 for _ in islice(stream, 2)), count, cfg.heldout_sequences)
+    records = {name: write_instances(out / name, HELDOUT_NAME, instances, masked=True,
+                                     extra={"sequences": len(instances), "documents": count, "seed": seed})
+               for name, instances in sets.items()}
+    log.info("held out the first %d documents: %d sequences per phase (seed %d)", count, cfg.heldout_sequences, seed)
+    return count, records
 
 
 # ----- the driver ----------------------------------------------------------------------------------------
@@ -378,7 +423,8 @@ def prepare(cfg: PrepareConfig) -> dict[str, dict[str, Any]]:
         records[index] = chunk_records
         bar.update(num_bytes)
 
-    chunks = iter_chunks(sources, int(cfg.chunk_mb * 2**20))
+    skip, heldout = prepare_heldout(cfg, sources, vocab, out) if cfg.heldout_sequences else (0, {})
+    chunks = iter_chunks(sources, int(cfg.chunk_mb * 2**20), skip)
     reused = 0
     if num_proc == 1:
         for chunk in chunks:
@@ -412,7 +458,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, dict[str, Any]]:
     manifests = {}
     for name, phase in cfg.phases.items():
         phase_records = [records[i][name] for i in range(len(records))]
-        manifest = _phase_manifest(cfg, name, phase, phase_records, vocab, inputs)
+        manifest = _phase_manifest(cfg, name, phase, phase_records, vocab, inputs, heldout.get(name))
         write_manifest(out / name, manifest)
         manifests[name] = manifest
         counts = manifest["counts"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING, DictConfig
 
-from conf.checks import check_choice, check_positive, check_range, options_of, require
+from conf.checks import check_choice, check_non_negative, check_positive, check_range, options_of, require
 from data._registry import DataKind, DataRequest, TaskData, register_data_kind, require_file
 
 
@@ -27,12 +27,15 @@ class TextDataConfig:
     path: str | None = MISSING
     # shards only: check every shard's sha256 before training starts (else each when first read, maybe hours in)
     verify_shards: bool = MISSING
+    # demo only: sequences in the held-out set (0: none); shards: null, the size was fixed at preparation
+    heldout_sequences: int | None = MISSING
+    eval_batch_size: int = MISSING  # held-out sequences per evaluation batch
 
 
 def check_text_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
     """Values that cannot work: sizes, probabilities, the masking mode, and shards without a path."""
     with options_of("data"):
-        for key in ("max_seq_len", "max_predictions", "dupe_factor"):
+        for key in ("max_seq_len", "max_predictions", "dupe_factor", "eval_batch_size"):
             check_positive(key, data_cfg[key])
         check_choice("masking", data_cfg.masking, ("static", "dynamic"))
         check_range("masked_lm_prob", data_cfg.masked_lm_prob, 0.0, 1.0)
@@ -42,6 +45,11 @@ def check_text_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
         if data_cfg.name == "shards":
             require(bool(data_cfg.path), "path", data_cfg.path,
                     "must name a prepared directory (python -m data.prepare output_dir=...)")
+            require(data_cfg.heldout_sequences is None, "heldout_sequences", data_cfg.heldout_sequences,
+                    "must be null for shards: the held-out set was fixed at preparation "
+                    "(python -m data.prepare heldout_sequences=...)")
+        else:
+            check_non_negative("heldout_sequences", data_cfg.heldout_sequences)
 
 
 def _loader(dataset, data_cfg: DictConfig, request: DataRequest, **kwargs):
@@ -52,17 +60,26 @@ def _loader(dataset, data_cfg: DictConfig, request: DataRequest, **kwargs):
 
 
 def build_demo_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
-    """The tokenizer and this rank's loader over the embedded corpus; every rank builds the same instances."""
+    """The tokenizer, this rank's loader over the embedded corpus and the held-out set (data.heldout_sequences);
+    every rank builds the same instances, and the held-out set does not depend on the run's seed."""
     from data.text.tokenizer import DEFAULT_VOCAB_PATH, load_tokenizer
 
     if dry:
         require_file(data_cfg.vocab_path or DEFAULT_VOCAB_PATH, "data.vocab_path: WordPiece vocabulary file")
         return None
-    from data.text.pretraining import build_demo_dataset
+    from data.text.demo_corpus import demo_documents
+    from data.text.heldout import split_demo_documents
+    from data.text.pretraining import build_pretraining_dataset
 
     tokenizer = load_tokenizer(data_cfg.vocab_path)
-    dataset = build_demo_dataset(
-        tokenizer,
+    documents, held_out = demo_documents(), None
+    if data_cfg.heldout_sequences:
+        held_out, documents = split_demo_documents(
+            tokenizer, documents, data_cfg.heldout_sequences, data_cfg.eval_batch_size,
+            max_seq_len=data_cfg.max_seq_len, max_predictions=data_cfg.max_predictions,
+            masked_lm_prob=data_cfg.masked_lm_prob, short_seq_prob=data_cfg.short_seq_prob)
+    dataset = build_pretraining_dataset(
+        tokenizer, documents,
         max_seq_len=data_cfg.max_seq_len,
         max_predictions=data_cfg.max_predictions,
         dupe_factor=data_cfg.dupe_factor,
@@ -71,12 +88,19 @@ def build_demo_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fals
         masked_lm_prob=data_cfg.masked_lm_prob,
         short_seq_prob=data_cfg.short_seq_prob,
     )
-    return TaskData(train=_loader(dataset, data_cfg, request), tokenizer=tokenizer,
-                    source="demo: the embedded pydoc corpus (a smoke test, not a pretraining corpus)")
+    source = "demo: the embedded pydoc corpus (a smoke test, not a pretraining corpus)"
+    return TaskData(train=_loader(dataset, data_cfg, request), eval=held_out, tokenizer=tokenizer,
+                    source=_with_heldout(source, held_out))
+
+
+def _with_heldout(source: str, held_out) -> str:
+    """The start-up line names the held-out set, or says there is none (evaluation is then skipped)."""
+    return f"{source}; {held_out.description if held_out is not None else 'no held-out set'}"
 
 
 def build_shards_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
-    """This rank's loader over shards from `python -m data.prepare` (data.path), checked against the config.
+    """This rank's loader over shards from `python -m data.prepare` (data.path), checked against the config, and
+    the held-out set prepared with them (None for shards prepared without one, or by a version before it).
 
     data.vocab_path null means the vocabulary stored with the shards; an explicit one must match its sha256. The
     dry build (the launching process, before any worker) also checks every shard's sha256 with data.verify_shards.
@@ -87,6 +111,7 @@ def build_shards_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fa
         ShardSet,
         check_prepared_keys,
         check_vocab,
+        load_heldout,
         load_prepared_dataset,
         read_manifest,
         resolve_phase_dir,
@@ -109,7 +134,9 @@ def build_shards_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fa
     dataset = load_prepared_dataset(directory, tokenizer, vocab_path, seed=request.seed, **expected)
     # shard_sizes: shard-blocked shuffle, O(#shards) order memory
     loader = _loader(dataset, data_cfg, request, shard_sizes=dataset.instances.shard_sizes)
-    return TaskData(train=loader, tokenizer=tokenizer, source=f"shards: {directory}")
+    held_out = load_heldout(dataset.instances, tokenizer.pad_token_id, data_cfg.eval_batch_size)
+    return TaskData(train=loader, eval=held_out, tokenizer=tokenizer,
+                    source=_with_heldout(f"shards: {directory}", held_out))
 
 
 register_data_kind(DataKind("demo", TextDataConfig, check_text_data, build_demo_data))

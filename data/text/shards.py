@@ -5,6 +5,8 @@ A prepared phase directory holds::
     manifest.json          config, counts, vocab checksum, and one record (rows, bytes, sha256) per shard
     vocab.txt              the WordPiece vocabulary the token ids refer to
     shard-00000.parquet    one shard per input chunk; rows are unpadded instances
+    heldout.parquet        the held-out set (:mod:`data.text.heldout`), written like a shard and always masked;
+                           the manifest's "heldout" record holds its sha256 (absent: no held-out set)
     .parts/shard-00000.json   the shard's record, written after the shard: the resume marker
 
 Every file is written to a temporary name, fsynced, then renamed, so a killed writer leaves either no shard
@@ -25,9 +27,9 @@ column                   type          meaning
 
 Reading (:class:`ShardSet`) checks at open that every shard exists with its recorded size, and checks each
 shard's sha256 when it is first loaded (the bytes are read once anyway), so a corrupt, truncated or
-swapped shard fails with an error naming the file before any of its rows is used. :meth:`ShardSet.verify`
-checks every shard's sha256 up front (``data.verify_shards``), so a long run cannot fail hours in on a shard
-it reaches late.
+swapped shard fails with an error naming the file before any of its rows is used (the held-out file alike, when
+it is loaded). :meth:`ShardSet.verify` checks every shard's and the held-out file's sha256 up front
+(``data.verify_shards``), so a long run cannot fail hours in on a shard it reaches late.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from data.text.nsp import RANDOM_SENTENCE, PretrainingInstance
 
 MANIFEST_NAME = "manifest.json"
 VOCAB_NAME = "vocab.txt"
+HELDOUT_NAME = "heldout.parquet"
 PARTS_DIR = ".parts"
 FORMAT_NAME = "slamb-pretraining-shards"
 FORMAT_VERSION = 1
@@ -112,16 +115,22 @@ def shard_stats(instances: Sequence[PretrainingInstance], masked: bool) -> dict[
     return stats
 
 
-def write_shard(directory: Path, index: int, instances: Sequence[PretrainingInstance], masked: bool,
-                extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write shard ``index`` and then its record (``.parts/``); return the record."""
+def write_instances(directory: Path, name: str, instances: Sequence[PretrainingInstance], masked: bool,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write one Parquet file of instances atomically (shards and the held-out set); return its record."""
     sink = pa.BufferOutputStream()
     pq.write_table(instances_table(instances, masked), sink, compression="zstd", row_group_size=8192)
     data = sink.getvalue()
-    name = shard_name(index)
     atomic_write(directory / name, lambda handle: handle.write(memoryview(data)))
-    record = {"file": name, "bytes": data.size, "sha256": sha256_bytes(memoryview(data)),
-              **shard_stats(instances, masked), **(extra or {})}
+    return {"file": name, "bytes": data.size, "sha256": sha256_bytes(memoryview(data)),
+            **shard_stats(instances, masked), **(extra or {})}
+
+
+def write_shard(directory: Path, index: int, instances: Sequence[PretrainingInstance], masked: bool,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write shard ``index`` and then its record (``.parts/``); return the record."""
+    name = shard_name(index)
+    record = write_instances(directory, name, instances, masked, extra)
     (directory / PARTS_DIR).mkdir(exist_ok=True)
     atomic_write_json(directory / PARTS_DIR / f"{name}.json", record, **_JSON_FORMAT)
     return record
@@ -221,7 +230,8 @@ class ShardSet(Sequence[PretrainingInstance]):
         self.records = self.manifest["shards"]
         if not self.records:
             raise ShardError(f"{self.directory / MANIFEST_NAME} lists no shards")
-        for record in self.records:
+        self.heldout_record: dict[str, Any] | None = self.manifest.get("heldout")  # None: prepared without one
+        for record in self.records + ([self.heldout_record] if self.heldout_record else []):
             path = self.directory / record["file"]
             if not path.is_file():
                 raise ShardError(f"shard {path} listed in the manifest is missing")
@@ -239,13 +249,13 @@ class ShardSet(Sequence[PretrainingInstance]):
         return int(self._starts[-1])
 
     def verify(self) -> None:
-        """Check every shard's bytes against its recorded sha256 now, not when training first reaches it."""
-        for shard in range(len(self.records)):
-            self._verified_bytes(shard)
+        """Check every shard's (and the held-out file's) bytes against its recorded sha256 now, not when training
+        or the first evaluation reaches it."""
+        for record in self.records + ([self.heldout_record] if self.heldout_record else []):
+            self._verified_bytes(record)
 
-    def _verified_bytes(self, shard: int) -> bytes:
-        """The bytes of one shard, a `ShardError` naming the file unless they are the ones the manifest records."""
-        record = self.records[shard]
+    def _verified_bytes(self, record: dict[str, Any]) -> bytes:
+        """The bytes of one file, a `ShardError` naming it unless they are the ones the manifest records."""
         path = self.directory / record["file"]
         data = path.read_bytes()
         digest = sha256_bytes(data)
@@ -259,20 +269,30 @@ class ShardSet(Sequence[PretrainingInstance]):
         if shard in self._cache:
             self._cache.move_to_end(shard)
             return self._cache[shard]
-        record = self.records[shard]
+        decoded = self._decode(self.records[shard])
+        self._cache[shard] = decoded
+        while len(self._cache) > self.cache_shards:
+            self._cache.popitem(last=False)
+        return decoded
+
+    def _decode(self, record: dict[str, Any]) -> _DecodedShard:
+        """Read, verify (sha256) and decode the file of one record (a shard or the held-out set)."""
         path = self.directory / record["file"]
-        data = self._verified_bytes(shard)
+        data = self._verified_bytes(record)
         try:
             table = pq.read_table(pa.BufferReader(data))
         except (pa.ArrowException, OSError) as err:
             raise ShardError(f"shard {path} cannot be decoded: {err}") from err
         if table.num_rows != record["instances"]:
             raise ShardError(f"shard {path} has {table.num_rows} rows, the manifest records {record['instances']}")
-        decoded = _DecodedShard(table)
-        self._cache[shard] = decoded
-        while len(self._cache) > self.cache_shards:
-            self._cache.popitem(last=False)
-        return decoded
+        return _DecodedShard(table)
+
+    def heldout_instances(self) -> list[PretrainingInstance] | None:
+        """The held-out instances (verified), or None when the directory was prepared without a held-out set."""
+        if self.heldout_record is None:
+            return None
+        decoded = self._decode(self.heldout_record)
+        return [decoded.instance(row, self.max_predictions) for row in range(self.heldout_record["instances"])]
 
     def __getitem__(self, index: int) -> PretrainingInstance:  # type: ignore[override]
         if not 0 <= index < len(self):
@@ -339,3 +359,16 @@ def load_prepared_dataset(path: str | os.PathLike[str], tokenizer, vocab_path: s
                                       max_predictions=manifest["max_predictions"])
     return PretrainingDataset(shards, manifest["max_seq_len"], manifest["max_predictions"], masker=masker,
                               seed=seed, pad_token_id=tokenizer.pad_token_id)
+
+
+def load_heldout(shards: ShardSet, pad_token_id: int, batch_size: int):
+    """The prepared held-out set as a :class:`data.text.heldout.HeldOutText`, or None when there is none (0
+    ``heldout_sequences``, or a directory prepared before held-out sets existed: it still trains)."""
+    from data.text.heldout import heldout_text
+
+    instances = shards.heldout_instances()
+    if instances is None:
+        return None
+    record = shards.heldout_record
+    return heldout_text(instances, int(shards.manifest["max_seq_len"]), shards.max_predictions, pad_token_id,
+                        batch_size, record["documents"], record["seed"])
