@@ -38,7 +38,8 @@ def prepare_pydoc(workdir: Path, masking: str) -> Path:
     prepare(PrepareConfig(output_dir=str(out), corpus_name="pydoc",
                           sources=[{"kind": "files", "paths": [str(corpus)]}], masking=masking,
                           phases={"phase1": PhaseConfig(128, 20), "phase2": PhaseConfig(512, 80)},
-                          chunk_mb=0.1, num_proc=1, progress_bar=False))
+                          chunk_mb=0.1, num_proc=1, progress_bar=False,
+                          heldout_sequences=0))  # the loader reads training shards only
     return out
 
 

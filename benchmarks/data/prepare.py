@@ -58,7 +58,8 @@ def main() -> None:
         source = corpus_source(args.corpus, Path(tmp))
         ref_seconds, raw_bytes, tokens = tokenize_only(source)
         cfg = PrepareConfig(output_dir=str(Path(tmp) / "out"), corpus_name=args.corpus, sources=[source],
-                            dupe_factor=args.dupe_factor, chunk_mb=2.0, num_proc=1, progress_bar=False)
+                            dupe_factor=args.dupe_factor, chunk_mb=2.0, num_proc=1, progress_bar=False,
+                            heldout_sequences=0)  # the training shards' cost: a small corpus holds too few 512s
         start = time.perf_counter()
         manifests = prepare(cfg)
         seconds = time.perf_counter() - start

@@ -168,9 +168,14 @@ def train(label: str, overrides: list[str], run_dir: Path) -> None:
 
 
 def prepare_corpus(path: Path) -> None:
-    """Prepare the python_docs corpus at `path` unless it is there (a one-time download of ~11 MB)."""
-    if (path / "phase1").is_dir():
+    """Prepare the python_docs corpus, with its held-out split, at `path` unless it is there (a one-time download
+    of ~11 MB)."""
+    manifest = path / "phase1" / "manifest.json"
+    if manifest.is_file() and "heldout" in json.loads(manifest.read_text()):
         return
+    if manifest.is_file():  # prepared before held-out splits: the study needs one for its validation loss
+        raise UserError(f"{path} has no held-out split (prepared by an older version): delete it and rerun to "
+                        "prepare it again")
     print(f"preparing the python_docs corpus into {path} (once) ...", flush=True)
     result = run_stage([sys.executable, "-m", "data.prepare", "corpus=python_docs", override("output_dir", path)],
                        f"the preparation of {path}", cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
