@@ -62,8 +62,13 @@ class OptimSpec:
     compresses (the 1-bit optimizers' `freeze_step`); a run no longer than that never compresses, which the
     trainer warns about. None: no such warm-up.
 
-    `replicas_agree_after(optimizer, step)`: whether every rank holds the same weights after step `step`. Where
-    replicas drift between syncs (SlowMo), evaluation and export use rank 0's replica at other steps.
+    `replicas_agree_after(optimizer, step)`: whether every rank holds bit-identical weights after optimizer step
+    `step` (0: before any step, always True). It must be exact, since where it says False one rank's replica is
+    not the model (the trainer averages the replicas for evaluation and export). Asked for the current step and,
+    at start-up, for `max_steps`, which may lie ahead. Replicas drift between parameter averages (SlowMo, SLAMB)
+    and over 0/1 Adam's local steps; the default, `replicas_always_agree`, holds for every optimizer whose ranks
+    all apply the same update each step (DDP's, 1-bit Adam and LAMB, whose compressed all-reduce gives every rank
+    the same bytes, and JointSpar, which averages the sampled gradients exactly).
 
     `restart(optimizer, saved)`: load another run's `state_dict()` with this run's hyper-parameters and every
     step count at 0 (`trainer.init_optimizer_state`, phase 2 of NVIDIA's BERT recipe); `optim.restart`'s generic

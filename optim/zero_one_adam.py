@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -75,14 +75,17 @@ def zero_one_adam_step_kinds(steps: int, var_freeze_step: int, var_update_scaler
                              init_noop_step: bool = True) -> list[StepKind]:
     """What each of `steps` optimizer steps communicates, replayed without any tensors (for volume studies)."""
     schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
-    kinds: list[StepKind] = []
-    for t in range(1, steps + 1):
+    return list(_replay(schedule, range(1, steps + 1), init_noop_step))
+
+
+def _replay(schedule: ZeroOneSchedule, steps: range, init_noop_step: bool) -> Iterator[StepKind]:
+    """The kind of each step of `steps`, advancing `schedule`, which must stand before the first of them."""
+    for t in steps:
         if init_noop_step and t == 1:
-            kinds.append("init")
+            yield "init"
             continue
-        kinds.append(schedule.kind(t))
+        yield schedule.kind(t)
         schedule.advance(t)
-    return kinds
 
 
 def check_zero_one_adam_options(options: dict[str, Any]) -> None:
@@ -195,6 +198,31 @@ class ZeroOneAdam(OneBitFamily):
             momentum.div_(-self.lr_sums[group])  # m = -q / sum(lr)
         self.lr_sums = [0.0] * len(self.param_groups)
 
+    def replicas_agree_after(self, step: int) -> bool:
+        """Whether every rank holds the same weights after step `step` (`OptimSpec.replicas_agree_after`): after
+        every phase-1 step and every sync, not after a local step.
+
+        The schedule depends on the step number alone, so a later step is answered by replaying a copy of the
+        current schedule (exact as long as the policy options stay as they are), an earlier one by replaying it
+        from its start with this run's policy (a resume that changed the policy would make that answer wrong; the
+        trainer asks only the current step and later ones). The current step is answered from the state: a local
+        step adds its learning rate to `lr_sums` and a sync zeroes them, so the weights moved apart since the last
+        sync iff a sum is not 0. A later local step is answered False even if its learning rates will be 0.
+        """
+        if step == self.step_count:
+            return not any(self.lr_sums)
+        if step == 0:
+            return True
+        if step > self.step_count:
+            schedule, first = replace(self.schedule), self.step_count + 1
+        else:
+            s = self.schedule
+            schedule = ZeroOneSchedule(s.var_freeze_step, s.var_update_scaler, s.local_step_scaler,
+                                       s.local_step_clipper)
+            first = 1
+        *_, kind = _replay(schedule, range(first, step + 1), self.init_noop_step)
+        return kind != "local"
+
     def _extra_state(self) -> dict[str, Any]:
         return {"schedule": asdict(self.schedule), "lr_sums": list(self.lr_sums)}
 
@@ -208,6 +236,7 @@ class ZeroOneAdam(OneBitFamily):
 
 register_optimizer(OptimSpec(
     "zero_one_adam", ZeroOneAdam, "self", check=check_zero_one_adam_options, restart_refusal=ONEBIT_RESTART_REFUSAL,
+    replicas_agree_after=ZeroOneAdam.replicas_agree_after,
     state_bytes_per_param=onebit_family_bytes(4),  # m, v, sync anchor w_a, sqrt(v) + eps
     description="0/1 Adam (DeepSpeed 0.19.6 semantics): adaptive variance freezing, 1-bit gradients, "
                 "1-bit syncs after local steps",

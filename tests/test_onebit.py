@@ -17,7 +17,7 @@ from host_reads import count_host_reads
 from torch import nn
 
 from benchmarks.optim.deepspeed_reference import compare_on_rank, deepspeed_available
-from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, param_groups_weight_decay
+from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, get_optimizer_spec, param_groups_weight_decay
 from optim.comm import Comm, MirrorComm, average_tensors_
 from optim.zero_one_adam import zero_one_adam_step_kinds
 from train.metrics import read_metrics
@@ -81,7 +81,8 @@ def _flat(model: nn.Module) -> torch.Tensor:
 
 
 def _train(name, rank, comm, model, optimizer, first, last):
-    params, counts = [], []
+    """Steps `first`..`last`: the weights, the traffic and the declared replica agreement after each."""
+    params, counts, agree = [], [], []
     for step in range(first, last + 1):
         optimizer.zero_grad(set_to_none=True)
         _loss(model, rank, step).backward()
@@ -89,7 +90,13 @@ def _train(name, rank, comm, model, optimizer, first, last):
         optimizer.step()
         counts.append(comm.take_counts())
         params.append(_flat(model).clone())
-    return params, counts
+        agree.append(get_optimizer_spec(name).replicas_agree_after(optimizer, step))
+    return params, counts, agree
+
+
+def _agreement(name: str, optimizer) -> list[bool]:
+    """`replicas_agree_after` for every step of the run, 0 to STEPS, asked now."""
+    return [get_optimizer_spec(name).replicas_agree_after(optimizer, step) for step in range(STEPS + 1)]
 
 
 def _ranks_optimizers(rank, world_size):
@@ -104,10 +111,12 @@ def _ranks_optimizers(rank, world_size):
         model = _model()
         initial_rows = model["emb"].weight[5:].detach().clone()
         optimizer = _build(name, model, comm)
-        params, counts = _train(name, rank, comm, model, optimizer, 1, RESUME_AT)
+        ahead = _agreement(name, optimizer)  # at start-up, before any step
+        params, counts, agree = _train(name, rank, comm, model, optimizer, 1, RESUME_AT)
+        halfway = _agreement(name, optimizer)
         buffer = io.BytesIO()
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-        more, more_counts = _train(name, rank, comm, model, optimizer, RESUME_AT + 1, STEPS)
+        more, more_counts, more_agree = _train(name, rank, comm, model, optimizer, RESUME_AT + 1, STEPS)
         # Exact resume: a fresh model and optimizer from the checkpoint repeat the same steps.
         buffer.seek(0)
         saved = torch.load(buffer, weights_only=False)
@@ -115,9 +124,11 @@ def _ranks_optimizers(rank, world_size):
         resumed_model.load_state_dict(saved["model"])
         resumed = _build(name, resumed_model, comm)
         resumed.load_state_dict(saved["optimizer"])
-        again, _ = _train(name, rank, comm, resumed_model, resumed, RESUME_AT + 1, STEPS)
+        resumed_ahead = _agreement(name, resumed)
+        again, _, _ = _train(name, rank, comm, resumed_model, resumed, RESUME_AT + 1, STEPS)
         out[name] = dict(
-            params=params + more, counts=counts + more_counts, resumed=again,
+            params=params + more, counts=counts + more_counts, resumed=again, agree=[True, *agree, *more_agree],
+            asked=dict(ahead=ahead, halfway=halfway, resumed_ahead=resumed_ahead, after=_agreement(name, optimizer)),
             rows_moved=float((model["emb"].weight[5:] - initial_rows).abs().max() / initial_rows.abs().max()),
             compressed_bytes=optimizer.buckets.bytes_per_call(), num_buckets=len(optimizer.buckets.layout),
             numel=sum(p.numel() for p in model.parameters()),
@@ -163,6 +174,12 @@ def test_replicas_bytes_masks_and_exact_resume_on_gloo(world_size):
                 assert not same, f"{name}: replicas identical on local step {step + 1}"
             else:
                 assert same, f"{name}: replicas differ after step {step + 1} ({kind})"
+            # replicas_agree_after is True exactly where the replicas are bit-identical
+            assert results[0][name]["agree"][step + 1] == same, f"{name}: step {step + 1}"
+        # asked at start-up, halfway, after a resume and at the end, every step's answer is the one given after it
+        for rank_result in results:
+            for when, answers in rank_result[name]["asked"].items():
+                assert answers == results[0][name]["agree"], f"{name}: asked {when}"
     # A 16-bit dense average sends half the bytes and stays within fp16 rounding of the fp32 mean.
     for rank_result in results:
         wire = rank_result["fp16_average"]

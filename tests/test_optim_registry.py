@@ -214,6 +214,7 @@ OWN_OPTIONS = [
     ("slamb", "wd_in_trust_ratio", "no"),
     ("slamb", "stale_ratio_fallback", 0.5),
     ("slamb", "clamp_1d", 1.5),
+    ("slamb", "always_adapt", "no"),
     ("slamb", "comm_dtype", "int8"),
     ("slamb", "freshness_dtype", "bf16"),
     ("slamb", "sync_offset", 2),

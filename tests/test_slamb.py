@@ -19,7 +19,7 @@ from host_reads import count_host_reads
 from omegaconf import OmegaConf
 from torch import nn
 
-from optim import LAMB, SLAMB, build_optimizer, param_groups_weight_decay
+from optim import LAMB, SLAMB, build_optimizer, get_optimizer_spec, param_groups_weight_decay
 from optim.comm import Comm, MirrorComm
 from optim.slamb import _layout, _masks
 from optim.slamb._masks import mask_uniforms
@@ -374,6 +374,7 @@ MULTI_RANK_VARIANTS = [
     dict(mask="bernoulli"),
     dict(mask="cyclic", rescale="product_of_interpolations", clamp_1d=False),
     dict(wd_in_trust_ratio=False, comm_dtype="fp16"),
+    dict(always_adapt=False, rescale="product_of_interpolations"),
 ]
 
 
@@ -448,6 +449,33 @@ def test_step_dispatches_a_number_of_ops_independent_of_the_number_of_tensors(mo
     assert many - few <= 4, (few, many)
 
 
+# --------------------------------------------------------------------------------------------- always_adapt
+@pytest.mark.parametrize("rescale", ["sum_of_products", "product_of_interpolations"])
+def test_without_always_adapt_no_decay_tensors_take_plain_adam_steps(rescale):
+    """always_adapt=False (NVLAMB): every tensor of a zero-decay group, masked or not, moves by exactly lr u~, its
+    trust ratio 1 and unclamped (c_min = 2 here would raise it); the decayed tensors keep their clamped ratios."""
+    params = [nn.Parameter(t.clone()) for t in _initial_params()]
+    groups = [{"params": params[:2], "weight_decay": 0.01}, {"params": params[2:], "weight_decay": 0.0}]
+    lr, eps = 1e-2, 1e-6
+    optimizer = SLAMB(groups, lr=lr, eps=eps, betas=(BETA1, BETA2), compress_ratio=K, min_compress_numel=MIN_NUMEL,
+                      trust_ratio_bounds=(2.0, 1000.0), rescale=rescale, always_adapt=False)
+    m = [torch.zeros(shape) for shape in SHAPES]
+    v = [torch.zeros(shape) for shape in SHAPES]
+    for t in range(1, 4):
+        before = [p.detach().clone() for p in params]
+        for i, p in enumerate(params):
+            p.grad = _grad(0, t, i)
+        optimizer.step()
+        for i, p in enumerate(params):
+            m[i].lerp_(p.grad, 1 - BETA1)
+            v[i].mul_(BETA2).addcmul_(p.grad, p.grad, value=1 - BETA2)
+            adam = -lr * math.sqrt(1 - BETA2**t) / (1 - BETA1**t) * m[i] / (v[i].sqrt() + eps)
+            if i >= 2:
+                torch.testing.assert_close(p.detach() - before[i], adam, rtol=1e-5, atol=1e-7)  # w rounding
+            else:  # ratio >= c_min = 2: at least twice the plain step, decay included
+                assert (p.detach() - before[i]).norm() > 1.5 * (adam - lr * 0.01 * before[i]).norm()
+
+
 # --------------------------------------------------------------------------------------------- N ranks
 SHAPES = [(40, 60), (30, 50), (100, 20), (5, 5), (60,)]  # 3 masked tensors; 5x5 (< 100) and 1-D always synced
 MIN_NUMEL, K, BETA3, H, N_STEPS = 100, 0.25, 0.9, 4, 12
@@ -497,6 +525,7 @@ def _property_worker(rank: int, world_size: int, scenarios: list[str]) -> dict[s
                 masks=optimizer.sync_masks(step),
                 params=[p.detach().clone() for p in params],
                 bytes=counts["bytes"], collectives=counts["collectives"],
+                agree=get_optimizer_spec("slamb").replicas_agree_after(optimizer, step),
             ))
         out[name] = records
     return out
@@ -557,6 +586,7 @@ def _check_properties(ranks: list[list[dict]], world_size: int, element_size: in
             assert all(same)
         else:
             assert not any(same[1:])
+        assert all(rec["agree"] == all(same) for rec in records)  # declared exactly where bit-identical
         for i, shape in enumerate(SHAPES):
             if len(shape) == 1 or math.prod(shape) < MIN_NUMEL:
                 assert all(torch.equal(rec["m"][i], records[0]["m"][i]) for rec in records)

@@ -20,6 +20,8 @@ from optim.slamb import reference
 
 CONF_OPTIM = REPO / "conf" / "optim"
 WDS = [0.01] * 4 + [0.0]  # the two param groups of every test here: four tensors with decay, then the 1-D one
+# always_adapt=False tests: the no-decay group holds a masked matrix, the small matrix and the 1-D tensor
+NVLAMB_WDS = [0.01] * 2 + [0.0] * 3
 RANK_SEEDS = {1: [0], 2: [0, 1], 4: [0, 1, 2, 3]}
 
 
@@ -29,8 +31,10 @@ def _preset(name: str, **overrides) -> dict:
     return cfg | overrides
 
 
-def _groups(params: list[torch.Tensor]) -> list[dict]:
-    return [{"params": params[:4], "weight_decay": WDS[0]}, {"params": params[4:], "weight_decay": WDS[4]}]
+def _groups(params: list[torch.Tensor], wds: list[float] = WDS) -> list[dict]:
+    """A decay group, then a no-decay group, as `wds` splits the tensors (in order, so masks keep their index)."""
+    split = wds.index(0.0)
+    return [{"params": params[:split], "weight_decay": wds[0]}, {"params": params[split:], "weight_decay": 0.0}]
 
 
 # --------------------------------------------------------------------------------------------- official code
@@ -163,10 +167,10 @@ def test_naive_switches_equal_the_official_naive_slamb_step(shrink_fresh):
 
 # --------------------------------------------------------------------------------------------- the reference
 def _run_reference(options: dict, world_size: int, masks: list[list[torch.Tensor]], steps: int,
-                   dtype: torch.dtype = torch.float32) -> list[reference.ParamState]:
+                   dtype: torch.dtype = torch.float32, wds: list[float] = WDS) -> list[reference.ParamState]:
     """The reference over `steps` steps from `_initial_params`, rank r drawing `_grad(r, t, i)`."""
     params = [reference.ParamState.replicated(p.to(dtype), world_size, wd)
-              for p, wd in zip(_initial_params(), WDS, strict=True)]
+              for p, wd in zip(_initial_params(), wds, strict=True)]
     for t in range(1, steps + 1):
         grads = [[_grad(rank, t, i).to(dtype) for rank in range(world_size)] for i in range(len(SHAPES))]
         reference.step(params, grads, masks[t - 1], t, **options)
@@ -270,6 +274,43 @@ def test_fast_path_equals_the_reference_on_gloo_ranks_with_distinct_gradients(wo
             for i, (got, param) in enumerate(zip(results[name][0], expected, strict=True)):
                 torch.testing.assert_close(got, param.weights[rank], **_tolerance(options),
                                            msg=lambda m, name=name, rank=rank, i=i: f"{name} rank {rank} {i}: {m}")
+
+
+# --------------------------------------------------------------------------------------------- always_adapt
+def _nvlamb_configs() -> dict[str, dict]:
+    """always_adapt=False with both rescale forms, fp32 throughout (the reference's precision)."""
+    base = dict(_preset("slamb"), **V2, seed=7, always_adapt=False, freshness_dtype="fp32")
+    return {rescale: dict(base, rescale=rescale) for rescale in ("sum_of_products", "product_of_interpolations")}
+
+
+def _nvlamb_worker(rank: int, world_size: int) -> dict[str, tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
+    out = {}
+    for name, options in _nvlamb_configs().items():
+        params = [nn.Parameter(t.clone()) for t in _initial_params()]
+        optimizer = SLAMB(_groups(params, NVLAMB_WDS), comm=Comm(), **options)
+        for t in range(1, FAST_STEPS + 1):
+            for i, p in enumerate(params):
+                p.grad = _grad(rank, t, i)
+            optimizer.step()
+        out[name] = [p.detach().clone() for p in params], [optimizer.sync_masks(t) for t in range(1, FAST_STEPS + 1)]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fast_path_without_always_adapt_equals_the_reference(world_size):
+    """No trust ratio on the no-decay group (a masked matrix among it): the fast path on gloo ranks with distinct
+    gradients equals the reference, whose no-decay tensors differ from the always_adapt=True ones."""
+    ranks = run_on_ranks(_nvlamb_worker, world_size)
+    for name, options in _nvlamb_configs().items():
+        masks = ranks[0][name][1]
+        expected = _run_reference(options, world_size, masks, FAST_STEPS, wds=NVLAMB_WDS)
+        adapted = _run_reference(dict(options, always_adapt=True), world_size, masks, FAST_STEPS, wds=NVLAMB_WDS)
+        for i, wd in enumerate(NVLAMB_WDS):
+            for rank, results in enumerate(ranks):
+                torch.testing.assert_close(results[name][0][i], expected[i].weights[rank], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, name=name, rank=rank, i=i: f"{name} rank {rank} {i}: {m}")
+            assert torch.equal(expected[i].weights[0], adapted[i].weights[0]) == (wd != 0), (name, i)
 
 
 # --------------------------------------------------------------------------------------------- stale norms

@@ -105,6 +105,10 @@ class SLAMB(torch.optim.Optimizer):
             is V2, which adds it only when applying the update.
         stale_ratio_fallback: :math:`\phi_U` when a stale norm is 0: 0 (V2) or 1 (naive).
         clamp_1d: clamp the ratios of 1-D tensors too (V2); False leaves them unclamped (naive).
+        always_adapt: apply the trust ratios to every tensor (True: V2 and the naive class); False gives the
+            tensors of param groups with ``weight_decay == 0`` (biases, LayerNorm) :math:`\phi_F = \phi_U = 1`,
+            unclamped, as NVIDIA's LAMB (``optim=lamb``'s ``always_adapt``, apex ``use_nvlamb=False``): their
+            step is Adam's, still rescaled by the freshness.
         comm_dtype: payload of the momentum all-reduce: ``"fp32"`` [code], ``"fp16"`` [fork] or ``"bf16"``.
             In half precision each rank divides its share by :math:`N` before the cast (so the sum stays in
             range), the backend sums half-precision values (partial sums rounded to the wire dtype, not fp32),
@@ -167,6 +171,7 @@ class SLAMB(torch.optim.Optimizer):
         wd_in_trust_ratio: bool = True,
         stale_ratio_fallback: float = 0.0,
         clamp_1d: bool = True,
+        always_adapt: bool = True,
         comm_dtype: str = "fp32",
         freshness_dtype: str = "fp16",
         sync_offset: int = 1,
@@ -179,7 +184,8 @@ class SLAMB(torch.optim.Optimizer):
             sync_interval=sync_interval, min_compress_numel=min_compress_numel,
             trust_ratio_bounds=trust_ratio_bounds, mask=mask, rescale=rescale,
             bias_correction_form=bias_correction_form, wd_in_trust_ratio=wd_in_trust_ratio,
-            stale_ratio_fallback=stale_ratio_fallback, clamp_1d=clamp_1d, comm_dtype=comm_dtype,
+            stale_ratio_fallback=stale_ratio_fallback, clamp_1d=clamp_1d, always_adapt=always_adapt,
+            comm_dtype=comm_dtype,
             freshness_dtype=freshness_dtype, sync_offset=sync_offset, bucket_mb=bucket_mb, seed=seed,
         ))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -190,6 +196,7 @@ class SLAMB(torch.optim.Optimizer):
         self.trust_ratio_bounds = (float(trust_ratio_bounds[0]), float(trust_ratio_bounds[1]))
         self.mask, self.rescale, self.bias_correction_form = mask, rescale, bias_correction_form
         self.wd_in_trust_ratio, self.clamp_1d = bool(wd_in_trust_ratio), bool(clamp_1d)
+        self.always_adapt = bool(always_adapt)
         self.stale_ratio_fallback = float(stale_ratio_fallback)
         self.comm_dtype = WIRE_DTYPES[comm_dtype]
         self.freshness_dtype = FRESHNESS_DTYPES[freshness_dtype]
@@ -257,6 +264,12 @@ class SLAMB(torch.optim.Optimizer):
             average_tensors_([slot.param for slot in layout.slots], self.comm, max(1, self.bucket_bytes // 4))
         return loss
 
+    def replicas_agree_after(self, step: int) -> bool:
+        """Whether every rank holds the same weights after optimizer step `step` (`OptimSpec.replicas_agree_after`):
+        before any step, with one rank, and right after a dense parameter average. In between each rank moves its
+        own copy with its local v and the unsynced part of its m."""
+        return step == 0 or not self.comm.distributed or (step - self.sync_offset) % self.sync_interval == 0
+
     def _local_moments(self, layout: Layout, chunk: Chunk) -> None:
         """m and v of the chunk's slots that have a gradient, one foreach group at a time: on a CPU groups of at
         most `piece_numel` elements, whose three passes find m, v and g in cache (15 % faster than whole tensors)."""
@@ -307,7 +320,10 @@ class SLAMB(torch.optim.Optimizer):
         # is formed (the ratios are computed for the whole chunk at once); only slots with a gradient are updated.
         scale = unit = math.sqrt(bc2) / bc1
         eps = group["eps"] * (math.sqrt(bc2) if self.bias_correction_form == "full" else 1.0)
-        layout.gather_weights(chunk, mask)  # before the direction takes the work space
+        # A chunk holds one param group's tensors, so whether they are adapted is known on the host: no sync.
+        adapt = self.always_adapt or weight_decay != 0
+        if adapt:
+            layout.gather_weights(chunk, mask)  # before the direction takes the work space
         params = [s.param for s in chunk.slots]
         decay_in_norms = weight_decay != 0 and self.wd_in_trust_ratio
         # On a CPU, where a step is not bound by the host: buffer = w + m / ((lambda / scale)(sqrt(v) + eps'))
@@ -327,12 +343,15 @@ class SLAMB(torch.optim.Optimizer):
             unit = weight_decay
         elif decay_in_norms:
             torch._foreach_add_(chunk.directions, params, alpha=weight_decay / scale)
-        fresh, stale = self._trust_ratios(layout, chunk, mask, unit)
+        if adapt:
+            fresh, stale = self._trust_ratios(layout, chunk, mask, unit)
+            fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
+        else:  # NVLAMB's plain Adam step: both ratios exactly 1, never clamped (no norms taken)
+            fresh = stale = fresh_clamped = stale_clamped = torch.ones(len(chunk.slots), device=layout.work.device)
         if weight_decay != 0 and not self.wd_in_trust_ratio:
             torch._foreach_add_(chunk.directions, params, alpha=weight_decay / scale)
 
         lr_fresh, lr_stale = lr * unit, lr * unit / math.sqrt(self.world_size)
-        fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
         fresh_coef = fresh_clamped * -lr_fresh  # per slot, on the device: no host read
         always = [i for i, s in enumerate(chunk.slots) if s.always and s.param.grad is not None]
         if always:  # r == 1 on every coordinate: plain LAMB steps with the fresh ratio
@@ -347,17 +366,18 @@ class SLAMB(torch.optim.Optimizer):
         else:  # naive: coef = -clamp(phi_U + r (phi_F - phi_U)) (lr_stale + r (lr_fresh - lr_stale))
             bases, slopes = stale.unbind(), ((fresh - stale) * to_freshness).unbind()
         for pieces in chunk.updates:
-            self._apply(layout, pieces, bases, slopes, (lr_stale - lr_fresh) * to_freshness, lr_stale)
+            self._apply(layout, pieces, bases, slopes, (lr_stale - lr_fresh) * to_freshness, lr_stale, adapt)
 
     def _apply(self, layout: Layout, group: ForeachGroup, bases: Sequence[Tensor], slopes: Sequence[Tensor],
-               lr_slope: float, lr_stale: float) -> None:
+               lr_slope: float, lr_stale: float, clamp: bool) -> None:
         """w -= coef * u over one group of masked pieces, coef per row from the rescale form, through a buffer.
 
         The freshness, hence the coefficient, is constant over a row of the mask, so the coefficients of the whole
         group are formed per row at once (a sixteenth of the work per coordinate): a copy of the scaled freshness
         q, a foreach multiply and add with the per-tensor 0-d slopes and bases (a loop in C++, not in Python), and
         for the product form three passes more. The update broadcasts each row's coefficient over the row.
-        `slopes` and `lr_slope` are per unit of q.
+        `slopes` and `lr_slope` are per unit of q; `clamp`: the product form clamps its interpolated ratio (not where
+        the tensors are not adapted: their ratio is exactly 1).
         """
         active = [i for i, piece in enumerate(group.pieces) if piece.slot.param.grad is not None]
         if not active:
@@ -370,7 +390,8 @@ class SLAMB(torch.optim.Optimizer):
         torch._foreach_mul_(coefs, [slopes[group.pieces[i].at] for i in active])
         torch._foreach_add_(coefs, [bases[group.pieces[i].at] for i in active])
         if self.rescale == "product_of_interpolations":  # interpolate the raw ratios, clamp, times the mixed lr
-            coef.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
+            if clamp:
+                coef.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
             # ratio (-lr_stale - r (lr_fresh - lr_stale)), in two passes through the second buffer
             spare = layout.spare[:coef.numel()]
             torch.mul(coef, -lr_stale, out=spare)
@@ -524,7 +545,7 @@ def check_slamb_options(options: dict[str, Any]) -> None:
     check_choice("mask", o["mask"], MASKS)
     check_choice("rescale", o["rescale"], _RESCALES)
     check_choice("bias_correction_form", o["bias_correction_form"], _BIAS_CORRECTION_FORMS)
-    check_flags(o, "wd_in_trust_ratio", "clamp_1d")
+    check_flags(o, "wd_in_trust_ratio", "clamp_1d", "always_adapt")
     check_choice("stale_ratio_fallback", o["stale_ratio_fallback"], (0, 1))
     check_choice("comm_dtype", o["comm_dtype"], WIRE_DTYPES)
     check_choice("freshness_dtype", o["freshness_dtype"], FRESHNESS_DTYPES)
@@ -544,6 +565,7 @@ def slamb_state_bytes(options: dict[str, Any], world_size: int) -> float:
 
 register_optimizer(OptimSpec(
     "slamb", SLAMB, "self", check=check_slamb_options, state_bytes_per_param=slamb_state_bytes, restart=SLAMB.restart,
+    replicas_agree_after=SLAMB.replicas_agree_after,
     description="SLAMB (Xu et al., ICML 2023): LAMB with a randomly masked momentum all-reduce, freshness "
                 "rescaling and periodic dense parameter averaging",
 ))
@@ -551,7 +573,7 @@ register_optimizer(OptimSpec(
 # Slamb_V2's switches (the values live in the YAML, as for every entry; the registry adds no defaults).
 register_optimizer(OptimSpec(
     "slamb_v2_official", SLAMB, "self", check=check_slamb_options, state_bytes_per_param=slamb_state_bytes,
-    restart=SLAMB.restart,
+    restart=SLAMB.restart, replicas_agree_after=SLAMB.replicas_agree_after,
     description="SLAMB with the switches of the official Slamb_V2 (decay outside the trust-ratio norms), "
                 "for comparisons with the published code",
 ))

@@ -43,8 +43,8 @@ class ParamState:
 def step(params: Sequence[ParamState], grads: Sequence[Sequence[Tensor]], masks: Sequence[Tensor], t: int, *,
          lr: float, betas: Sequence[float], eps: float, beta3: float, trust_ratio_bounds: Sequence[float],
          rescale: str, bias_correction_form: str, wd_in_trust_ratio: bool, stale_ratio_fallback: float,
-         clamp_1d: bool, comm_dtype: str, freshness_dtype: str, sync_interval: int, sync_offset: int,
-         **_mask_options: object) -> None:
+         clamp_1d: bool, always_adapt: bool, comm_dtype: str, freshness_dtype: str, sync_interval: int,
+         sync_offset: int, **_mask_options: object) -> None:
     """Step `t` (from 1) of every parameter on every rank: `grads[p][i]` is rank i's gradient of parameter p,
     `masks[p]` its S_t. Keyword arguments are `SLAMB`'s (all of them may be passed)."""
     world_size, (beta1, beta2) = len(params[0].weights), betas
@@ -64,7 +64,8 @@ def step(params: Sequence[ParamState], grads: Sequence[Sequence[Tensor]], masks:
         bc1, bc2 = bias_corrections(t, beta1, beta2, enabled=bias_correction_form != "none")
         lr_fresh, lr_stale = lr, lr / math.sqrt(world_size)
         c_min, c_max = trust_ratio_bounds
-        clamp = clamp_1d or mask.dim() > 1
+        adapt = always_adapt or param.weight_decay != 0  # False: NVLAMB's Adam step for no-decay tensors
+        clamp = adapt and (clamp_1d or mask.dim() > 1)
         for w, m, v in zip(param.weights, param.exp_avgs, param.exp_avg_sqs, strict=True):
             if bias_correction_form == "full":  # LAMB's and the naive Slamb's: m_hat / (sqrt(v_hat) + eps)
                 u = (m / bc1) / ((v / bc2).sqrt() + eps)
@@ -72,8 +73,11 @@ def step(params: Sequence[ParamState], grads: Sequence[Sequence[Tensor]], masks:
                 u = math.sqrt(bc2) / bc1 * m / (v.sqrt() + eps)
             decay = param.weight_decay * w
             normed = u + decay if wd_in_trust_ratio else u  # what the trust-ratio norms see
-            phi_fresh = _ratio(w[mask], normed[mask], 1.0)
-            phi_stale = _ratio(w[~mask], normed[~mask], stale_ratio_fallback)
+            if adapt:
+                phi_fresh = _ratio(w[mask], normed[mask], 1.0)
+                phi_stale = _ratio(w[~mask], normed[~mask], stale_ratio_fallback)
+            else:
+                phi_fresh = phi_stale = torch.tensor(1.0, dtype=w.dtype)
             if rescale == "sum_of_products":  # Slamb_V2: lr phi_F r + lr / sqrt(N) phi_U (1 - r)
                 if clamp:
                     phi_fresh, phi_stale = phi_fresh.clamp(c_min, c_max), phi_stale.clamp(0.0, c_max)
