@@ -70,13 +70,13 @@ def _onebit_warmup(fraction: float):
 
 
 # Settings a gap could come from, each one change from a preset (callables: counted in steps, scaled to the run).
-SETTINGS: dict[str, tuple[str, Any]] = {
-    "slamb beta3=0.99": ("slamb", ("optim.beta3=0.99",)),
-    "slamb H=20": ("slamb", ("optim.sync_interval=20",)),
-    "slamb beta3=0.99 H=20": ("slamb", ("optim.beta3=0.99", "optim.sync_interval=20")),
-    "slamb mask=bernoulli": ("slamb", ("optim.mask=bernoulli",)),
+SETTINGS: dict[str, tuple[str, Any]] = {  # in the order they run: the pairing and the official advice first
     "slamb always_adapt=false": ("slamb", ("optim.always_adapt=false",)),
+    "slamb beta3=0.99": ("slamb", ("optim.beta3=0.99",)),
+    "slamb mask=bernoulli": ("slamb", ("optim.mask=bernoulli",)),
+    "slamb H=20": ("slamb", ("optim.sync_interval=20",)),
     "onebit_lamb warm-up x2": ("onebit_lamb", _onebit_warmup(0.4)),  # 40 % of the run, not 20 %
+    "slamb beta3=0.99 H=20": ("slamb", ("optim.beta3=0.99", "optim.sync_interval=20")),
 }
 # LARS is a vision optimizer (SlowMo's base for Swin): the BERT study leaves it out unless asked for.
 NOT_BY_DEFAULT = ("lars",)
