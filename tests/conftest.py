@@ -39,6 +39,7 @@ TINY = [
     "data.max_seq_len=32",
     "data.max_predictions=5",
     "data.dupe_factor=1",
+    "data.heldout_sequences=0",  # no evaluation: the records are the training series (evaluation tests ask for one)
     "trainer.max_steps=6",
     "trainer.global_batch_size=8",
     "trainer.micro_batch_size=4",

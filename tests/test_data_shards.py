@@ -235,9 +235,9 @@ def test_changed_world_size_on_resume_repeats_nothing_within_the_epoch(prepared,
 @pytest.mark.slow
 def test_training_on_shards_resumes_exactly(prepared, tmp_path):
     """A run stopped after 3 steps (checkpoint) and resumed gives the uninterrupted run's loss series."""
-    args = [*TINY, "data=shards", f"data.path={prepared / 'dynamic'}", "data.masking=dynamic",
-            "data.max_seq_len=32", "data.max_predictions=5", "data.dupe_factor=1", "data.num_workers=1",
-            "trainer.max_steps=6", "trainer.checkpoint_every=3"]
+    args = [*TINY, "data=shards", "data.heldout_sequences=null", f"data.path={prepared / 'dynamic'}",
+            "data.masking=dynamic", "data.max_seq_len=32", "data.max_predictions=5", "data.dupe_factor=1",
+            "data.num_workers=1", "trainer.max_steps=6", "trainer.checkpoint_every=3"]
     reference = run_train([*args, f"hydra.run.dir={tmp_path / 'ref'}"])
     assert reference.returncode == 0, reference.stderr[-3000:]
     stopped = run_train([*args, f"hydra.run.dir={tmp_path / 'split'}", "trainer.steps_this_run=3"])

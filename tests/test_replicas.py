@@ -13,8 +13,8 @@ from train.plan import plan_run
 from train.run_dir import RunDir
 
 # Two ranks, distinct data; SLAMB's dense average after step 1 only, so the run ends with drifted replicas.
-RUN = [*TINY, "optim=slamb", "optim.min_compress_numel=500", "optim.sync_interval=100", "trainer.max_steps=3",
-       "trainer.nproc_per_node=2"]
+RUN = [*TINY, "data.heldout_sequences=32", "optim=slamb", "optim.min_compress_numel=500", "optim.sync_interval=100",
+       "trainer.max_steps=3", "trainer.nproc_per_node=2"]
 
 
 def _params(model: torch.nn.Module) -> list[torch.Tensor]:

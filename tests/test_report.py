@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -25,9 +26,10 @@ SUMMARY_FIELDS = {
     "finished", "stopped", "num_params", "final", "best", "bits_per_param_per_step", "bytes_total",
     "collectives_per_step", "mean_step_seconds", "samples_per_second", "samples_unit", "elapsed_seconds", "device",
     "precision",
-    "simulated_network", "torch_version",
+    "simulated_network", "torch_version", "validation_loss",
 }
-SMALL = [*TINY, "trainer.micro_batch_size=8"]  # one micro-batch per step: the quickest steps
+# One micro-batch per step (the quickest steps), and the demo's held-out split: runs report a validation loss.
+SMALL = [*TINY, "trainer.micro_batch_size=8", "data.heldout_sequences=64"]
 RESUMED_ELAPSED = 1000.0  # written into the stopped run's checkpoint: the resumed run must count on from it
 
 
@@ -63,10 +65,13 @@ def runs(tmp_path_factory) -> dict:
 
 def _check_summary_against_records(summary: dict, records: list[dict]) -> None:
     train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval/loss" in r]
     assert set(summary) == SUMMARY_FIELDS
     assert summary["steps"] == train[-1]["step"]
     assert summary["final"]["loss"] == train[-1]["loss"]
-    assert summary["final"] == {k: v for k, v in train[-1].items() if k not in ("step", "time", "elapsed")}
+    last = {**train[-1], **(evals[-1] if evals else {})}
+    assert summary["final"] == {k: v for k, v in last.items() if k not in ("step", "time", "elapsed")}
+    assert summary["validation_loss"] == (evals[-1]["eval/loss"] if evals else None)
     assert summary["bytes_total"] == _bytes_from_records(train) == train[-1]["comm_bytes_total"]
     bits = 8 * summary["bytes_total"] / summary["steps"] / summary["num_params"]
     assert summary["bits_per_param_per_step"] == pytest.approx(bits)
@@ -90,7 +95,9 @@ def test_summary_fields_equal_the_metrics(runs, name, steps):
     assert (summary["samples_unit"], summary["device"], summary["precision"]) == ("seq/s", "cpu", "fp32")
     assert summary["simulated_network"] is None
     assert summary["torch_version"] == torch.__version__
-    assert summary["best"] == {}  # pre-training logs no eval scores
+    evals = [r for r in read_metrics(runs[name]) if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [steps]  # the end of the run evaluates on the demo's held-out split
+    assert summary["validation_loss"] == summary["best"]["eval/loss"] == evals[0]["eval/loss"]
 
 
 def test_a_run_stopped_early_summarises_what_it_did(runs):
@@ -100,7 +107,7 @@ def test_a_run_stopped_early_summarises_what_it_did(runs):
 
 
 def test_elapsed_is_monotone_and_continues_across_a_resume(runs):
-    records = read_metrics(runs["lamb"])
+    records = [r for r in read_metrics(runs["lamb"]) if "loss" in r]  # the training records
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[:2] == runs["stopped"]["records"]  # the first invocation's records are kept as they were
     assert runs["stopped"]["checkpoint_elapsed"] >= records[1]["elapsed"]  # the checkpoint holds the clock
@@ -152,7 +159,7 @@ def test_report_table_and_plots_equal_the_summaries(runs, tmp_path, capsys):
     assert sorted(rows) == ["killed", "lamb", "simulated", "slamb"]
     assert rows["simulated"]["simulated"] == "simulated"
     summaries = {name: _summary(runs[name]) for name in ("lamb", "slamb")}
-    target = max(s["final"]["loss"] for s in summaries.values())
+    target = max(s["validation_loss"] for s in summaries.values())  # every run has one: compared on it
     for name, summary in summaries.items():
         row = rows[name]
         assert (row["optimizer"], int(row["world_size"]), int(row["steps"])) == (name, 1, summary["steps"])
@@ -160,8 +167,8 @@ def test_report_table_and_plots_equal_the_summaries(runs, tmp_path, capsys):
                               ("mean_step_seconds", "mean_step_seconds"), ("samples_per_second", "samples_per_second")]:
             assert float(row[column]) == summary[field], column
         assert float(row["final_loss"]) == summary["final"]["loss"]
-        assert float(row["target_loss"]) == target
-        first = next(r for r in read_metrics(runs[name]) if r["loss"] <= target)
+        assert row["target"] == f"eval/loss {target:.4g}"
+        first = next(r for r in read_metrics(runs[name]) if r.get("eval/loss", math.inf) <= target)
         assert float(row["time_to_target_s"]) == first["elapsed"]
         assert row["simulated"] == ""
     killed = rows["killed"]
@@ -209,7 +216,7 @@ def test_two_rank_summary_counts_the_bytes_the_records_show(tmp_path):
                         "trainer.log_every=3", "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"])
     assert result.returncode == 0, result.stderr[-3000:]
     summary, records = _summary(tmp_path), read_metrics(tmp_path)
-    assert [r["step"] for r in records] == [3, 4]  # a window of 3 steps, then the last one
+    assert [r["step"] for r in records if "loss" in r] == [3, 4]  # a window of 3 steps, then the last one
     _check_summary_against_records(summary, records)
     assert summary["world_size"] == 2 and summary["bytes_total"] > 0
     assert 0 < summary["bits_per_param_per_step"] < 32

@@ -36,6 +36,7 @@ from typing import Any
 from benchmarks.common import csv_table, markdown_table, runnable_optimizers
 from benchmarks.paper.reproduce import (
     PYTHON_DOCS,
+    corpus_overrides,
     optimizer_choice,
     prepare_corpus,
     read_summary,
@@ -116,7 +117,7 @@ class ConvergenceStudy:
         log_every = math.gcd(eval_every, max(1, steps // 50))  # a training record (with bytes) at every eval
         own_seed = [f"optim.seed={seed}"] if variant.optimizer in SEEDED else []
         return [optimizer_choice(variant.optimizer), f"name=convergence_{variant.slug()}_seed{seed}",
-                f"model=bert_{a.size}", "data=python_docs", override("data.path", a.corpus_path),
+                f"model=bert_{a.size}", *corpus_overrides(a.corpus, a.corpus_path),
                 f"trainer.max_steps={steps}", f"trainer.eval_every={eval_every}", f"trainer.log_every={log_every}",
                 f"trainer.seed={seed}", *own_seed, "trainer.checkpoint_every=0",
                 *schedule_overrides(variant.optimizer, steps), *variant.overrides, *self.common,
@@ -214,6 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=2, help="runs per variant, seeds 0, 1, ...")
     parser.add_argument("--size", choices=["tiny", "base", "large", "xl"], default="tiny", help="BERT size")
     parser.add_argument("--steps", type=int, default=300, help="pretraining steps, the same for every run")
+    parser.add_argument("--corpus", choices=["python_docs", "demo"], default="python_docs",
+                        help="demo: the embedded corpus and its held-out split (a quick look, not a study)")
     parser.add_argument("--corpus-path", type=Path, default=PYTHON_DOCS, help="the prepared python_docs corpus")
     parser.add_argument("--ranks", type=int, default=4, help="CPU processes (gloo) per run")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per run (NCCL); replaces --ranks")
@@ -238,7 +241,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_study(args: argparse.Namespace) -> None:
     """Every run (a variant's seeds together, the optimizers before the settings), then the table and figures."""
     study = ConvergenceStudy(args)
-    prepare_corpus(args.corpus_path)
+    if args.corpus == "python_docs":
+        prepare_corpus(args.corpus_path)
     workers = f"{args.gpus} GPU(s)" if args.gpus else f"{args.ranks} CPU rank(s)"
     print(f"convergence study in {study.out}: BERT-{args.size}, {args.steps} steps, {workers}, "
           f"{len(study.variants)} variants x {args.seeds} seeds; SQuAD {args.squad_epochs} epochs", flush=True)
@@ -251,7 +255,7 @@ def run_study(args: argparse.Namespace) -> None:
                 train(f"squad {variant.label} seed {seed}", study.squad_command(variant, seed),
                       study.squad_dir(variant, seed))
     rows = comparison_rows(study, args.squad_epochs > 0)
-    title = (f"BERT-{args.size}, {args.steps} steps on python_docs with {workers}, {args.seeds} seeds; validation "
+    title = (f"BERT-{args.size}, {args.steps} steps on {args.corpus} with {workers}, {args.seeds} seeds; validation "
              f"loss on the held-out split; vs lamb: difference of mean final validation losses, SE its standard "
              f"error")
     markdown = f"{title}\n\n{markdown_table(rows)}"

@@ -72,6 +72,11 @@ def _largest_divisor_up_to(n: int, limit: int) -> int:
     return max(d for d in range(1, limit + 1) if n % d == 0)
 
 
+def corpus_overrides(corpus: str, path: Path) -> list[str]:
+    """The data of a study's BERT runs: the prepared python_docs corpus at `path`, or the embedded demo corpus."""
+    return ["data=demo"] if corpus == "demo" else ["data=python_docs", override("data.path", path)]
+
+
 def optimizer_choice(name: str) -> str:
     """`experiment=<name>_bert` where the repo has a BERT preset for the optimizer, else `optim=<name>`."""
     return f"experiment={name}_bert" if (REPO / "conf" / "experiment" / f"{name}_bert.yaml").exists() else \
@@ -101,8 +106,8 @@ class Study:
 
     def bert_command(self, name: str) -> list[str]:
         a = self.args
-        data = ["data=demo"] if a.corpus == "demo" else ["data=python_docs", override("data.path", a.corpus_path)]
-        return [optimizer_choice(name), f"name=reproduce_bert_{name}", f"model=bert_{a.size}", *data,
+        return [optimizer_choice(name), f"name=reproduce_bert_{name}", f"model=bert_{a.size}",
+                *corpus_overrides(a.corpus, a.corpus_path),
                 f"trainer.max_steps={a.steps}", f"trainer.log_every={max(1, a.steps // 50)}",
                 "trainer.checkpoint_every=0", *schedule_overrides(name, a.steps), *self.parallel, *a.override,
                 override("hydra.run.dir", self.bert_dir(name))]
