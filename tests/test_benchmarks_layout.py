@@ -19,7 +19,8 @@ LAYOUT = {  # the module names the docs use
     "benchmarks.optim.onebit_step", "benchmarks.optim.optimizers", "benchmarks.optim.deepspeed_reference",
     "benchmarks.throughput.training", "benchmarks.throughput.swin_builder",
     "benchmarks.data.loader", "benchmarks.data.prepare",
-    "benchmarks.paper.reproduce", "benchmarks.paper.report", "benchmarks.paper.plots", "benchmarks.paper.scaling",
+    "benchmarks.paper.reproduce", "benchmarks.paper.convergence", "benchmarks.paper.report", "benchmarks.paper.plots",
+    "benchmarks.paper.scaling", "benchmarks.paper.stages",
 }
 
 
@@ -131,7 +132,8 @@ def test_every_script_prints_its_help():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     helps = json.loads(result.stdout)
-    assert set(SCRIPTS) == LAYOUT - {COMMON, "benchmarks.paper.plots"}  # the two libraries have no --help
+    libraries = {COMMON, "benchmarks.paper.plots", "benchmarks.paper.stages"}  # no --help
+    assert set(SCRIPTS) == LAYOUT - libraries
     for name in SCRIPTS:
         code, text = helps[name]
         assert code == 0 and text.startswith("usage: "), (name, code, text[:300])

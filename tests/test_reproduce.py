@@ -16,7 +16,7 @@ import pytest
 from conftest import compose
 
 from benchmarks.common import REPO, freeze_kinds
-from benchmarks.paper import reproduce
+from benchmarks.paper import reproduce, stages
 from optim.zero_one_adam import zero_one_adam_step_kinds
 from train.config import validate
 from train.run_dir import RunDir
@@ -32,14 +32,14 @@ def _option(overrides: list[str], key: str) -> int:
 @pytest.mark.parametrize("steps", [20, 100, 1000])
 def test_every_stage_of_every_algorithm_happens_within_the_steps(steps):
     for name in ("onebit_adam", "onebit_lamb"):
-        kinds = Counter(freeze_kinds(steps, _option(reproduce.schedule_overrides(name, steps), "freeze_step")))
+        kinds = Counter(freeze_kinds(steps, _option(stages.schedule_overrides(name, steps), "freeze_step")))
         assert kinds["dense"] >= steps // 10 and kinds["compressed"] >= steps // 2
-    overrides = reproduce.schedule_overrides("zero_one_adam", steps)
+    overrides = stages.schedule_overrides("zero_one_adam", steps)
     kinds = Counter(zero_one_adam_step_kinds(steps, _option(overrides, "var_freeze_step"),
                                              _option(overrides, "var_update_scaler"),
                                              _option(overrides, "local_step_scaler")))
     assert all(kinds[k] > 0 for k in ("variance", "onebit_grad", "sync", "local")), kinds
-    tau = _option(reproduce.schedule_overrides("slowmo", steps), "sync_interval")
+    tau = _option(stages.schedule_overrides("slowmo", steps), "sync_interval")
     assert steps % tau == 0 and 1 < tau <= steps // 10  # replicas agree at the end; several averages
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import csv_table, markdown_table, runnable_optimizers
-from benchmarks.paper.reproduce import (
+from benchmarks.paper.stages import (
     PYTHON_DOCS,
     corpus_overrides,
     optimizer_choice,
