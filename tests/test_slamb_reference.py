@@ -229,12 +229,15 @@ def _fast_path_configs() -> dict[str, dict]:
 FAST_STEPS = 6  # two dense syncs (after steps 1 and 5)
 
 
-def _fast_path_worker(rank: int, world_size: int) -> dict[str, tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
-    """Every configuration of `_fast_path_configs` on this rank: (parameters after the last step, masks)."""
+def _fast_path_worker(rank: int, world_size: int, always_adapt: bool = True,
+                      ) -> dict[str, tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
+    """Every configuration of `_fast_path_configs` (always_adapt=False: of `_nvlamb_configs`, with its groups) on
+    this rank: (parameters after the last step, masks)."""
+    configs, wds = (_fast_path_configs(), WDS) if always_adapt else (_nvlamb_configs(), NVLAMB_WDS)
     out = {}
-    for name, options in _fast_path_configs().items():
+    for name, options in configs.items():
         params = [nn.Parameter(t.clone()) for t in _initial_params()]
-        optimizer = SLAMB(_groups(params), comm=Comm(), **options)
+        optimizer = SLAMB(_groups(params, wds), comm=Comm(), **options)
         for t in range(1, FAST_STEPS + 1):
             for i, p in enumerate(params):
                 p.grad = _grad(rank, t, i)
@@ -283,25 +286,12 @@ def _nvlamb_configs() -> dict[str, dict]:
     return {rescale: dict(base, rescale=rescale) for rescale in ("sum_of_products", "product_of_interpolations")}
 
 
-def _nvlamb_worker(rank: int, world_size: int) -> dict[str, tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
-    out = {}
-    for name, options in _nvlamb_configs().items():
-        params = [nn.Parameter(t.clone()) for t in _initial_params()]
-        optimizer = SLAMB(_groups(params, NVLAMB_WDS), comm=Comm(), **options)
-        for t in range(1, FAST_STEPS + 1):
-            for i, p in enumerate(params):
-                p.grad = _grad(rank, t, i)
-            optimizer.step()
-        out[name] = [p.detach().clone() for p in params], [optimizer.sync_masks(t) for t in range(1, FAST_STEPS + 1)]
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_fast_path_without_always_adapt_equals_the_reference(world_size):
     """No trust ratio on the no-decay group (a masked matrix among it): the fast path on gloo ranks with distinct
     gradients equals the reference, whose no-decay tensors differ from the always_adapt=True ones."""
-    ranks = run_on_ranks(_nvlamb_worker, world_size)
+    ranks = run_on_ranks(_fast_path_worker, world_size, False)
     for name, options in _nvlamb_configs().items():
         masks = ranks[0][name][1]
         expected = _run_reference(options, world_size, masks, FAST_STEPS, wds=NVLAMB_WDS)

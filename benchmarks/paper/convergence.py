@@ -35,16 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import csv_table, markdown_table, runnable_optimizers
-from benchmarks.paper.stages import (
-    PYTHON_DOCS,
-    corpus_overrides,
-    optimizer_choice,
-    prepare_corpus,
-    read_summary,
-    schedule_overrides,
-    squad_overrides,
-    train,
-)
+from benchmarks.paper import stages
 from conf.checks import UserError, user_errors_exit
 from data.atomic import atomic_write_text
 from train.metrics import read_metrics
@@ -118,17 +109,17 @@ class ConvergenceStudy:
         eval_every = max(1, steps // 4)
         log_every = math.gcd(eval_every, max(1, steps // 50))  # a training record (with bytes) at every eval
         own_seed = [f"optim.seed={seed}"] if variant.optimizer in SEEDED else []
-        return [optimizer_choice(variant.optimizer), f"name=convergence_{variant.slug()}_seed{seed}",
-                f"model=bert_{a.size}", *corpus_overrides(a.corpus, a.corpus_path),
+        return [stages.optimizer_choice(variant.optimizer), f"name=convergence_{variant.slug()}_seed{seed}",
+                f"model=bert_{a.size}", *stages.corpus_overrides(a.corpus, a.corpus_path),
                 f"trainer.max_steps={steps}", f"trainer.eval_every={eval_every}", f"trainer.log_every={log_every}",
                 f"trainer.seed={seed}", *own_seed, "trainer.checkpoint_every=0",
-                *schedule_overrides(variant.optimizer, steps), *variant.overrides, *self.common,
+                *stages.schedule_overrides(variant.optimizer, steps), *variant.overrides, *self.common,
                 f"trainer.nproc_per_node={a.gpus or a.ranks}", *a.override,
                 override("hydra.run.dir", self.bert_dir(variant, seed))]
 
     def squad_command(self, variant: Variant, seed: int) -> list[str]:
         weights = RunDir(self.bert_dir(variant, seed)).export_dir
-        return squad_overrides(weights, f"convergence_squad_{variant.slug()}_seed{seed}", self.args.squad_epochs,
+        return stages.squad_overrides(weights, f"convergence_squad_{variant.slug()}_seed{seed}", self.args.squad_epochs,
                                self.common, self.squad_dir(variant, seed))
 
 
@@ -154,7 +145,7 @@ def comparison_rows(study: ConvergenceStudy, squad: bool) -> list[dict[str, Any]
     finals: dict[str, list[float]] = {}
     rows = []
     for variant in study.variants:
-        summaries = [read_summary(study.bert_dir(variant, s)) for s in range(seeds)]
+        summaries = [stages.read_summary(study.bert_dir(variant, s)) for s in range(seeds)]
         curves = [validation_curve(study.bert_dir(variant, s)) for s in range(seeds)]
         finals[variant.label] = [s["validation_loss"] for s in summaries]
         row: dict[str, Any] = {"variant": variant.label,
@@ -164,7 +155,7 @@ def comparison_rows(study: ConvergenceStudy, squad: bool) -> list[dict[str, Any]
         row["final per seed"] = " ".join(f"{v:.3f}" for v in finals[variant.label])
         row["wall min"] = statistics.fmean(s["elapsed_seconds"] for s in summaries) / 60
         if squad:
-            f1 = [read_summary(study.squad_dir(variant, s))["best"]["eval/f1"] for s in range(seeds)]
+            f1 = [stages.read_summary(study.squad_dir(variant, s))["best"]["eval/f1"] for s in range(seeds)]
             row["SQuAD F1"] = statistics.fmean(f1)
         rows.append(row)
     reference = finals.get(REFERENCE)
@@ -219,7 +210,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=300, help="pretraining steps, the same for every run")
     parser.add_argument("--corpus", choices=["python_docs", "demo"], default="python_docs",
                         help="demo: the embedded corpus and its held-out split (a quick look, not a study)")
-    parser.add_argument("--corpus-path", type=Path, default=PYTHON_DOCS, help="the prepared python_docs corpus")
+    parser.add_argument("--corpus-path", type=Path, default=stages.PYTHON_DOCS, help="the prepared python_docs corpus")
     parser.add_argument("--ranks", type=int, default=4, help="CPU processes (gloo) per run")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per run (NCCL); replaces --ranks")
     parser.add_argument("--squad-epochs", type=int, default=10, help="0: no SQuAD fine-tuning")
@@ -244,17 +235,17 @@ def run_study(args: argparse.Namespace) -> None:
     """Every run (a variant's seeds together, the optimizers before the settings), then the table and figures."""
     study = ConvergenceStudy(args)
     if args.corpus == "python_docs":
-        prepare_corpus(args.corpus_path)
+        stages.prepare_corpus(args.corpus_path)
     workers = f"{args.gpus} GPU(s)" if args.gpus else f"{args.ranks} CPU rank(s)"
     print(f"convergence study in {study.out}: BERT-{args.size}, {args.steps} steps, {workers}, "
           f"{len(study.variants)} variants x {args.seeds} seeds; SQuAD {args.squad_epochs} epochs", flush=True)
     start = time.perf_counter()
     for variant in study.variants:  # the optimizers first, each with all its seeds: a cut study still compares
         for seed in range(args.seeds):
-            train(f"bert  {variant.label} seed {seed}", study.bert_command(variant, seed),
+            stages.train(f"bert  {variant.label} seed {seed}", study.bert_command(variant, seed),
                   study.bert_dir(variant, seed))
             if args.squad_epochs:
-                train(f"squad {variant.label} seed {seed}", study.squad_command(variant, seed),
+                stages.train(f"squad {variant.label} seed {seed}", study.squad_command(variant, seed),
                       study.squad_dir(variant, seed))
     rows = comparison_rows(study, args.squad_epochs > 0)
     title = (f"BERT-{args.size}, {args.steps} steps on {args.corpus} with {workers}, {args.seeds} seeds; validation "
