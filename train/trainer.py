@@ -375,7 +375,7 @@ class Trainer:
                  else "No checkpoint was written before it: rerun to start over")
         return f"{what}; no checkpoint was written for it. {where}, with a lower optim.lr or precision=bf16"
 
-    def evaluate(self, weights: _Weights | None = None) -> None:
+    def evaluate(self, weights: EvalWeights | None = None) -> None:
         """The task's evaluation on held-out data, logged by rank 0 as eval/<metric>.
 
         The ranks share it (`EvalShard`: every rank evaluates every world_size-th batch, the task pools the
@@ -386,7 +386,7 @@ class Trainer:
         """
         if self.task.evaluate is None or self.data.eval is None:  # alike on every rank: the same config
             return
-        weights = weights or self.agreed_weights()
+        weights = self.agreed_weights() if weights is None else weights
         shard = EvalShard(self.comm.rank, self.comm.world_size, self.comm.group)
         results = {f"eval/{k}": v for k, v in self._evaluate_model(weights.model, shard).items()}
         if weights.ema is not None:
@@ -398,14 +398,14 @@ class Trainer:
         self._keep_if_best(results)
         self.comm.barrier()
 
-    def agreed_weights(self) -> _Weights:
+    def agreed_weights(self) -> EvalWeights:
         """The weights every rank evaluates and exports now: the model (and EMA) where the replicas agree after
         this step, else their average across the ranks in a copy (`train.replicas`); training is not disturbed."""
         ema = self.ema.module if self.ema is not None else None
         if not self.comm.distributed or self.spec.replicas_agree_after(self.optimizer, self.step):
-            return _Weights(self.model, ema)
-        return _Weights(averaged_copy(self.model, self.comm), ema and averaged_copy(ema, self.comm),
-                        f"the average of the {self.comm.world_size} ranks' replicas")
+            return EvalWeights(self.model, ema)
+        return EvalWeights(averaged_copy(self.model, self.comm), None if ema is None else averaged_copy(ema, self.comm),
+                           f"the average of the {self.comm.world_size} ranks' replicas")
 
     def _evaluate_model(self, model: nn.Module, shard: EvalShard) -> dict[str, float]:
         return evaluate_model(self.task, model, self.data.eval, self.run_dir, shard, self.cfg.precision.dtype,
@@ -458,7 +458,7 @@ class Trainer:
         done = marker.is_file() and json.loads(marker.read_text()).get("step") == self.step if self.is_main else None
         return bool(self.comm.broadcast_object(done))
 
-    def _export(self, weights: _Weights) -> None:
+    def _export(self, weights: EvalWeights) -> None:
         if self.is_main:
             # What an image model was trained with and what its outputs mean, for timm's loaders and users.
             described = dict(data_config=self.data.preprocessing, label_names=self.data.class_names)
@@ -494,7 +494,7 @@ class Trainer:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Weights:
+class EvalWeights:
     """What an evaluation or export reads: the model, its EMA (None: no EMA), and which weights they are when
     they are not simply the trained model's (`what`, for the log)."""
 
