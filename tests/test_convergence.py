@@ -34,7 +34,7 @@ def test_every_run_of_the_default_study_composes_with_its_seed_and_evaluations(t
     by_label = {v.label: v for v in study.variants}
     cfg = compose([o for o in study.bert_command(by_label["slamb always_adapt=false"], 0)
                    if not o.startswith("hydra.")])
-    assert cfg.optim.always_adapt is False and cfg.optim.beta3 == 0.93  # one change from the BERT preset
+    assert cfg.optim.always_adapt is False and cfg.optim.comm_dtype == "fp16"  # one change from the BERT preset
     cfg = compose([o for o in study.bert_command(by_label["onebit_adam warm-up x2"], 0) if not o.startswith("hydra.")])
     assert cfg.optim.freeze_step == 120  # 40 % of 300 steps, not the 60 the 1-bit presets are scaled to
 

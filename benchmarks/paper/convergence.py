@@ -65,12 +65,12 @@ def _onebit_warmup(fraction: float):
 # Settings a gap could come from, each one change from a preset (callables: counted in steps, scaled to the run).
 SETTINGS: dict[str, tuple[str, Any]] = {  # in the order they run: the pairing and the official advice first
     "slamb always_adapt=false": ("slamb", ("optim.always_adapt=false",)),
-    "slamb beta3=0.99": ("slamb", ("optim.beta3=0.99",)),
+    "slamb beta3=0.93": ("slamb", ("optim.beta3=0.93",)),  # the value once quoted for the paper
     "slamb mask=bernoulli": ("slamb", ("optim.mask=bernoulli",)),
     "slamb H=20": ("slamb", ("optim.sync_interval=20",)),
     "onebit_adam warm-up x2": ("onebit_adam", _onebit_warmup(0.4)),  # freeze at 40 % of the run, not 20 %
     "adamw lr=1e-3": ("adamw", ("optim.lr=1.0e-3",)),  # 1-bit Adam's LR: its gap to AdamW is then compression's
-    "slamb beta3=0.99 H=20": ("slamb", ("optim.beta3=0.99", "optim.sync_interval=20")),
+    "slamb beta3=0.93 H=20": ("slamb", ("optim.beta3=0.93", "optim.sync_interval=20")),
 }
 # LARS is a vision optimizer (SlowMo's base for Swin): the BERT study leaves it out unless asked for.
 NOT_BY_DEFAULT = ("lars",)

@@ -88,8 +88,8 @@ class SLAMB(torch.optim.Optimizer):
         eps: :math:`\epsilon` = 1e-6, the class default of [code] and [fork] (Swin config: 1e-8).
         weight_decay: :math:`\lambda` = 0.01 [fork]; LAMB-style L2 added to the direction.
         compress_ratio: :math:`k`, the synced fraction of the masked coordinates, 0.1 [code].
-        beta3: freshness decay; 0.99 is the class default of [code] and [fork] (Swin config 0.999; the
-            project requirements quote 0.93 for the paper, unverified, see the BERT experiments).
+        beta3: freshness decay; 0.99 is the class default of [code] and [fork] (Swin config 0.999; 0.93, once
+            quoted for the paper's BERT runs and unverified, did worse at CPU scale: see the BERT experiments).
         sync_interval: :math:`H`, steps between dense parameter averages, 100 [code].
         min_compress_numel: :math:`\tau`, tensors with fewer elements (or 1-D) are synced every step, 9000 [code].
         trust_ratio_bounds: :math:`(c_{min}, c_{max})` = (0.01, 1000) [code], the clamp of the trust ratios
