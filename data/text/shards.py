@@ -231,7 +231,9 @@ class ShardSet(Sequence[PretrainingInstance]):
         if not self.records:
             raise ShardError(f"{self.directory / MANIFEST_NAME} lists no shards")
         self.heldout_record: dict[str, Any] | None = self.manifest.get("heldout")  # None: prepared without one
-        for record in self.records + ([self.heldout_record] if self.heldout_record else []):
+        # Every file the manifest vouches for: the shards, then the held-out set where there is one.
+        self.file_records = self.records + ([self.heldout_record] if self.heldout_record else [])
+        for record in self.file_records:
             path = self.directory / record["file"]
             if not path.is_file():
                 raise ShardError(f"shard {path} listed in the manifest is missing")
@@ -251,7 +253,7 @@ class ShardSet(Sequence[PretrainingInstance]):
     def verify(self) -> None:
         """Check every shard's (and the held-out file's) bytes against its recorded sha256 now, not when training
         or the first evaluation reaches it."""
-        for record in self.records + ([self.heldout_record] if self.heldout_record else []):
+        for record in self.file_records:
             self._verified_bytes(record)
 
     def _verified_bytes(self, record: dict[str, Any]) -> bytes:
