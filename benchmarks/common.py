@@ -18,10 +18,13 @@ from typing import Any
 import torch
 import yaml
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from conf.checks import missing_nvidia_apex
 from optim import get_optimizer_spec, list_optimizers
 from optim.apex import APEX_OPTIMIZERS
+from optim.memory import state_bytes
 from optim.zero_one_adam import zero_one_adam_step_kinds
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,13 +51,18 @@ def device_label(device: torch.device) -> str:
 
 
 def bert_parameters(size: str, device: torch.device) -> nn.Module:
-    """BertForPreTraining of `size` with random weights and gradients (built on `meta`, then filled)."""
+    """BertForPreTraining of `size` with random weights and gradients (built on `meta`, then filled; on the meta
+    device itself: shapes only, for counting ops and bytes)."""
     from transformers import BertConfig, BertForPreTraining  # here: seconds of imports the table scripts skip
 
     with torch.device("meta"):
         model = BertForPreTraining(BertConfig(**SIZES[size]))
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives the tied decoder its own tensor; BERT shares it with the embeddings
+    if device.type == "meta":
+        for p in model.parameters():
+            p.grad = torch.empty_like(p)
+        return model
     g = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -133,6 +141,59 @@ def step_times(
             synchronize(device)
             times[name].append(clock() - start)
     return times
+
+
+# ------------------------------------------------------------------------------------------ memory traffic
+def bytes_touched(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """Minimum traffic of one fused step: parameters read and written, gradients read, state read and written
+    (the parameters that have a gradient: those a layer-sampling step updates)."""
+    stepped = [p for p in params if p.grad is not None]
+    param_bytes = sum(p.nbytes for p in stepped)
+    grad_bytes = sum(p.grad.nbytes for p in stepped)
+    return 2 * param_bytes + grad_bytes + 2 * state_bytes(optimizer)
+
+
+# Ops whose mutated tensor is overwritten, not read: they move its bytes once (the write), not twice.
+_WRITE_ONLY = {"aten::copy_", "aten::zero_", "aten::fill_", "aten::_foreach_copy_", "aten::_foreach_zero_",
+               "aten::normal_", "aten::uniform_", "aten::random_", "aten::bernoulli_"}
+# Fused optimizer kernels mark the gradients mutable but write them only to unscale them (with a grad_scale).
+_FUSED_STEPS = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_"}
+
+
+class StepTraffic(TorchDispatchMode):
+    """Counts the ops dispatched while it is active and the bytes they read and write.
+
+    An op reads every tensor it takes and writes every tensor it returns fresh or mutates (its schema says which),
+    so `bytes` is the memory traffic of unfused kernels: what a GPU moves for the same ops, caches aside. Views move
+    nothing; collectives (c10d) are the network's, not the step's memory traffic, and are left out of both counts.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        if func.is_view or schema.name.startswith("c10d::"):
+            return out
+        self.ops += 1
+        write_only = schema.name in _WRITE_ONLY
+        for i, argument in enumerate(schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            size = sum(t.nbytes for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+            mutated = argument.alias_info is not None and argument.alias_info.is_write
+            if schema.name in _FUSED_STEPS and argument.name == "grads" and kwargs.get("grad_scale") is None:
+                mutated = False
+            self.bytes += size * ((0 if write_only or argument.name == "out" else 1) + (1 if mutated else 0))
+        fresh = [r.alias_info is None for r in schema.returns]
+        results = out if isinstance(out, tuple) else (out,)
+        for is_fresh, result in zip(fresh, results, strict=False):
+            if is_fresh:
+                self.bytes += sum(t.nbytes for t in tree_leaves(result) if isinstance(t, torch.Tensor))
+        return out
 
 
 # ------------------------------------------------------------------------------------------ 1-bit schedules

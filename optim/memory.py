@@ -88,7 +88,7 @@ def persistent_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the distinct storages of every tensor the optimizer holds, in its state or in its attributes
     (the 1-bit family's error buffers and cached denominators), its parameters and their gradients excluded."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    seen = {t.untyped_storage().data_ptr() for p in params for t in (p, p.grad) if t is not None}
+    seen = {_storage_id(t) for p in params for t in (p, p.grad) if t is not None}
     return sum(_new_storage_bytes(t, seen) for t in _held_tensors(optimizer, set()))
 
 
@@ -114,11 +114,17 @@ def _held_tensors(obj: Any, visited: set[int]) -> Iterator[torch.Tensor]:
 
 def _new_storage_bytes(t: torch.Tensor, seen: set[int]) -> int:
     """`t`'s storage's bytes the first time that storage is seen, else 0."""
-    ptr = t.untyped_storage().data_ptr()
-    if ptr in seen:
+    key = _storage_id(t)
+    if key in seen:
         return 0
-    seen.add(ptr)
+    seen.add(key)
     return t.untyped_storage().nbytes()
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """The identity of `t`'s storage: the same for every view of it, distinct on the meta device too (where every
+    data pointer is 0)."""
+    return t.untyped_storage()._cdata
 
 
 # ------------------------------------------------------------------------------------------------ per spec

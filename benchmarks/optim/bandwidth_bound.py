@@ -22,10 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import SIZES, bert_parameters, chosen_device, config_kwargs, device_label
+from benchmarks.common import SIZES, bert_parameters, bytes_touched, chosen_device, config_kwargs, device_label
 from optim import build_optimizer
 from optim.comm import MirrorComm
-from optim.memory import state_bytes
 
 OPTIMIZERS = ["lamb", "slamb", "onebit_lamb", "zero_one_adam", "adamw"]
 COMPRESSED_FROM = {"onebit_lamb": {"freeze_step": 2}, "zero_one_adam": {"var_freeze_step": 2}}
@@ -50,13 +49,6 @@ def _seconds(work: Callable[[], object], device: torch.device) -> float:
     start_s = time.perf_counter()
     work()
     return time.perf_counter() - start_s
-
-
-def bytes_touched(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
-    """Minimum traffic of one fused step: parameters read and written, gradients read, state read and written."""
-    param_bytes = sum(p.nbytes for p in params)
-    grad_bytes = sum(p.grad.nbytes for p in params)
-    return 2 * param_bytes + grad_bytes + 2 * state_bytes(optimizer)
 
 
 def time_steps(optimizer: torch.optim.Optimizer, device: torch.device, warmup: int, repeats: int) -> list[float]:
