@@ -1,5 +1,6 @@
 """`python -m train.export`: a run's best, newest or a named checkpoint as the stock export, with Swin's class names;
-what it refuses, in one line."""
+what it refuses, in one line; where it may write (never over the run or a user's files; an earlier export is
+replaced whole)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch
 from conftest import REPO, compose
 from test_swin import _tiny_run
 
+from conf.checks import UserError
 from data.images.digits import write_digits_imagefolder
 from train.checkpoint import model_state
+from train.export import export
 from train.restore import find_weights
 from train.run import run
 from train.run_dir import RunDir
@@ -62,3 +65,60 @@ def test_the_newest_checkpoint_is_exported_without_best(swin_run):
 def test_what_cannot_be_exported_is_refused_in_one_line(swin_run, tmp_path, args, message):
     result = _cli("train.export", *(a.format(run=swin_run, tmp=tmp_path) for a in args))
     assert result.returncode == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+# ----------------------------------------------------------------------------------------- where an export may go
+def _tree(path: Path) -> dict[str, bytes]:
+    """Every file under `path` with its content: what a refused export must leave as it was."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(("out", "message"), [
+    ("{run}", "is inside the run directory"),
+    ("{run}/exports", "is inside the run directory"),
+    ("{run}/checkpoints", "is inside the run directory"),
+    ("{run}/..", "holds the run directory"),  # OUT=runs: every run
+    (".", "holds the run directory"),
+])
+def test_an_export_into_the_run_or_around_it_is_refused_and_deletes_nothing(swin_run, monkeypatch, out, message):
+    monkeypatch.chdir(swin_run.parent)
+    before = _tree(swin_run)
+    with pytest.raises(UserError, match=message):
+        export(swin_run, out.format(run=swin_run))
+    assert _tree(swin_run) == before
+
+
+def test_a_users_folder_or_file_is_refused_in_one_line_and_kept(swin_run, tmp_path):
+    folder, file = tmp_path / "mine", tmp_path / "notes.txt"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("years of work")
+    file.write_text("notes")
+    for out, message in ((folder, "is a folder that is not an export of this project (no export.json)"),
+                         (file, "is a file"), (swin_run, "is inside the run directory")):
+        result = _cli("train.export", swin_run, out)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert (folder / "thesis.tex").read_text() == "years of work" and file.read_text() == "notes"
+    link = tmp_path / "link"
+    link.symlink_to(folder)
+    with pytest.raises(UserError, match="is a symbolic link"):
+        export(swin_run, link)
+
+
+def test_out_tmp_is_left_alone_and_a_re_export_replaces_the_export(swin_run, tmp_path):
+    out = tmp_path / "exports" / "swin"
+    users = out.with_name("swin.tmp")
+    users.mkdir(parents=True)
+    (users / "keep.txt").write_text("mine")
+    export(swin_run / "checkpoints" / "step_00000002", out)
+    assert json.loads((out / "export.json").read_text())["source"].endswith("step_00000002")
+    export(swin_run, out)  # an export of this project: replaced, whole
+    assert json.loads((out / "export.json").read_text())["source"].endswith("step_00000004")
+    loaded = timm.create_model(f"local-dir:{out}", pretrained=True)
+    expected = model_state(RunDir(swin_run).checkpoints_dir / "step_00000004")
+    assert all(torch.equal(value, expected[key]) for key, value in loaded.state_dict().items())
+    assert sorted(p.name for p in out.parent.iterdir()) == ["swin", "swin.tmp"]  # no staging or old copy left
+    assert (users / "keep.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (export(swin_run, empty) / "export.json").is_file()  # an empty folder holds nothing to lose

@@ -64,7 +64,8 @@ def test_bert_export_is_stock_with_its_tokenizer(tmp_path, tokenizer, umask):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt"} <= set(modes)
     assert all(mode == 0o644 for mode in modes.values()), {name: oct(mode) for name, mode in modes.items()}
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
-    assert not (tmp_path / "hf_model.tmp").exists()
+    assert json.loads((out / "export.json").read_text()) == {"source": None}  # what marks an export of ours
+    assert [p.name for p in tmp_path.iterdir()] == ["hf_model"]  # its staging directory is gone
 
 
 def test_export_modes_follow_the_umask(tmp_path, tokenizer, umask):
@@ -83,7 +84,7 @@ def test_qa_export_names_bert_for_question_answering(tmp_path, tokenizer):
 def test_data_config_and_label_names_are_for_image_models_only(tmp_path, tokenizer, described):
     with pytest.raises(ValueError, match="timm models"):
         export_pretrained(create_model("bert_pretraining", **BERT_SHAPE), tokenizer, tmp_path / "x", **described)
-    assert not (tmp_path / "x").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_swin_export_carries_the_run_preprocessing(tmp_path, umask):
@@ -115,7 +116,22 @@ def test_swin_export_rejects_preprocessing_the_model_cannot_take(tmp_path):
         export_pretrained(model, None, tmp_path / "hf_model", data_config={**DIGITS_DATA, "input_size": 64})
     with pytest.raises(ValueError, match="unknown keys"):
         export_pretrained(model, None, tmp_path / "hf_model", data_config={**DIGITS_DATA, "img_size": 32})
-    assert not (tmp_path / "hf_model").exists() and not (tmp_path / "hf_model.tmp").exists()
+    assert list(tmp_path.iterdir()) == []  # neither an export nor its staging directory
+
+
+def test_a_failed_re_export_leaves_the_earlier_export_whole(tmp_path, tokenizer, monkeypatch):
+    model = create_model("bert_pretraining", **BERT_SHAPE)
+    out = export_pretrained(model, tokenizer, tmp_path / "hf_model")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def killed(*args, **kwargs):  # the process dies once the weights of the new export are written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("train.model_io.save_tokenizer", killed)
+    with pytest.raises(KeyboardInterrupt):
+        export_pretrained(create_model("bert_pretraining", **BERT_SHAPE), tokenizer, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["hf_model"]
 
 
 def test_image_data_config_reads_the_run_config():

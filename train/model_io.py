@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,17 @@ from typing import Any
 from torch import nn
 
 from conf.checks import ConfigError
-from data.atomic import replace_directory
+from data.atomic import atomic_write_json, replace_directory
 from models import create_model
 from optim import get_optimizer_spec
 from train.checkpoint import init_checkpoint, model_state, read_meta
+
+EXPORT_MARKER = "export.json"  # written into every export: what tells an export of this project from other folders
+
+
+def is_export(directory: Path) -> bool:
+    """Whether `directory` is an export this project wrote (`export_pretrained`), which a new export may replace."""
+    return (Path(directory) / EXPORT_MARKER).is_file()
 
 
 def build_model(name: str, options: Mapping[str, Any], init_from: str | None, tokenizer: Any) -> nn.Module:
@@ -132,9 +140,13 @@ def optimizer_checkpoint(init_from: str | None, optimizer: str, world_size: int)
 
 def export_pretrained(
     model: nn.Module, tokenizer: Any, directory: Path, *, data_config: Mapping[str, Any] | None = None,
-    label_names: Sequence[str] | None = None,
+    label_names: Sequence[str] | None = None, source: Path | None = None,
 ) -> Path:
     """`save_pretrained` model and tokenizer into `directory`, replacing it only once fully written.
+
+    The export is built under a unique staging name beside `directory` (`tempfile.mkdtemp`: nothing of the user's
+    is in its way) and swapped in by `replace_directory`. It carries `export.json` (`EXPORT_MARKER`), naming the
+    checkpoint it came from (`source`), by which `train.export` knows a directory it may replace.
 
     transformers models: `config.architectures` names the stock transformers class (`BertForPreTraining`,
     `BertForQuestionAnswering`), never a project subclass. The tokenizer is saved with the weights, with its
@@ -149,8 +161,8 @@ def export_pretrained(
     if (data_config is not None or label_names) and is_transformers:
         raise ValueError("data_config and label_names are for timm models (image preprocessing, class names); this "
                          "model is a transformers model")
-    staging = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         if is_transformers:
             with _no_progress_bars():
@@ -163,6 +175,7 @@ def export_pretrained(
         if tokenizer is not None:
             max_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
             save_tokenizer(tokenizer, staging, model_max_length=max_length)
+        atomic_write_json(staging / EXPORT_MARKER, {"source": None if source is None else str(source)}, indent=1)
         make_readable(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
