@@ -176,6 +176,14 @@ class Comm:
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's small picklable object (a checkpoint file's checksum, say), in rank order, on all ranks."""
+        if not self.distributed:
+            return [obj]
+        gathered: list[object] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
@@ -332,6 +340,9 @@ class MirrorComm(Comm):
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         return obj
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        return [obj] * self.world_size
 
     def barrier(self) -> None:
         pass

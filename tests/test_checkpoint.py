@@ -13,14 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, compose
+from conftest import TINY, compose, run_train
 from distributed_harness import run_on_ranks
 
 from optim.comm import Comm
 from train.checkpoint import (
     Checkpointer,
+    DamagedCheckpoint,
     RunDirectoryError,
+    UnsafeCheckpoint,
     complete_checkpoints,
+    file_record,
+    model_state,
     reseed_rng,
     rng_state,
     set_rng_state,
@@ -53,8 +57,16 @@ def test_interrupted_save_is_ignored_and_cleaned(tmp_path):
 
 
 def _as_if_written_by(path, world_size: int) -> None:
-    shared = torch.load(path / "shared.pt", weights_only=False)
+    shared = torch.load(path / "shared.pt", weights_only=True)
     torch.save({**shared, "world_size": world_size}, path / "shared.pt")
+    _record_again(path, "shared.pt")
+
+
+def _record_again(checkpoint: Path, name: str) -> None:
+    """Record a checkpoint file's new content in its meta.json, as if it had been written so."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["files"][name] = file_record(checkpoint / name)
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
 
 
 def test_world_size_mismatch_with_rank_bound_state_is_a_clear_error(tmp_path):
@@ -90,7 +102,7 @@ def test_missing_rank_file_is_a_clear_error(tmp_path):
     ckpt = Checkpointer(tmp_path, keep_last=1, comm=Comm())
     path = ckpt.save(5, {}, {})
     (path / "rank_00000.pt").unlink()
-    with pytest.raises(FileNotFoundError, match=r"rank_00000\.pt is missing"):
+    with pytest.raises(DamagedCheckpoint, match=r"rank_00000\.pt is missing"):
         ckpt.load(path)
 
 
@@ -240,3 +252,140 @@ def test_a_kill_mid_prune_leaves_only_loadable_checkpoints_and_the_next_save_cle
         assert ckpt.load(checkpoint)[0]["x"] == 4
     ckpt.save(6, {"x": 6}, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000006"]
+
+
+# ----------------------------------------------------------------------------------------- integrity
+def _flip_byte(path: Path, offset: int = -100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_meta_records_the_size_and_sha256_of_every_file(tmp_path):
+    import hashlib
+
+    path = Checkpointer(tmp_path, keep_last=1, comm=Comm()).save(2, {"model": {"w": torch.ones(3)}}, {"data": {}})
+    files = json.loads((path / "meta.json").read_text())["files"]
+    assert sorted(files) == ["rank_00000.pt", "shared.pt"]
+    for name, record in files.items():
+        content = (path / name).read_bytes()
+        assert record == {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+
+
+def test_a_flipped_byte_is_named_and_resume_passes_over_to_the_checkpoint_before(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep_last=3, comm=Comm())
+    for step in (2, 4):
+        ckpt.save(step, {"model": {"w": torch.full((64,), float(step))}}, {"data": {"index": step}})
+    _flip_byte(tmp_path / "step_00000004" / "shared.pt")
+    with pytest.raises(DamagedCheckpoint, match=r"step_00000004/shared\.pt is damaged: its SHA-256 differs"):
+        ckpt.load(tmp_path / "step_00000004")
+
+    path, shared, own = ckpt.resume()
+    assert path.name == "step_00000002" and shared["step"] == 2 and own == {"data": {"index": 2}}
+    assert ckpt.passed_over == ["warning: checkpoint step_00000004 passed over (moved to step_00000004.damaged): "
+                                f"{tmp_path}/step_00000004/shared.pt is damaged: its SHA-256 differs from the one "
+                                "written with it"]
+    # Out of the way: the next saves and prunes see step 2 as the newest; the damaged files are kept for a look.
+    assert [p.name for p in ckpt.complete_checkpoints()] == ["step_00000002"]
+    assert (tmp_path / "step_00000004.damaged" / "shared.pt").is_file()
+
+
+def test_a_truncated_rank_file_is_named_with_or_without_checksums(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep_last=1, comm=Comm())
+    path = ckpt.save(2, {}, {"data": {"index": 2}, "rng": rng_state()})
+    rank_file = path / "rank_00000.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:500])
+    with pytest.raises(DamagedCheckpoint, match=r"rank_00000\.pt is truncated or altered: 500 bytes where \d+ were"):
+        ckpt.load(path)
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["files"]  # a checkpoint from before checksums: torch's reader finds the cut, and the file is named
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DamagedCheckpoint, match=r"rank_00000\.pt is unreadable \(truncated or damaged\)"):
+        ckpt.load(path)
+    with pytest.raises(DamagedCheckpoint, match=r"no intact checkpoint to resume in .*: restore its files"):
+        ckpt.resume()
+
+
+def test_a_checkpoint_from_before_checksums_still_loads(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep_last=1, comm=Comm())
+    path = ckpt.save(2, {"model": {"w": torch.ones(2)}}, {"data": {"index": 2}, "rng": rng_state()})
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["files"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    shared, own = ckpt.load(path)
+    assert torch.equal(shared["model"]["w"], torch.ones(2)) and own["data"] == {"index": 2}
+
+
+class Foreign:
+    """A class a checkpoint from elsewhere could carry: unpickling it would call `os.system`."""
+
+    def __reduce__(self):
+        import os
+
+        return os.system, ("touch pwned",)
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_pickle_with_an_arbitrary_class_is_refused_unrun(tmp_path, monkeypatch, recorded):
+    monkeypatch.chdir(tmp_path)
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep_last=1, comm=Comm())
+    path = ckpt.save(2, {"model": {"w": torch.ones(2)}}, {"data": {}})
+    torch.save({"model": {"w": torch.ones(2)}, "world_size": 1, "step": 2, "extra": Foreign()}, path / "shared.pt")
+    if recorded:  # its checksum matches: it was written so, by someone else
+        _record_again(path, "shared.pt")
+    else:
+        meta = json.loads((path / "meta.json").read_text())
+        del meta["files"]
+        (path / "meta.json").write_text(json.dumps(meta))
+    refusal = r"shared\.pt holds objects that are not plain tensors/containers \(posix\.system\); refusing to unpickle"
+    with pytest.raises(UnsafeCheckpoint, match=refusal):
+        ckpt.load(path)
+    with pytest.raises(UnsafeCheckpoint, match=refusal):  # trainer.init_from, train.export, train.evaluate
+        model_state(path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_damaged_newest_checkpoint_resumes_the_one_before_and_repeats_the_series(tmp_path, capsys):
+    args = [*TINY, "trainer.keep_last=3"]
+    run(compose(args), tmp_path / "ref")
+    run(compose([*args, "trainer.steps_this_run=4"]), tmp_path / "cut")
+    _flip_byte(tmp_path / "cut" / "checkpoints" / "step_00000004" / "shared.pt")
+    capsys.readouterr()
+    run(compose(args), tmp_path / "cut")
+    out = capsys.readouterr().out
+    assert "warning: checkpoint step_00000004 passed over (moved to step_00000004.damaged)" in out
+    assert f"resumed from {tmp_path / 'cut' / 'checkpoints' / 'step_00000002'} at step 2" in out
+    assert _series(tmp_path / "cut") == _series(tmp_path / "ref")
+
+
+def test_no_intact_checkpoint_is_one_line_and_exit_2(tmp_path):
+    args = [*TINY, "trainer.max_steps=4", "trainer.steps_this_run=2", f"hydra.run.dir={tmp_path}"]
+    run(compose(args), tmp_path)
+    _flip_byte(tmp_path / "checkpoints" / "step_00000002" / "rank_00000.pt")
+    result = run_train(args)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: no intact checkpoint to resume in {tmp_path / 'checkpoints'} (the newest: {tmp_path}/checkpoints/"
+        "step_00000002/rank_00000.pt is damaged: its SHA-256 differs from the one written with it): restore its "
+        "files, or remove checkpoints/ to start over"]
+
+
+def _resume_with_rank_1s_newest_file_damaged(rank: int, world_size: int, tmp_path: Path) -> tuple:
+    """Two saves on 2 ranks, then rank 1's file of the newest cut: (resumed step, own state, passed-over lines)."""
+    comm = Comm()
+    ckpt = Checkpointer(tmp_path, keep_last=2, comm=comm)
+    for step in (2, 4):
+        ckpt.save(step, {"model": {"w": torch.ones(2)}}, {"data": {"index": step}, "mine": torch.tensor(rank)})
+    comm.barrier()
+    if rank == 1:  # only rank 1 reads (and checks) its file: the ranks must still agree
+        damaged = tmp_path / "step_00000004" / "rank_00001.pt"
+        damaged.write_bytes(damaged.read_bytes()[:-10])
+    comm.barrier()
+    path, shared, own = ckpt.resume()
+    return path.name, int(own["mine"]), ckpt.passed_over
+
+
+def test_ranks_agree_to_pass_over_a_checkpoint_only_one_of_them_finds_damaged(tmp_path):
+    results = run_on_ranks(_resume_with_rank_1s_newest_file_damaged, 2, tmp_path)
+    assert [result[:2] for result in results] == [("step_00000002", 0), ("step_00000002", 1)]
+    assert "rank_00001.pt is truncated or altered" in results[0][2][0]  # rank 0, which logs, names rank 1's file

@@ -14,6 +14,14 @@ optimizers: the learner is in `shared.pt`), any number of ranks may resume it: t
 every rank takes rank 0's (the loader re-partitions the rest of the epoch), and the RNG streams are left out, for
 the caller to re-seed (`reseed_rng`). Otherwise the resume is refused in one line naming the choices.
 
+Integrity: `meta.json` lists under `files` the size and SHA-256 of every other file of the checkpoint, computed by
+the rank that wrote it and recorded before the checkpoint's rename makes it complete. Loading checks the files it
+reads against them and names any that is missing, truncated or altered (`DamagedCheckpoint`); `Checkpointer.resume`
+then passes over to the newest intact checkpoint, renaming the damaged ones `step_N.damaged/`. Checkpoints from
+before checksums load unchecked. Every file is read with `torch.load(weights_only=True)`: tensors, containers and
+the numpy arrays of the RNG state only, so a checkpoint from elsewhere cannot run code as it loads
+(`UnsafeCheckpoint`).
+
 Best-K retention: `best.json` lists the `keep_best` checkpoints with the best evaluation score so far
 (written atomically by rank 0); pruning keeps them besides the newest `keep_last`.
 
@@ -24,8 +32,10 @@ directory): `init_checkpoint` finds the checkpoint of a run directory or a check
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -35,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from conf.checks import ConfigError
+from conf.checks import ConfigError, UserError
 from data.atomic import atomic_write, atomic_write_json, replace_directory
 from optim.comm import Comm
 from train.run_dir import RunDir
@@ -49,10 +59,21 @@ BEST_FILE = "best.json"
 # Any other per-rank entry (a self-synchronising optimizer's learner) binds it to the ranks that wrote it.
 GLOBAL_OWN_KEYS = ("data",)
 RESEEDED_OWN_KEYS = ("rng",)
+FILES_KEY = "files"  # meta.json: {file name: {"bytes": size, "sha256": hex digest}} of the checkpoint's other files
+# What `torch.load(weights_only=True)` may build beyond tensors and containers: numpy's MT19937 state (`rng_state`).
+SAFE_GLOBALS = (np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType)
 
 
 class RunDirectoryError(ConfigError, RuntimeError):
     """A run directory whose checkpoints the requested run cannot continue (a user error: one line, exit 2)."""
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint file that is missing, truncated, altered or unreadable: the message names it."""
+
+
+class UnsafeCheckpoint(DamagedCheckpoint):
+    """A checkpoint file that holds objects other than tensors and containers, which loading would have to run."""
 
 
 def _rank_file(rank: int) -> str:
@@ -68,12 +89,58 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     atomic_write(path, lambda handle: torch.save(obj, handle))
 
 
-def load_torch(path: Path) -> Any:
-    """A checkpoint file, memory-mapped: its tensors are read from the page cache on first touch instead of copied
-    into each rank's memory, so the ranks of a node share one copy of `shared.pt` (~35 GB for BERT-XL with LAMB),
-    and the mapping goes once its tensors are loaded into the model and optimizer (see `release_mapped`). Files are
-    replaced by rename, never rewritten in place, so a mapping always sees the file it opened."""
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+def file_record(path: Path) -> dict[str, Any]:
+    """What `meta.json` records of a checkpoint file: its size and SHA-256 (one read of the file: ~1.5 GB/s)."""
+    with open(path, "rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    return {"bytes": path.stat().st_size, "sha256": digest}
+
+
+def check_file(path: Path, record: dict[str, Any] | None) -> None:
+    """Raise `DamagedCheckpoint` naming `path` if it is missing or differs from its `file_record` (None: a checkpoint
+    from before checksums, whose file is only checked to exist)."""
+    if not path.is_file():
+        raise DamagedCheckpoint(f"{path} is missing: the checkpoint is incomplete")
+    if record is None:
+        return
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise DamagedCheckpoint(f"{path} is truncated or altered: {size} bytes where {record['bytes']} were written")
+    if file_record(path)["sha256"] != record["sha256"]:
+        raise DamagedCheckpoint(f"{path} is damaged: its SHA-256 differs from the one written with it")
+
+
+def load_torch(path: Path, record: dict[str, Any] | None = None) -> Any:
+    """A checkpoint file, checked against its `file_record` and memory-mapped.
+
+    Memory-mapped: its tensors are read from the page cache on first touch instead of copied into each rank's
+    memory, so the ranks of a node share one copy of `shared.pt` (~35 GB for BERT-XL with LAMB), and the mapping
+    goes once its tensors are loaded into the model and optimizer (see `release_mapped`). Files are replaced by
+    rename, never rewritten in place, so a mapping always sees the file it opened.
+    Unpickled with `weights_only=True`: a file that would need more than `SAFE_GLOBALS` is refused unrun.
+    """
+    check_file(path, record)
+    try:
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        foreign = _foreign_globals(path)
+        if not foreign:
+            raise DamagedCheckpoint(f"{path} is unreadable: its pickle is damaged") from None
+        raise UnsafeCheckpoint(f"{path} holds objects that are not plain tensors/containers ({', '.join(foreign)}); "
+                               "refusing to unpickle it, as that would run their code: load only checkpoints this "
+                               "project wrote") from None
+    except (RuntimeError, EOFError, ValueError) as err:
+        raise DamagedCheckpoint(f"{path} is unreadable (truncated or damaged): {str(err).splitlines()[0]}") from None
+
+
+def _foreign_globals(path: Path) -> list[str]:
+    """The classes and functions a checkpoint file's pickle names beyond what `load_torch` allows."""
+    allowed = {f"{obj.__module__}.{obj.__qualname__}" for obj in SAFE_GLOBALS}
+    try:
+        return [name for name in torch.serialization.get_unsafe_globals_in_checkpoint(path) if name not in allowed]
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError):
+        return []
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -144,6 +211,7 @@ class Checkpointer:
         self.comm = comm
         self.keep_best = keep_best
         self.best_mode = best_mode  # max: higher scores are better (accuracy); min: lower (loss)
+        self.passed_over: list[str] = []  # a line for each damaged checkpoint `resume` passed over
 
     def complete_checkpoints(self) -> list[Path]:
         return complete_checkpoints(self.directory)
@@ -151,11 +219,6 @@ class Checkpointer:
     def latest(self) -> Path | None:
         found = self.complete_checkpoints()
         return found[-1] if found else None
-
-    def agreed_latest(self) -> Path | None:
-        """Rank 0's newest checkpoint, on every rank: on shared file systems another node may list a stale
-        directory, and replicas must resume from the same step."""
-        return self.comm.broadcast_object(self.latest())
 
     def save(self, step: int, shared: dict[str, Any], own: dict[str, Any], meta: dict[str, Any] | None = None) -> Path:
         """Write one checkpoint: `shared` and `meta` from rank 0 only, `own` from every rank; returns its directory."""
@@ -166,12 +229,19 @@ class Checkpointer:
             staging.mkdir(parents=True)
         self.comm.barrier()
         try:
-            atomic_torch_save(own, staging / _rank_file(self.comm.rank))
+            written = [_rank_file(self.comm.rank)]
+            atomic_torch_save(own, staging / written[0])
             if self.comm.rank == 0:
                 atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
+                written.append(SHARED_FILE)
+            # Each rank hashes what it wrote (in parallel, from the page cache); rank 0 records them all.
+            files = dict(pair for records in self.comm.all_gather_object([(name, file_record(staging / name))
+                                                                         for name in written]) for pair in records)
+            if self.comm.rank == 0:
                 rank_bound = sorted(set(own) - {*GLOBAL_OWN_KEYS, *RESEEDED_OWN_KEYS})  # the same keys on every rank
                 atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step,
-                                                        "world_size": self.comm.world_size, "rank_bound": rank_bound})
+                                                        "world_size": self.comm.world_size, "rank_bound": rank_bound,
+                                                        FILES_KEY: dict(sorted(files.items()))}, indent=1)
         except BaseException:  # a full disk, say: the partial checkpoint goes, not to fill it further
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -183,25 +253,64 @@ class Checkpointer:
         return final
 
     def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Read a checkpoint's shared state and this rank's own state.
+        """Read a checkpoint's shared state and this rank's own state, each file checked against its checksum.
 
         On another world size (only for checkpoints without rank-bound state) the own state is rank 0's global
-        data position alone: no `rng`, which the caller re-seeds.
+        data position alone: no `rng`, which the caller re-seeds. A damaged file, found by any rank, raises
+        `DamagedCheckpoint` naming it on every rank, so that all of them take the same branch.
         """
         path = Path(path)
-        shared_file = path / SHARED_FILE
-        if not shared_file.is_file():
-            raise FileNotFoundError(f"{shared_file} is missing: {path} is not a complete checkpoint")
-        shared = load_torch(shared_file)
+        try:
+            loaded, problem = self._read(path), None
+        except UserError as err:  # the world-size refusal too: no rank may leave before the others hear of it
+            loaded, problem = None, err
+        problems = [found for found in self.comm.all_gather_object(problem) if found is not None]
+        if problems:
+            raise problems[0]
+        return loaded
+
+    def _read(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        meta = read_meta(path)
+        records = meta.get(FILES_KEY, {})
+        # shared.pt is the same file for every rank: rank 0 checks it for them (it is the largest, and the ranks of
+        # a node would each read it whole again), the others load it as it is; `load` shares rank 0's verdict.
+        shared_record = records.get(SHARED_FILE) if self.comm.rank == 0 else None
+        shared = load_torch(path / SHARED_FILE, shared_record)
         written_by = shared["world_size"]
         same_ranks = written_by == self.comm.world_size
         if not same_ranks:
-            check_world_size(path, {**read_meta(path), "world_size": written_by}, self.comm.world_size)
-        own_file = path / _rank_file(self.comm.rank if same_ranks else 0)
-        if not own_file.is_file():
-            raise FileNotFoundError(f"{own_file} is missing: checkpoint {path} is incomplete")
-        own = load_torch(own_file)
+            check_world_size(path, {**meta, "world_size": written_by}, self.comm.world_size)
+        own_name = _rank_file(self.comm.rank if same_ranks else 0)
+        own = load_torch(path / own_name, records.get(own_name))
         return shared, own if same_ranks else {key: own[key] for key in GLOBAL_OWN_KEYS if key in own}
+
+    def resume(self) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
+        """The newest checkpoint every rank reads intact, loaded (`load`); None when there is none to resume.
+
+        Rank 0 lists the checkpoints for all (a stale view of shared storage on another node must not split the
+        ranks). A damaged one is passed over for the one before it and renamed `step_N.damaged/` (kept for a look,
+        out of the way of the saves and pruning to come), with a line in `passed_over` for the run's log. When all
+        are damaged, `DamagedCheckpoint` names the newest's damage and nothing is renamed.
+        """
+        found = self.comm.broadcast_object(self.complete_checkpoints())
+        damaged: list[tuple[Path, DamagedCheckpoint]] = []
+        for path in reversed(found):
+            try:
+                loaded = self.load(path)
+            except DamagedCheckpoint as err:
+                damaged.append((path, err))
+                continue
+            self.passed_over = []
+            for bad, err in damaged:
+                aside = _free_name(bad.with_name(bad.name + ".damaged"))
+                if self.comm.rank == 0:
+                    os.replace(bad, aside)
+                self.passed_over.append(f"warning: checkpoint {bad.name} passed over (moved to {aside.name}): {err}")
+            return (path, *loaded)
+        if damaged:
+            raise DamagedCheckpoint(f"no intact checkpoint to resume in {self.directory} (the newest: {damaged[0][1]}):"
+                                    " restore its files, or remove checkpoints/ to start over")
+        return None
 
     def best(self) -> list[dict[str, float]]:
         """The kept best checkpoints, best first: `[{"step": ..., "score": ...}, ...]`."""
@@ -243,6 +352,15 @@ class Checkpointer:
                 shutil.rmtree(doomed)
 
 
+def _free_name(path: Path) -> Path:
+    """`path`, or `path.1`, `path.2`, ...: the first that does not exist."""
+    candidate, number = path, 0
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}.{number}")
+    return candidate
+
+
 def init_checkpoint(path: Path) -> Path | None:
     """The checkpoint `trainer.init_from=path` starts from: a run directory's newest one or the checkpoint directory
     itself; None for any other directory (a `save_pretrained` export, say)."""
@@ -274,13 +392,16 @@ def model_state(path: Path) -> dict[str, torch.Tensor] | None:
     path = init_checkpoint(path)
     if path is None:
         return None
-    state = load_torch(path / SHARED_FILE)
+    meta = read_meta(path)
+    records = meta.get(FILES_KEY, {})
+    state = load_torch(path / SHARED_FILE, records.get(SHARED_FILE))
     if "model" in state:
         return state["model"]
     # Self-synchronising optimizers keep the model with each rank, whose replicas may differ (SLAMB between its
     # dense averages): their average, as the trainer evaluates and exports it (train.replicas). Memory-mapped, the
     # ranks' files are read one tensor at a time.
-    states = [load_torch(path / _rank_file(rank))["model"] for rank in range(read_meta(path)["world_size"])]
+    names = [_rank_file(rank) for rank in range(meta["world_size"])]
+    states = [load_torch(path / name, records.get(name))["model"] for name in names]
     return {key: torch.stack([state[key] for state in states]).double().mean(0).to(value.dtype)
             if value.is_floating_point() else value for key, value in states[0].items()}
 
@@ -300,11 +421,22 @@ def check_world_size(checkpoint: Path, meta: dict[str, Any], world_size: int) ->
 
 
 def read_meta(checkpoint: Path) -> dict[str, Any]:
-    """A checkpoint's `meta.json`."""
-    return json.loads((Path(checkpoint) / META_FILE).read_text())
+    """A checkpoint's `meta.json`; `DamagedCheckpoint` naming it when it is missing or cut."""
+    path = Path(checkpoint) / META_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{path} is missing: the checkpoint is incomplete") from None
+    except ValueError as err:  # JSON cut or garbled
+        raise DamagedCheckpoint(f"{path} is unreadable (truncated or damaged): {err}") from None
 
 
 def newest_checkpoint_meta(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest complete checkpoint of `directory` and its `meta.json`."""
-    found = complete_checkpoints(directory)
-    return (found[-1], read_meta(found[-1])) if found else None
+    """The newest complete checkpoint of `directory` whose `meta.json` reads, and that; a damaged one is left to
+    `Checkpointer.resume` to pass over and report."""
+    for checkpoint in reversed(complete_checkpoints(directory)):
+        try:
+            return checkpoint, read_meta(checkpoint)
+        except DamagedCheckpoint:
+            continue
+    return None

@@ -123,6 +123,8 @@ class Trainer:
             self.logger.info(line)
         for warning in self._surprising_settings():
             self.logger.info(f"warning: {warning}")
+        for line in self.checkpointer.passed_over:
+            self.logger.info(line)
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
 
@@ -347,10 +349,13 @@ class Trainer:
         self.logger.info(f"checkpoint {path}")
 
     def _resume(self) -> Path | None:
-        latest = self.checkpointer.agreed_latest()
-        if latest is not None:
-            self.load_state_dicts(*self.checkpointer.load(latest))
-            self._saved_step = self.step
+        """Restore the newest intact checkpoint (damaged newer ones are passed over, and said at start-up)."""
+        found = self.checkpointer.resume()
+        if found is None:
+            return None
+        latest, shared, own = found
+        self.load_state_dicts(shared, own)
+        self._saved_step = self.step
         return latest
 
     def _continue_optimizer_state(self, checkpoint: Path) -> None:
