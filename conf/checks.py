@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import dataclasses
+import difflib
 import importlib
 import inspect
 import os
@@ -45,35 +47,80 @@ def user_error_line(error: BaseException) -> str:
     return f"{'config error' if isinstance(error, ConfigError) else 'error'}: {error}"
 
 
+def user_error_text(error: BaseException) -> str | None:
+    """The one line `error` is reported with if the user must fix something (a value, a key left unset, a file);
+    None for anything else, a bug, whose traceback is wanted."""
+    if isinstance(error, USER_ERRORS):
+        return user_error_line(error)
+    if isinstance(error, _config_read_errors()):
+        return user_error_line(config_error(error))
+    return None
+
+
+def _config_read_errors() -> tuple[type[BaseException], ...]:
+    """What Hydra and OmegaConf raise on a config the user must fix. Only where they are loaded: a process that
+    never imported them cannot have raised their errors, and this module needs neither."""
+    errors: list[type[BaseException]] = []
+    if "hydra.errors" in sys.modules:
+        errors.append(sys.modules["hydra.errors"].HydraException)
+    if "omegaconf.errors" in sys.modules:
+        omegaconf_errors = sys.modules["omegaconf.errors"]
+        errors += [omegaconf_errors.MissingMandatoryValue, omegaconf_errors.InterpolationToMissingValueError]
+    return tuple(errors)
+
+
 @contextlib.contextmanager
 def user_errors_exit() -> Iterator[None]:
     """Around a command's body: a user error becomes its one line on stderr and exit code 2, not a traceback."""
     try:
         yield
-    except USER_ERRORS as err:
-        print(user_error_line(err), file=sys.stderr)
+    except Exception as err:
+        line = user_error_text(err)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
         sys.exit(2)
 
 
 @contextlib.contextmanager
 def compose_errors_exit() -> Iterator[None]:
     """Around a `@hydra.main` command: an override Hydra cannot apply (an unknown group option, bad syntax, a key
-    the schema lacks) becomes one line and exit code 2, like every user error, instead of Hydra's report of
-    several lines and exit code 1. Hydra then raises its errors instead of reporting them (`HYDRA_FULL_ERROR`)."""
-    from hydra.errors import HydraException  # here: this module stays importable without Hydra
-
+    the schema lacks) or a value left unset (`???`) becomes one line and exit code 2, like every user error, instead
+    of Hydra's report of several lines and exit code 1. Hydra then raises its errors instead of reporting them
+    (`HYDRA_FULL_ERROR`)."""
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
-        yield
-    except HydraException as err:
-        print(f"config error: {_compose_error_text(err)}", file=sys.stderr)
-        sys.exit(2)
+        with user_errors_exit():
+            yield
     finally:
         if previous is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
+
+
+def config_error(err: Exception) -> ConfigError:
+    """Hydra's or OmegaConf's several-line complaint about a config as a one-line `ConfigError` naming the key."""
+    from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue, OmegaConfBaseException
+
+    if isinstance(err, InterpolationToMissingValueError):  # `hydra.run.dir: ${output_dir}` with output_dir unset
+        return _not_set(str(err).splitlines()[0].rpartition("Missing mandatory value: ")[2])
+    if isinstance(err, MissingMandatoryValue):
+        return _not_set(err.full_key)
+    if isinstance(err, OmegaConfBaseException):
+        return ConfigError(f"{_dotted(err.full_key)}: {err.msg.splitlines()[0]}")
+    return ConfigError(_compose_error_text(err))
+
+
+def _not_set(key: str) -> ConfigError:
+    key = _dotted(key)
+    return ConfigError(f"{key} is not set: give {key}=... on the command line")
+
+
+def _dotted(key: str) -> str:
+    """OmegaConf's `sources[0].paths` as the user writes it on the command line: `sources.0.paths`."""
+    return key.replace("[", ".").replace("]", "")
 
 
 def _compose_error_text(err: Exception) -> str:
@@ -86,6 +133,54 @@ def _compose_error_text(err: Exception) -> str:
         return f"{first}; options: {', '.join(err.options)}"
     cause = str(err.__cause__ or "").strip().splitlines()
     return f"{first}: {cause[0]}" if cause else first
+
+
+def apply_overrides(cfg: Any, overrides: Sequence[str], owner: str) -> None:
+    """Apply command-line `key=value` changes to a config read back from a file (`owner` says which: "the run's
+    recorded config"), as strictly as Hydra applies them to a composed one: each key must be there, and a group
+    (`model`) stays as recorded, since its keys were checked together. Refusals are one-line `ConfigError`s."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    for override in overrides:
+        key, equals, _ = override.partition("=")
+        if not equals or key.startswith(("+", "~")):
+            raise ConfigError(f"{override}: give key=value, to change a key of {owner}")
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if isinstance(node, DictConfig):
+            known = [str(k) for k in node]  # unset (???) keys too, which `leaf in node` would miss
+        elif isinstance(node, ListConfig):
+            known = [str(i) for i in range(len(node))]
+        else:
+            known = []
+        if leaf not in known:
+            near = difflib.get_close_matches(leaf, known, n=1)
+            hint = f"; did you mean {parent + '.' if parent else ''}{near[0]}?" if near else ""
+            raise ConfigError(f"{key} is not a key of {owner}{hint}")
+        if isinstance(OmegaConf.select(cfg, key), DictConfig):
+            raise ConfigError(f"{override}: {key} is a group of {owner}, which keeps the choice it was trained with; "
+                              f"change its keys ({key}.<key>=...)")
+    try:
+        cfg.merge_with_dotlist(list(overrides))
+    except OmegaConfBaseException as err:
+        raise config_error(err) from None
+
+
+def refuse_unknown_keys(node: Any, prefix: str = "") -> None:
+    """Refuse a key no schema declares: `+trainer.max_stpes=5`, Hydra's own suggestion for a typo, adds it past the
+    schema, where it would be ignored. Nodes without a schema (`model`, `optim`) check their keys themselves."""
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(node)
+    known = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
+    for key, value in node.items_ex(resolve=False):
+        if known is not None and key not in known:
+            near = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {prefix}{near[0]}?" if near else f"keys: {', '.join(known)}"
+            raise ConfigError(f"{prefix}{key} is not a key of {prefix.rstrip('.') or 'the config'}; {hint}")
+        if isinstance(value, DictConfig):
+            refuse_unknown_keys(value, f"{prefix}{key}.")
 
 
 class InvalidOption(ConfigError):

@@ -29,18 +29,20 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from conf.checks import user_errors_exit
+    from conf.checks import compose_errors_exit, refuse_unknown_keys, user_errors_exit
     from data.corpus.pipeline import prepare
 
     register_prepare_configs()
 
     @hydra.main(config_path="../conf/prepare", config_name="config", version_base="1.3")
     def _run(cfg: DictConfig) -> None:
-        with user_errors_exit():
+        with user_errors_exit():  # inside the job too: Hydra would add a line of its own to a job's error
+            refuse_unknown_keys(cfg)  # `+key=...` appends past the schema
             prepare(OmegaConf.to_object(cfg))
             record_config(cfg, list(HydraConfig.get().overrides.task))
 
-    _run()
+    with compose_errors_exit():  # a bad or unknown key, or one left unset: one line, as `python -m train` says it
+        _run()
 
 
 def record_config(cfg: DictConfig, overrides: list[str]) -> None:

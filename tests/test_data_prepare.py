@@ -7,11 +7,13 @@ import bz2
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -320,3 +322,34 @@ def test_real_corpora_split_sentences_with_pysbd_and_record_it():
     assert document_sentences(Document("See e.g. Fig. 3 for details. Next sentence.", "prose")) == [
         "See e.g. Fig. 3 for details.", "Next sentence."]
     assert f"pysbd {importlib.metadata.version('pysbd')}" == SENTENCE_SPLITTER
+
+
+def _prepare_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "data.prepare", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["corpus=python_docs"], "config error: output_dir is not set: give output_dir=... on the command line"),
+    ([], "config error: corpus is not set: pick one (corpus=python_docs, "),
+    (["corpus=text_dir"], "config error: sources.0.paths is not set: give sources.0.paths=... on the command line"),
+    (["corpus=python_docs", "dupe_factr=3"], "config error: Could not override 'dupe_factr': Key 'dupe_factr' not in "),
+    (["corpus=python_docs", "+dupe_factr=3"], "config error: dupe_factr is not a key of the config; did you mean "
+                                               "dupe_factor?"),
+    (["corpus=python_docs", "dupe_factor=x"], "config error: Error merging override dupe_factor=x: Value 'x' of type "),
+])
+def test_cli_errors_are_one_line_naming_the_key_with_exit_code_2(tmp_path, args, line):
+    output_dir = [] if args == ["corpus=python_docs"] else [f"output_dir={tmp_path / 'out'}"]
+    result = _prepare_cli(*args, *output_dir)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(line) and len(result.stderr.splitlines()) == 1, result.stderr
+    assert not (tmp_path / "out" / "phase1").exists()
+
+
+def test_help_lists_every_corpus_and_key():
+    result = _prepare_cli("--help")
+    assert result.returncode == 0, result.stderr
+    corpora, keys = (result.stdout.split(f"== {title}")[1].split("\n\n")[0] for title in ("Corpora", "Keys"))
+    assert re.findall(r"^  (\w+) ", corpora, re.MULTILINE) == sorted(p.stem for p in (REPO / "conf" / "prepare" /
+                                                                                     "corpus").glob("*.yaml"))
+    assert sorted(re.findall(r"^  (\w+) ", keys, re.MULTILINE)) == sorted(f.name for f in fields(PrepareConfig))

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_export import _cli, swin_run  # noqa: F401 - the module's run fixture
 
+from conf.checks import ConfigError
 from train.metrics import read_metrics
+from train.restore import find_weights, weights_config
 from train.run_dir import RunDir
 
 
@@ -29,3 +32,24 @@ def test_an_export_outside_its_run_evaluates_with_the_config_it_is_given(swin_ru
     assert "eval/top1" in json.loads(RunDir(tmp_path / "eval").eval_file.read_text())["metrics"]
     refused = _cli("train.evaluate", tmp_path / "export", "experiment=swin_demo")
     assert refused.returncode == 2 and "give --out DIR" in refused.stderr
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.eval_batch_sise=8", "data.eval_batch_sise is not a key of the config {run} recorded; did you mean "
+                               "data.eval_batch_size?"),
+    ("trainer.nope=1", "trainer.nope is not a key of the config {run} recorded"),
+    ("+trainer.nope=1", "+trainer.nope=1: give key=value, to change a key of the config {run} recorded"),
+    ("model=swin_base", "model=swin_base: model is a group of the config {run} recorded, which keeps the choice it was "
+                        "trained with; change its keys (model.<key>=...)"),
+])
+def test_an_override_the_recorded_config_cannot_take_is_refused_naming_it(swin_run, override, message):  # noqa: F811
+    with pytest.raises(ConfigError) as info:
+        weights_config(find_weights(swin_run), [override])
+    assert str(info.value) == message.format(run=swin_run)
+
+
+def test_the_command_refuses_an_unknown_key_in_one_line(swin_run):  # noqa: F811
+    result = _cli("train.evaluate", swin_run, "data.eval_batch_sise=8")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"config error: data.eval_batch_sise is not a key of the config {swin_run} "
+                                          "recorded; did you mean data.eval_batch_size?"]

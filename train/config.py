@@ -7,8 +7,6 @@ in `optim/`, models in `models/`, tasks, precision and logging in `train/`); thi
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from conf.checks import (
     check_non_negative,
     check_positive,
     options_of,
+    refuse_unknown_keys,
     require,
 )
 from data import check_data, data_schemas
@@ -225,20 +224,6 @@ def validate(cfg: DictConfig) -> Checked:
     except MissingMandatoryValue as err:  # `???` in a recipe: a value only the user can give (a dataset path)
         raise ConfigError(f"{err.full_key} is not set: give {err.full_key}=... on the command line (or in "
                           "conf/local/default.yaml)") from None
-
-
-def refuse_unknown_keys(node: DictConfig, prefix: str = "") -> None:
-    """Refuse a key no schema declares: `+trainer.max_stpes=5`, Hydra's own suggestion for a typo, adds it past the
-    schema, where it would be ignored. Groups without a schema (model, optim) check their keys themselves."""
-    schema = OmegaConf.get_type(node)
-    known = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
-    for key, value in node.items_ex(resolve=False):
-        if known is not None and key not in known:
-            near = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {prefix}{near[0]}?" if near else f"keys: {', '.join(known)}"
-            raise ConfigError(f"{prefix}{key} is not a key of {prefix.rstrip('.') or 'the config'}; {hint}")
-        if isinstance(value, DictConfig):
-            refuse_unknown_keys(value, f"{prefix}{key}.")
 
 
 def _validate(cfg: DictConfig) -> Checked:

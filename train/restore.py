@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
-from conf.checks import ConfigError, UserError
+from conf.checks import UserError, apply_overrides, config_error
 from data import DataRequest, TaskData, build_data
 from train.checkpoint import SHARED_FILE, best_checkpoint, complete_checkpoints
 from train.config import register_configs, validate
@@ -72,10 +72,7 @@ def weights_config(weights: Weights, overrides: list[str]) -> DictConfig:
     weights no run recorded, the config `python -m train <overrides>` composes (`experiment=...`, say)."""
     if weights.run_dir is not None:
         cfg = weights.run_dir.recorded_config()
-        try:
-            cfg.merge_with_dotlist(overrides)
-        except ValueError as err:
-            raise ConfigError(f"overrides {' '.join(overrides)}: {err}") from None
+        apply_overrides(cfg, overrides, owner=f"the config {weights.run_dir.path} recorded")
         return cfg
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
@@ -85,7 +82,7 @@ def weights_config(weights: Weights, overrides: list[str]) -> DictConfig:
         with initialize_config_module("conf", version_base="1.3"):
             return compose("config", overrides=overrides)
     except HydraException as err:
-        raise ConfigError(str(err).splitlines()[0]) from None
+        raise config_error(err) from None
 
 
 def rebuild(cfg: DictConfig, weights: Path, device: str) -> tuple[nn.Module, TaskData, torch.device]:

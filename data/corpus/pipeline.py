@@ -111,7 +111,8 @@ def validate_prepare_config(cfg: PrepareConfig) -> None:
     if cfg.output_dir in ("", "???"):
         fail("output_dir", "must be set (output_dir=/path/to/shards)")
     if not cfg.sources:
-        fail("sources", "is empty: pick a corpus (corpus=python_docs, corpus=wiki_books, ...)")
+        raise ConfigError("corpus is not set: pick one (corpus=python_docs, corpus=wiki_books, or corpus=text_dir "
+                          "'sources.0.paths=[DIR]'); python -m data.prepare --help lists them")
     if cfg.masking not in ("static", "dynamic"):
         fail("masking", "must be static or dynamic")
     if not 0.0 < cfg.masked_lm_prob < 1.0:
