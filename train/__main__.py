@@ -6,21 +6,30 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from conf.checks import compose_errors_exit, user_errors_exit
 from train.config import register_configs
 from train.run import run
+from train.sweep import JobOutcome, run_job
 
 register_configs()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    with user_errors_exit():  # a bad value, data file or run directory: one line naming what to fix
-        hydra_cfg = HydraConfig.get()
+def main(cfg: DictConfig) -> JobOutcome | None:
+    hydra_cfg = HydraConfig.get()
+
+    def job() -> None:
         run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task),
             choices=dict(hydra_cfg.runtime.choices))
+
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # one job of a sweep: its failure goes to the sweep's table (train.sweep)
+        return run_job(job)
+    with user_errors_exit():  # a bad value, data file or run directory: one line naming what to fix
+        job()
+    return None
 
 
 def accept_appended_experiment(argv: list[str]) -> list[str]:
