@@ -74,7 +74,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize(("out", "message"), [
-    ("{run}", "is inside the run directory"),
+    ("{run}", "is the run directory"),
     ("{run}/exports", "is inside the run directory"),
     ("{run}/checkpoints", "is inside the run directory"),
     ("{run}/..", "holds the run directory"),  # OUT=runs: every run
@@ -94,7 +94,7 @@ def test_a_users_folder_or_file_is_refused_in_one_line_and_kept(swin_run, tmp_pa
     (folder / "thesis.tex").write_text("years of work")
     file.write_text("notes")
     for out, message in ((folder, "is a folder that is not an export of this project (no export.json)"),
-                         (file, "is a file"), (swin_run, "is inside the run directory")):
+                         (file, "is a file"), (swin_run, "is the run directory")):
         result = _cli("train.export", swin_run, out)
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert len(result.stderr.splitlines()) == 1, result.stderr

@@ -40,6 +40,8 @@ def check_out(out: Path, run_dir: Path) -> None:
     a folder that is not an export of this project (an empty one is fine), the run or a folder around it, or a
     place inside the run (whose files its trainer owns)."""
     where, run = out.resolve(), run_dir.resolve()
+    if where == run:
+        raise UserError(f"{out} is the run directory: export to a directory outside it")
     if where.is_relative_to(run):
         raise UserError(f"{out} is inside the run directory {run_dir}: export to a directory outside it")
     if run.is_relative_to(where):
