@@ -71,7 +71,8 @@ def _config_read_errors() -> tuple[type[BaseException], ...]:
 
 @contextlib.contextmanager
 def user_errors_exit() -> Iterator[None]:
-    """Around a command's body: a user error becomes its one line on stderr and exit code 2, not a traceback."""
+    """Around a command's body: a user error becomes its one line on stderr and exit code 2 (or the error's own
+    `exit_code`: 1 for a stop that is not the user's to fix, a worker that died), not a traceback."""
     try:
         yield
     except Exception as err:
@@ -79,7 +80,7 @@ def user_errors_exit() -> Iterator[None]:
         if line is None:
             raise
         print(line, file=sys.stderr)
-        sys.exit(2)
+        sys.exit(getattr(err, "exit_code", 2))
 
 
 @contextlib.contextmanager

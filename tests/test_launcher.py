@@ -1,25 +1,29 @@
-"""The launchers: the local launcher reports a worker's user error in one line (a crash keeps its report), and the
-container entry point wraps training runs in torchrun (c10d rendezvous, restarts, NCCL presets) and passes other
-commands through."""
+"""The launchers: the local launcher reports a worker's user error in one line, and a worker's death in one line
+naming it (a crash after its traceback), and the container entry point wraps training runs in torchrun (c10d
+rendezvous, restarts, NCCL presets) and passes other commands through."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, TINY, compose
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 import train.distributed
 import train.run
 from conf.checks import ConfigError, ReportedError
 from train.config import launch_world_size
 from train.distributed import (
+    WorkerDied,
     adopt_slurm_environment,
     init_distributed,
     launch_local_workers,
@@ -36,11 +40,13 @@ SRUN_TASK = {**SBATCH_SHELL, "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_L
 
 
 def _worker(failing_ranks: list[int], error: str) -> None:
-    """A worker that fails on `failing_ranks` with a user error (`error="user"`) or a crash."""
+    """A worker that fails on `failing_ranks` with a user error (`error="user"`), a kill or a crash."""
     rank = int(os.environ["RANK"])
     if rank in failing_ranks:
         if error == "user":
             raise ConfigError("data.path=/nowhere does not exist")
+        if error == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise ZeroDivisionError("a bug")
 
 
@@ -56,9 +62,26 @@ def test_the_launchers_stop_signal_handlers_are_back_after_the_workers(tmp_path)
     assert {signum: signal.getsignal(signum) for signum in before} == before  # Ctrl-C is a KeyboardInterrupt again
 
 
-def test_a_crash_in_a_worker_keeps_the_launchers_report():
-    with pytest.raises(ChildFailedError, match="ZeroDivisionError"):
+_STOPPED = ", and the run stopped: rerun the same command to resume from its newest checkpoint"
+
+
+def test_a_crash_in_a_worker_is_its_traceback_then_one_line(capfd):
+    with pytest.raises(WorkerDied) as info:
         launch_local_workers(_worker, 2, [1], "crash")
+    assert re.fullmatch(rf"worker rank 1 \(pid \d+\) failed with exit code 1 \(ZeroDivisionError: a bug\){_STOPPED}",
+                        str(info.value))
+    assert info.value.exit_code == 1  # not a value to change: not 2
+    stderr = capfd.readouterr().err  # the worker's traceback, and none of the launcher's report
+    assert stderr.startswith("Traceback") and stderr.endswith('("a bug")\nZeroDivisionError: a bug\n')
+    assert stderr.count("Traceback") == 1 and "ChildFailedError" not in stderr, stderr
+
+
+def test_a_killed_worker_is_one_line_naming_its_rank_and_signal(capfd):
+    with pytest.raises(WorkerDied) as info:
+        launch_local_workers(_worker, 2, [1], "kill")
+    assert re.fullmatch(rf"worker rank 1 \(pid \d+\) was killed by SIGKILL \(the kernel's out-of-memory killer sends "
+                        rf"it: see dmesg\){_STOPPED}", str(info.value))
+    assert capfd.readouterr().err == ""
 
 
 def _record_threads(out_dir: str) -> None:
@@ -305,3 +328,36 @@ def test_on_a_gpu_every_local_rank_gets_a_device_that_exists(launch_env):
     launch_env(LOCAL_RANK="5" if count == 1 else str(count - 1))  # one visible GPU: any local rank uses it
     device = pick_device("cuda")
     assert torch.ones(1, device=device).device == device
+
+
+def _worker_pids(launcher: int) -> list[int]:
+    """The local workers a `python -m train` process started (spawned children, not the resource tracker)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == launcher and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_is_one_line_and_the_runs_record(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "train", *TINY, "trainer.nproc_per_node=2", "trainer.micro_batch_size=2",
+         "trainer.max_steps=100000", "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "metrics.jsonl").is_file() or not (tmp_path / "metrics.jsonl").read_text():
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
+        time.sleep(0.1)
+    killed = _worker_pids(launcher.pid)[-1]
+    os.kill(killed, signal.SIGKILL)  # as the kernel's out-of-memory killer does
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 1
+    [line] = stderr.strip().splitlines()
+    assert re.fullmatch(rf"error: worker rank \d \(pid {killed}\) was killed by SIGKILL \(.*\){_STOPPED}", line)
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == line.removeprefix("error: ")
+    assert f"stopped: {line.removeprefix('error: ')}" in (tmp_path / "train.log").read_text()
+    assert not (tmp_path / "run.lock").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +14,9 @@ from omegaconf import OmegaConf
 from test_squad import QA_TINY
 
 import train.run_dir
+from conf.checks import ConfigError
 from train.run import run
-from train.run_dir import RunDir
+from train.run_dir import RunDir, check_run_name
 
 # The layout users see (the module docstring's tree): renaming any of these moves files users and tools rely on.
 LAYOUT = {
@@ -32,9 +35,11 @@ LAYOUT = {
     "finished_file": "finished.json",
     "summary_file": "summary.json",
     "eval_file": "eval.json",
+    "lock_file": "run.lock",
 }
 SQUAD_ONLY = {"predictions_file", "nbest_predictions_file"}
-NOT_BY_TRAINING = {"wandb_id_file", "eval_file"}  # wandb is off in tests; train.evaluate writes eval.json
+# wandb is off in tests; train.evaluate writes eval.json; the lock file goes when the run ends
+NOT_BY_TRAINING = {"wandb_id_file", "eval_file", "lock_file"}
 
 
 def _named(run_dir: RunDir) -> dict[str, Path]:
@@ -76,3 +81,30 @@ def test_run_dir_imports_neither_torch_nor_transformers():
     loaded = subprocess.run([sys.executable, "-c", "import sys, train.run_dir; print(sorted(sys.modules))"],
                             cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "'torch'" not in loaded and "'transformers'" not in loaded
+
+
+@pytest.mark.parametrize("name", ["", " ", ".", "..", "a/../..", "/tmp/elsewhere", "a//b", "runs/"])
+def test_a_name_that_is_no_run_directory_of_its_own_is_refused(name):
+    with pytest.raises(ConfigError, match=rf"^name={re.escape(repr(name))} names no run directory of its own under "
+                                          r"runs/: give a name such as name=my_run"):
+        check_run_name(name)
+
+
+def test_a_name_too_long_for_the_file_system_is_refused():
+    with pytest.raises(ConfigError, match=r"is 201 characters long: at most 200, so that the run's files"):
+        check_run_name("a" * 201)
+    with pytest.raises(ConfigError, match=r"a directory name may have at most 255 bytes, and 'ééé.*' has 260"):
+        check_run_name("é" * 130)
+    for fine in ("a" * 200, "phase1/seed_2", "café run", "é" * 127):
+        check_run_name(fine)
+
+
+@pytest.mark.parametrize("name", ["..", "x" * 300])
+def test_a_bad_name_is_one_line_before_hydra_makes_a_directory(name, tmp_path):
+    """`runs/..` would be the repository itself; 300 characters were Hydra's traceback when it made the directory."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", "train", *TINY, f"name={name}"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith("config error: name=") and len(result.stderr.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # no runs/ made

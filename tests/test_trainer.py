@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ from distributed_harness import run_on_ranks
 from transformers import AutoTokenizer, BertForPreTraining
 
 import train.checkpoint
+import train.metrics
 from conf.checks import ConfigError
 from data.loader import ResumableLoader
 from data.text.shards import ShardError
@@ -324,6 +324,9 @@ def test_refused_runs_leave_the_recorded_config_alone(tmp_path):
     with pytest.raises(ConfigError, match=r"^model\.hidden_size=64: .* holds checkpoints of a model with "
                                           r"model\.hidden_size=32 "):
         run(compose([*TINY, "trainer.max_steps=4", "model.hidden_size=64"]), tmp_path, overrides=[])
+    with pytest.raises(ConfigError, match=r"^trainer\.seed=7: .* was trained with trainer\.seed=42 \(checkpoint "
+                                          r"step_00000002\), whose data order .*; resume with trainer\.seed=42"):
+        run(compose([*TINY, "trainer.max_steps=4", "trainer.seed=7"]), tmp_path, overrides=[])
     assert (tmp_path / ".hydra" / "config.yaml").read_bytes() == recorded
     assert (tmp_path / ".hydra" / "overrides.yaml").read_text().strip() == "- trainer.max_steps=2"
 
@@ -366,7 +369,7 @@ def test_init_from_weights_of_another_model_is_one_line_before_anything_is_recor
         f"config error: trainer.init_from={tmp_path / 'swin'}: none of its weights match the model's parameter names "
         "(a run of another model?)"
     ]
-    assert not any((tmp_path / "bert").iterdir())  # Hydra makes the directory; nothing is recorded in it
+    assert not (tmp_path / "bert").exists()  # Hydra made it for this run; refused, the run leaves nothing behind
 
 
 def test_a_full_disk_mid_checkpoint_is_one_line_that_keeps_the_previous_checkpoints(tmp_path, monkeypatch):
@@ -374,20 +377,33 @@ def test_a_full_disk_mid_checkpoint_is_one_line_that_keeps_the_previous_checkpoi
 
     def disk_full_at_step_4(obj, path):
         if path.parent.name == "step_00000004.tmp" and path.name == "shared.pt":  # after this rank's own file
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            with open("/dev/full", "wb") as full:  # torch.save's own report of ENOSPC: RuntimeError("unexpected pos")
+                torch.save(obj, full)
         real_save(obj, path)
 
     monkeypatch.setattr(train.checkpoint, "atomic_torch_save", disk_full_at_step_4)
     with pytest.raises(RunStopped) as info:
         _train(tmp_path)
     line = str(info.value)
-    assert "No space left on device" in line and "\n" not in line
-    assert info.value.__cause__ is None and info.value.__suppress_context__  # no chained tracebacks
     checkpoints = tmp_path / "checkpoints"
+    assert line == (f"no space left on device writing {checkpoints}: free some space, then rerun to resume from the "
+                    f"newest checkpoint, {checkpoints / 'step_00000002'}")
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no chained tracebacks
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000002"]  # no step_00000004.tmp
     assert Checkpointer(checkpoints, keep_last=1, comm=Comm()).load(checkpoints / "step_00000002")[0]["step"] == 2
     assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == line
-    assert "stopped at step 4: [Errno 28] No space left on device" in (tmp_path / "train.log").read_text()
+    assert f"stopped at step 4: {line}" in (tmp_path / "train.log").read_text()
+
+
+def test_a_full_disk_under_the_metrics_file_is_one_line_naming_it(tmp_path, monkeypatch):
+    def open_full(path, *args, **kwargs):  # the metrics file on a full disk: its writes name no file
+        return open("/dev/full" if Path(path).name == "metrics.jsonl" else path, *args, **kwargs)
+
+    monkeypatch.setattr(train.metrics, "open", open_full, raising=False)
+    with pytest.raises(RunStopped) as info:
+        _train(tmp_path)
+    assert str(info.value) == (f"no space left on device writing {tmp_path / 'metrics.jsonl'}: free some space, then "
+                               "rerun to start over (no checkpoint was written before)")
 
 
 def test_a_data_error_mid_run_stops_with_a_record(tmp_path, monkeypatch):
@@ -407,6 +423,71 @@ def test_a_data_error_mid_run_stops_with_a_record(tmp_path, monkeypatch):
     assert (summary["steps"], summary["stopped"]) == (3, "shard-00003.parquet fails its checksum: prepare the data "
                                                          "again")
     assert "stopped at step 3: shard-00003.parquet fails its checksum" in (tmp_path / "train.log").read_text()
+
+
+def test_an_fp16_run_whose_loss_scale_collapses_stops_in_one_line_with_a_record(tmp_path):
+    # LR 1e6: after step 1 every step overflows, at every scale; the run used to skip steps without end and silently.
+    with pytest.raises(RunStopped) as info:
+        _train(tmp_path, "precision=fp16", "optim.lr=1e6", "trainer.max_steps=50")
+    line = str(info.value)
+    assert line.startswith("loss scale collapsed: the 20 fp16 steps after step 1 all overflowed (precision."
+                           "max_consecutive_skips=20; the loss scale fell to ") and "\n" not in line
+    assert line.endswith("rerun to start over (no checkpoint was written before), with a lower optim.lr, or "
+                         "precision=bf16 (no loss scale)")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["steps"], summary["finished"], summary["stopped"]) == (1, False, line)
+    assert f"stopped at step 1: {line}" in (tmp_path / "train.log").read_text()
+
+
+def test_the_overflow_limit_lets_the_loss_scale_fall_to_one():
+    with pytest.raises(ConfigError, match=r"^precision\.max_consecutive_skips=20 would stop the run before its loss "
+                                          r"scale fell from precision\.init_scale=1\.09951e\+12 to 1 \(each overflow "
+                                          r"halves it\): set it to at least 40$"):
+        plan_run(compose([*TINY, "precision=fp16", "precision.init_scale=1099511627776.0"]), "unused")
+
+
+def test_out_of_memory_stops_in_one_line_naming_the_micro_batch_to_lower(tmp_path, monkeypatch):
+    handed_out = []
+    original = ResumableLoader.__next__
+
+    def out_of_memory_in_step_3(self):
+        handed_out.append(1)
+        if len(handed_out) > 2 * 2:  # 2 micro-batches per step
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                         "of 79.1 GiB of which 1.2 GiB is free.\nIf reserved but unallocated ...")
+        return original(self)
+
+    monkeypatch.setattr(ResumableLoader, "__next__", out_of_memory_in_step_3)
+    with pytest.raises(RunStopped) as info:
+        _train(tmp_path)
+    assert str(info.value) == (
+        "out of memory on cpu at step 3 (tried to allocate 2.00 GiB): lower trainer.micro_batch_size from 4 per rank "
+        "(the accumulation steps grow to keep trainer.global_batch_size=8), then rerun to resume from the newest "
+        f"checkpoint, {tmp_path / 'checkpoints' / 'step_00000002'}")
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == str(info.value)
+
+
+def test_steps_this_run_stops_with_a_line_and_a_record_and_a_rerun_continues(tmp_path, capsys):
+    _train(tmp_path, "trainer.steps_this_run=2")
+    line = "trainer.steps_this_run=2: stopping at step 2 of 6 with a checkpoint; rerun the same command to continue"
+    assert line in capsys.readouterr().out and line in (tmp_path / "train.log").read_text()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["steps"], summary["finished"], summary["stopped"]) == (2, False, "trainer.steps_this_run=2")
+    assert [r["step"] for r in _train(tmp_path, "trainer.steps_this_run=10")] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped"] is None
+
+
+def test_a_resume_with_another_max_steps_says_how_the_lr_changes(finished_run, capsys):
+    _train(finished_run, "trainer.max_steps=4")  # warm-up 10 %: step 3 of 2 is past the end, of 4 in the decay
+    peak = compose(TINY).optim.lr
+    line = f"trainer.max_steps 2 -> 4: the LR schedule is re-derived; the LR at step 3 goes from 0 to {peak * 0.5:.4g}"
+    assert line in capsys.readouterr().out and line in (finished_run / "train.log").read_text()
+
+
+def test_a_refused_run_removes_the_directory_it_made(tmp_path):
+    with pytest.raises(ConfigError, match=r"optim\.lr"):
+        run(compose([*TINY, "optim.lr=-1"]), tmp_path / "new")
+    assert not (tmp_path / "new").exists()
 
 
 def test_the_closing_line_compares_the_first_and_last_records_never_one_with_itself():

@@ -36,6 +36,7 @@ from optim.schedule import ScheduleConfig, check_schedule_config
 from train.distributed import environment_world_size
 from train.metrics import LoggerConfig
 from train.precision import PrecisionConfig, check_precision_config
+from train.run_dir import check_run_name
 from train.tasks import TaskConfig, check_task_config
 
 __all__ = ["BatchGeometry", "Checked", "Config", "ConfigError", "TrainerConfig", "batch_geometry", "register_configs",
@@ -228,6 +229,7 @@ def validate(cfg: DictConfig) -> Checked:
 
 def _validate(cfg: DictConfig) -> Checked:
     refuse_unknown_keys(cfg)
+    check_run_name(cfg.name)
     with options_of("trainer"):
         check_trainer_config(cfg.trainer)
     with options_of("precision"):

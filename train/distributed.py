@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -19,8 +20,12 @@ import torch.distributed as dist
 from conf.checks import USER_ERRORS, ConfigError, ReportedError, user_error_line
 from optim.comm import Comm
 from optim.network import parse_cluster
+from train.stop import RunStopped
 
 _USER_ERROR_EXIT_CODE = 2  # as `python -m train` exits on a user error
+# The launcher's loggers: on a worker's death they log the worker's traceback, or a traceback of their own for a kill,
+# over several lines each; `WorkerDied` says it in one.
+_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 _SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
 
 
@@ -158,12 +163,19 @@ def visible_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+class WorkerDied(RunStopped):
+    """A local worker died (killed, or crashed with its traceback printed before): the run stops with one line
+    naming it, instead of the launcher's report of several dozen. Exit code 1: not a value the user must change."""
+
+    exit_code = 1
+
+
 def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> None:
     """Run `entrypoint(*args)` in `nproc` local worker processes with torch's elastic launcher.
 
     The workers share the machine's cores (`local_worker_threads`). A user error in a worker (a data file only a
     worker reads, say) ends the run as it would in one process: its one line (once, however many workers met it)
-    as a `ReportedError`, not the launcher's traceback.
+    as a `ReportedError`, not the launcher's traceback. A worker that dies otherwise is `WorkerDied`.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -180,18 +192,54 @@ def launch_local_workers(entrypoint: Callable[..., Any], nproc: int, *args: Any)
         monitor_interval=0.5,
     )
     threads = local_worker_threads(nproc, os.environ, visible_cores())
-    with tempfile.TemporaryDirectory(prefix="train-user-errors-") as report_dir, _signal_handlers_kept():
+    with (tempfile.TemporaryDirectory(prefix="train-user-errors-") as report_dir, _signal_handlers_kept(),
+          _launcher_logs_quiet()):
         try:
             elastic_launch(config, _local_worker)(report_dir, threads, entrypoint, *args)
         except SignalException:
             # SIGTERM / SIGINT reached the launcher, which passed it on to the workers and waited for them: they
             # stopped with a checkpoint. A scheduler's notice is not a failure of the run.
             return
-        except ChildFailedError:
+        except ChildFailedError as failed:
             reports = sorted(Path(report_dir).iterdir())  # rank order
             if not reports:
-                raise  # a crash, not a user error: the launcher's report and the workers' tracebacks
+                died, traceback = _worker_died(failed)
+                print(traceback, end="", file=sys.stderr, flush=True)  # a crash's report (a bug's), from the worker
+                raise died from None
             raise ReportedError("\n".join(dict.fromkeys(p.read_text() for p in reports))) from None
+
+
+def _worker_died(failed: Any) -> tuple[WorkerDied, str]:
+    """The worker whose death stopped the others, in one line (its rank, and its signal or exit code), with the
+    traceback of a crash ("" for a kill). A killed worker is the cause where there is one: the others it left in a
+    collective fail after it, within the second that orders `ChildFailedError`'s failures."""
+    killed = [(rank, failure) for rank, failure in failed.failures.items() if failure.exitcode < 0]
+    rank, failure = killed[0] if killed else failed.get_first_failure()
+    error = failure.message if isinstance(failure.message, dict) else {}
+    traceback = error.get("extraInfo", {}).get("py_callstack", "")
+    if failure.exitcode < 0:
+        name = failure.signal_name()
+        oom = " (the kernel's out-of-memory killer sends it: see dmesg)" if name == "SIGKILL" else ""
+        how = f"was killed by {name}{oom}"
+    else:
+        message = str(error.get("message", "")).strip().splitlines()
+        how = f"failed with exit code {failure.exitcode}" + (f" ({message[-1]})" if message else "")
+    return WorkerDied(f"worker rank {rank} (pid {failure.pid}) {how}, and the run stopped: rerun the same command to "
+                      "resume from its newest checkpoint"), traceback
+
+
+@contextlib.contextmanager
+def _launcher_logs_quiet() -> Iterator[None]:
+    """The launcher's own log records off while it runs: `launch_local_workers` reports what they would say."""
+    loggers = [logging.getLogger(name) for name in _LAUNCHER_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ Only rank 0 writes; other ranks get a logger whose methods do nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from tqdm import tqdm
 from conf.checks import UserError
 from data.atomic import atomic_write_text
 from train.run_dir import RunDir
+from train.stop import writing
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +199,9 @@ class MetricLogger:
             return
         # Wall-clock time and training time, for plots against time and the time to reach a target loss.
         record = {"step": step, "time": time.time(), "elapsed": self.clock.elapsed(), **metrics}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with writing(self.path):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._tb is not None:
             for key, value in metrics.items():  # eval/top1 stays eval/top1; loss becomes train/loss
                 self._tb.add_scalar(key if "/" in key else f"train/{key}", value, step)
@@ -234,8 +237,9 @@ class MetricLogger:
             # is a multiprocessing semaphore that a worker leaving with os._exit (train.run) would leak.
             sys.stdout.write(message + "\n")
             sys.stdout.flush()
-        self._log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
-        self._log_file.flush()
+        with writing(self._log_file.name):
+            self._log_file.write(log_line(message))
+            self._log_file.flush()
 
     def close(self) -> None:
         if not self.enabled:
@@ -246,9 +250,17 @@ class MetricLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-        self._file.close()
-        self._log_file.close()
+        for file in (self._file, self._log_file):
+            # Every write is flushed at once, so a close fails only on a record whose flush failed already and
+            # stopped the run with its line: that error, not the repeat, is the run's.
+            with contextlib.suppress(OSError):
+                file.close()
         self.enabled = False
+
+
+def log_line(message: str) -> str:
+    """`message` as a line of train.log: stamped with the local time."""
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n"
 
 
 def _leave_writer_errors_to_the_training_thread() -> None:

@@ -31,6 +31,7 @@ class RunPlan:
     # None with trainer.epochs: the steps of an epoch depend on the data's size, which only a worker's loader reads.
     max_steps: int | None
     config: dict[str, Any]  # the resolved config: the groups' plain values, also recorded with the metrics
+    notices: tuple[str, ...] = ()  # lines for rank 0 to say at start-up (the launching process has no log of its own)
 
     def data_request(self, rank: int, *, pin_memory: bool = False) -> DataRequest:
         """What rank `rank` asks of the data."""
@@ -47,9 +48,9 @@ class RunPlan:
                               f"it with {planned} rank(s), or let each rank plan it (python -m train)")
 
 
-def plan_run(cfg: DictConfig, run_dir: str | Path) -> RunPlan:
+def plan_run(cfg: DictConfig, run_dir: str | Path, notices: tuple[str, ...] = ()) -> RunPlan:
     """Check every value (`validate`) and the init weights' fit, resolve the init checkpoint, and freeze the result
-    for the workers.
+    for the workers, with the `notices` the launching process has for the run's log.
 
     Raises `ConfigError` (one line naming the key) on a value that cannot work.
     """
@@ -65,5 +66,5 @@ def plan_run(cfg: DictConfig, run_dir: str | Path) -> RunPlan:
         model=cfg.model.name, model_options=checked.model_options,
         optimizer=cfg.optim.name, optimizer_options=checked.optimizer_options,
         init_checkpoint=init_checkpoint, max_steps=trainer.max_steps,
-        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), notices=tuple(notices),
     )

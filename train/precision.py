@@ -7,13 +7,14 @@ NVIDIA apex's `amp` was removed upstream; mixed precision here is torch.amp's on
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 from omegaconf import MISSING, DictConfig
 
-from conf.checks import check_choice, check_positive
+from conf.checks import check_choice, check_positive, require
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -26,14 +27,22 @@ class PrecisionConfig:
     dtype: str = MISSING  # fp32 | tf32 (fp32 weights, TF32 matmuls) | bf16 | fp16 (adds a GradScaler)
     init_scale: float | None = MISSING  # fp16 loss scale at the start (null without loss scaling)
     growth_interval: int | None = MISSING  # fp16 steps without overflow before the scale doubles
+    max_consecutive_skips: int | None = MISSING  # fp16 overflowing steps in a row that stop the run
 
 
 def check_precision_config(cfg: DictConfig) -> None:
-    """A known dtype; fp16's loss scaler needs a positive start and growth interval (raises `InvalidOption`)."""
+    """A known dtype; fp16's loss scaler needs a positive start and growth interval, and a limit of overflowing
+    steps in a row that lets the scale fall from its start to 1 before the run is stopped for it (raises
+    `InvalidOption`)."""
     check_choice("dtype", cfg.dtype, PRECISIONS)
     if cfg.dtype == "fp16":
         check_positive("init_scale", cfg.init_scale)
         check_positive("growth_interval", cfg.growth_interval)
+        check_positive("max_consecutive_skips", cfg.max_consecutive_skips)
+        halvings = math.ceil(math.log2(cfg.init_scale)) if cfg.init_scale > 1 else 0
+        require(cfg.max_consecutive_skips >= halvings, "max_consecutive_skips", cfg.max_consecutive_skips,
+                f"would stop the run before its loss scale fell from precision.init_scale={cfg.init_scale:g} to 1 "
+                f"(each overflow halves it): set it to at least {halvings}")
 
 
 def set_matmul_precision(dtype: str) -> None:

@@ -1,23 +1,26 @@
-"""`run(cfg)`: check everything a user can get wrong, plan the run, record the accepted config, start workers that
-build from the plan, and train."""
+"""`run(cfg)`: lock the run directory, check everything a user can get wrong, plan the run, record the accepted
+config, start workers that build from the plan, and train."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from conf.checks import UserError
 from data import build_data
 from models import model_options_in_use
 from train.checkpoint import RunDirectoryError, check_world_size, newest_checkpoint_meta
 from train.config import BatchGeometry
 from train.distributed import (
+    WorkerDied,
     adopt_slurm_environment,
     check_local_workers,
     init_distributed,
@@ -28,7 +31,10 @@ from train.distributed import (
     shutdown_distributed,
 )
 from train.plan import RunPlan, plan_run
-from train.run_dir import RunDir
+from train.run_dir import RunDir, is_new_run_directory, remove_if_empty
+from train.run_lock import run_directory_lock
+from train.stop import writing
+from train.summary import record_stop
 
 _SIGNALLED_WORKER_GRACE_S = 5.0  # how long a stopped worker waits for its elastic agent before leaving
 
@@ -38,22 +44,54 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None
     """Train as configured in `run_dir`, with `overrides` (the command line) and `choices` (the config group
     choices) recorded beside the checkpoints.
 
-    Every user error is raised here, before any worker starts: `ConfigError` for values that cannot work, a
-    missing data file, or a run directory whose checkpoints this run cannot continue (`RunDirectoryError`).
-    Only an accepted run rewrites the directory's recorded config, so it always describes its checkpoints.
+    Rank 0 (the launching process) holds the directory's lock for the run's life (`train.run_lock`): a second run
+    there is refused. Every user error is raised here, before anything is recorded or any worker starts:
+    `ConfigError` for values that cannot work, a missing data file, or a run directory whose checkpoints this run
+    cannot continue (`RunDirectoryError`). Only an accepted run rewrites the directory's recorded config, so it
+    always describes its checkpoints, and a refused run leaves no directory it made behind.
     The workers get the plan (`RunPlan`), not the config: they build from it without checking anything again.
     """
-    plan = plan_run(cfg, run_dir)
-    check_local_workers(cfg.trainer.nproc_per_node, cfg.trainer.device)
-    build_data(cfg.data, plan.data_request(rank=0), dry=True)  # paths and keys only: nothing is read
-    check_run_directory(cfg, Path(run_dir), plan.geometry)
-    if launch_rank() == 0:
-        RunDir(run_dir).record_config(cfg, overrides, choices)
-    nproc = cfg.trainer.nproc_per_node
-    if nproc > 1 and not launched_externally():
-        launch_local_workers(train_worker, nproc, plan)
-    else:
+    run_dir = Path(run_dir)
+    new = is_new_run_directory(run_dir)
+    try:
+        with _rank_zero_lock(run_dir) as notices:
+            plan = plan_run(cfg, run_dir, tuple(notices))
+            check_local_workers(cfg.trainer.nproc_per_node, cfg.trainer.device)
+            build_data(cfg.data, plan.data_request(rank=0), dry=True)  # paths and keys only: nothing is read
+            check_run_directory(cfg, run_dir, plan.geometry)
+            if launch_rank() == 0:
+                with writing(RunDir(run_dir).config_file):
+                    RunDir(run_dir).record_config(cfg, overrides, choices)
+            start_workers(plan)
+    except BaseException:
+        if new:
+            remove_if_empty(run_dir)
+        raise
+
+
+@contextlib.contextmanager
+def _rank_zero_lock(run_dir: Path) -> Iterator[list[str]]:
+    """The run directory's lock, taken by rank 0 alone (the other ranks of a launch run under rank 0's)."""
+    if launch_rank() != 0:
+        yield []
+        return
+    with run_directory_lock(run_dir) as notices:
+        yield notices
+
+
+def start_workers(plan: RunPlan) -> None:
+    """Train in this process, or in `trainer.nproc_per_node` local workers; a worker that dies is recorded as the
+    run's stop (its rank 0 may not know why the others stopped, or may be the one that died)."""
+    nproc = plan.config["trainer"]["nproc_per_node"]
+    if nproc == 1 or launched_externally():
         train_worker(plan)
+        return
+    try:
+        launch_local_workers(train_worker, nproc, plan)
+    except WorkerDied as died:
+        with contextlib.suppress(OSError, UserError):  # a full disk, say: the line itself is still reported
+            record_stop(RunDir(plan.run_dir), str(died))
+        raise
 
 
 def check_run_directory(cfg: DictConfig, run_dir: Path, geometry: BatchGeometry) -> None:
@@ -75,17 +113,25 @@ def check_run_directory(cfg: DictConfig, run_dir: Path, geometry: BatchGeometry)
             f"trainer.init_from={run_dir} to keep only the weights"
         )
     check_world_size(checkpoint, meta, geometry.world_size)
-    check_same_model(cfg, run_dir, checkpoint)
+    recorded = RunDir(run_dir).recorded_config()  # it describes the checkpoints: only accepted runs rewrite it
+    if recorded is not None:
+        check_same_seed(cfg, run_dir, checkpoint, recorded)
+        check_same_model(cfg, run_dir, checkpoint, recorded)
 
 
-def check_same_model(cfg: DictConfig, run_dir: Path, checkpoint: Path) -> None:
-    """Refuse to continue checkpoints of another model: their tensors would not load into this one.
+def check_same_seed(cfg: DictConfig, run_dir: Path, checkpoint: Path, recorded: DictConfig) -> None:
+    """Refuse to continue checkpoints with another seed: the data order they are part-way through is the seed's."""
+    seed = OmegaConf.select(recorded, "trainer.seed")
+    if seed is not None and seed != cfg.trainer.seed:
+        raise RunDirectoryError(
+            f"trainer.seed={cfg.trainer.seed}: {run_dir} was trained with trainer.seed={seed} (checkpoint "
+            f"{checkpoint.name}), whose data order it is part-way through; resume with trainer.seed={seed}, or start "
+            f"a new run (another name=...) with trainer.init_from={run_dir} to keep only the weights"
+        )
 
-    The recorded config describes the checkpoints (only accepted runs rewrite it), so its `model` is theirs.
-    """
-    recorded_config = RunDir(run_dir).recorded_config()
-    if recorded_config is None:
-        return
+
+def check_same_model(cfg: DictConfig, run_dir: Path, checkpoint: Path, recorded_config: DictConfig) -> None:
+    """Refuse to continue checkpoints of another model (the recorded config's): their tensors would not load."""
     recorded, wanted = (_model_in_use(OmegaConf.to_container(model, resolve=True))
                         for model in (recorded_config.get("model", {}), cfg.model))
     differing = sorted(k for k in recorded.keys() | wanted.keys() if recorded.get(k) != wanted.get(k))

@@ -18,22 +18,35 @@
     ├── hf_model_ema/            the final EMA weights (trainer.ema_decay set)
     ├── finished.json            the end-of-run evaluation and exports are done
     ├── summary.json             what the run did, for reports (train.summary)
-    └── eval.json                the metrics of `python -m train.evaluate` on this run's weights
+    ├── eval.json                the metrics of `python -m train.evaluate` on this run's weights
+    └── run.lock                 while a run is in it: its holder (host, pid, start time), locked (train.run_lock)
 
 wandb keeps its own files in `wandb/` beside them when logger.wandb is not disabled.
+
+`name=` is checked here too (`check_run_name`), before Hydra makes `runs/<name>` from it (`RunDirCallback`).
 
 This module imports nothing heavy (no torch), so reporting tools that only read runs start quickly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from conf.checks import ConfigError, user_errors_exit
 
 _RECORDED_CONFIG_DIR = ".hydra"  # Hydra's name, so tools that know Hydra's outputs find the config
+MAX_NAME_CHARACTERS = 200  # runs/<name>/<its files> stays well within the file systems' path limits
+MAX_NAME_PART_BYTES = 255  # a file name's limit on common file systems (ext4, xfs, NFS)
+_made_for_this_run: set[Path] = set()  # run directories Hydra made for a run started in this process
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,10 @@ class RunDir:
     def eval_file(self) -> Path:
         return self.path / "eval.json"
 
+    @property
+    def lock_file(self) -> Path:
+        return self.path / "run.lock"
+
     def display_name(self) -> str:
         """What wandb and reports call the run: the directory's name, or for a multirun job (a numbered directory,
         whose number says nothing) its overrides."""
@@ -136,3 +153,52 @@ class RunDir:
     def recorded_overrides(self) -> list[str]:
         """The command-line overrides of the accepted run (none recorded: an empty list)."""
         return list(OmegaConf.load(self.overrides_file)) if self.overrides_file.is_file() else []
+
+
+def check_run_name(name: str) -> None:
+    """Refuse a `name=` that names no directory of its own under runs/ ('' '.' '..' make runs/ itself or its parent
+    the run, and an absolute path or a '..' leaves runs/), or one too long for the file system to hold."""
+    shown = name if len(name) <= 60 else f"{name[:40]}...{name[-10:]}"
+    parts = name.split("/")
+    if name.startswith("/") or any(part.strip() in ("", ".", "..") for part in parts):
+        raise ConfigError(f"name={shown!r} names no run directory of its own under runs/: give a name such as "
+                          "name=my_run (parts split by / may not be empty, '.' or '..', and it may not start with /)")
+    if len(name) > MAX_NAME_CHARACTERS:
+        raise ConfigError(f"name={shown!r} is {len(name)} characters long: at most {MAX_NAME_CHARACTERS}, so that "
+                          "the run's files stay within the file system's path limit")
+    longest = max(parts, key=lambda part: len(part.encode()))
+    if len(longest.encode()) > MAX_NAME_PART_BYTES:
+        raise ConfigError(f"name={shown!r}: a directory name may have at most {MAX_NAME_PART_BYTES} bytes, and "
+                          f"'{longest[:20]}...' has {len(longest.encode())}")
+
+
+def is_new_run_directory(path: str | os.PathLike[str]) -> bool:
+    """Whether the run directory is this run's own: not there yet, or made by Hydra for this run
+    (`RunDirCallback`), so a refused run may remove it again."""
+    path = Path(os.path.abspath(path))
+    return not path.exists() or path in _made_for_this_run
+
+
+def remove_if_empty(path: str | os.PathLike[str]) -> None:
+    """Remove a run directory that holds nothing (a refused run's), leaving no empty runs/<name>/ behind."""
+    with contextlib.suppress(OSError):  # not empty, or gone, or a mount point
+        Path(path).rmdir()
+
+
+class RunDirCallback(Callback):
+    """Hydra's callback (conf/config.yaml): check `name=` before Hydra makes `runs/<name>` from it, and note whether
+    that directory is new."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with user_errors_exit():  # its line, exit code 2: Hydra turns a callback's exception into a warning
+            check_run_name(config.name)
+        try:
+            run_dir = Path(os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir"))))
+        except OmegaConfBaseException:  # it interpolates what only the job knows: it is not known to be new
+            return
+        if not run_dir.exists():
+            _made_for_this_run.add(run_dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with user_errors_exit():
+            check_run_name(config.name)

@@ -10,7 +10,11 @@ device or for slower ranks on the hot path.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import signal
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -23,6 +27,38 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class RunStopped(UserError):
     """An error that stopped a run (a non-finite loss, a full disk), recorded in its summary.json and train.log:
     reported as its one line, with no traceback, like a user error."""
+
+
+class DiskFull(RunStopped):
+    """A write that found no space left, naming what it was writing (a write to an open file names nothing)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(f"no space left on device writing {path}")
+
+
+def is_disk_full(error: BaseException | None) -> bool:
+    """Whether `error` is a full disk or was raised while handling one: `torch.save` reports it as a RuntimeError
+    ("unexpected pos") raised over the OSError(ENOSPC) of its write."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, DiskFull) or (isinstance(error, OSError) and error.errno == errno.ENOSPC):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Around a write of `path`: a full disk becomes `DiskFull` naming it, in one line."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as error:
+        if is_disk_full(error):
+            raise DiskFull(path) from None
+        raise
 
 
 class StopRequest:

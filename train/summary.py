@@ -8,14 +8,16 @@ and the recorded config for a run that has none.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.atomic import atomic_write_json
-from train.metrics import RunTotals
+from train.metrics import RunTotals, log_line
 from train.run_dir import RunDir
+from train.stop import writing
 
 _STAMPS = ("step", "time", "elapsed")  # what every record carries besides its metrics
 VALIDATION_LOSS = "eval/loss"  # the held-out loss, where a task's evaluation reports one (BERT, image classification)
@@ -109,4 +111,19 @@ def build_summary(
 
 
 def write_summary(run_dir: RunDir, summary: dict[str, Any]) -> None:
-    atomic_write_json(run_dir.summary_file, summary, indent=2)
+    with writing(run_dir.summary_file):
+        atomic_write_json(run_dir.summary_file, summary, indent=2)
+
+
+def record_stop(run_dir: RunDir, reason: str) -> None:
+    """Record why a run stopped where its rank 0 could not know it (another worker died): in train.log and as
+    summary.json's `stopped`; the summary rank 0 wrote keeps its figures, and a rank 0 that died too leaves the
+    config's fields only."""
+    with writing(run_dir.log_file), open(run_dir.log_file, "a") as log:
+        log.write(log_line(f"stopped: {reason}"))
+    try:
+        summary = json.loads(run_dir.summary_file.read_text())
+    except (OSError, ValueError):  # none, or cut
+        recorded = run_dir.recorded_config()
+        summary = config_fields(recorded) if recorded is not None else {}
+    write_summary(run_dir, {**summary, "finished": False, "stopped": reason})

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
 from optim.memory import estimate_memory, memory_lines
 from optim.schedule import warmup_steps_of
-from train.checkpoint import Checkpointer, release_mapped, reseed_rng, rng_state, set_rng_state
+from train.checkpoint import Checkpointer, read_meta, release_mapped, reseed_rng, rng_state, set_rng_state
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger, RunClock, RunTotals, read_metrics
@@ -31,7 +32,7 @@ from train.plan import RunPlan
 from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
 from train.replicas import averaged_copy
 from train.run_dir import RunDir
-from train.stop import RunStopped, StopRequest
+from train.stop import DiskFull, RunStopped, StopRequest, is_disk_full, writing
 from train.summary import build_summary, write_summary
 from train.tasks import EvalShard, evaluate_model, get_task
 
@@ -80,6 +81,7 @@ class Trainer:
         self.step = 0  # optimizer steps taken
         self._saved_step: int | None = None  # the step of this run's newest checkpoint
         self.skipped_steps = 0  # fp16 overflow steps (they do not count towards max_steps)
+        self._overflow_streak = 0  # fp16 overflow steps in a row, the same on every rank (the ranks agree on each)
         self.clock, self.totals = RunClock(), RunTotals()  # both continue across resumes, for the summary
         resumed_from = self._resume() if tcfg.resume else None  # run() refused resume=false over checkpoints
         if resumed_from is None and plan.init_checkpoint is not None:
@@ -123,10 +125,27 @@ class Trainer:
             self.logger.info(line)
         for warning in self._surprising_settings():
             self.logger.info(f"warning: {warning}")
+        for notice in self.plan.notices:
+            self.logger.info(notice)
         for line in self.checkpointer.passed_over:
             self.logger.info(line)
         if resumed_from is not None:
             self.logger.info(f"resumed from {resumed_from} at step {self.step}")
+            change = self._schedule_change(resumed_from) if self.is_main else None
+            if change is not None:
+                self.logger.info(change)
+
+    def _schedule_change(self, checkpoint: Path) -> str | None:
+        """The line that says a resume with another max_steps than its checkpoint's re-derives the LR schedule: the
+        step goes on, but the schedule (warm-up fraction, decay) is stretched or shrunk to the new length."""
+        before = read_meta(checkpoint).get("max_steps")
+        if before is None or before == self.max_steps or self.step >= self.max_steps:
+            return None
+        schedule, step = self.cfg.schedule, self.step + 1
+        planned = build_lr_schedule(schedule.name, total_steps=before, **schedule.kwargs)
+        key = "trainer.max_steps" if self.plan.max_steps is not None else "max_steps (from trainer.epochs)"
+        return (f"{key} {before} -> {self.max_steps}: the LR schedule is re-derived; the LR at step {step} goes "
+                f"from {self.peak_lr * planned(step):.4g} to {self.peak_lr * self.lr_multiplier(step):.4g}")
 
     def _surprising_settings(self) -> list[str]:
         """Settings that work but rarely do what the user wants, each said once at start-up."""
@@ -153,31 +172,47 @@ class Trainer:
         and random streams, so the resumed run repeats the series of the uninterrupted one.
 
         An error stops the run with a record too: its reason in train.log and as summary.json's `stopped`. One the
-        user can act on (a non-finite loss, a full or unwritable disk, bad data) is then raised as `RunStopped`,
-        its one line.
+        user can act on (a non-finite loss, a collapsed fp16 loss scale, out of memory, a full or unwritable disk,
+        bad data) is then raised as `RunStopped` (or as itself, when it is a user error already), its one line.
         """
         try:
             self._fit()
         except Exception as err:
             reason = self._stop_reason(err)
             # A full disk may refuse the record as well: the error itself is still reported.
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, DiskFull):
                 self.logger.info(f"stopped at step {self.step}: {reason}")
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, DiskFull):
                 self._write_summary(stopped=reason)
-            if isinstance(err, FloatingPointError | OSError):
+            if isinstance(err, UserError) and not is_disk_full(err):
+                raise  # a data error, say: reported as itself
+            if isinstance(err, FloatingPointError | OSError | torch.OutOfMemoryError) or is_disk_full(err):
                 raise RunStopped(reason) from None
             raise
 
     def _stop_reason(self, err: Exception) -> str:
-        """The line an error that stopped the run is recorded and reported with."""
+        """The line an error that stopped the run is recorded and reported with, naming what to do."""
+        if isinstance(err, torch.OutOfMemoryError):
+            return self._out_of_memory(err)
+        if is_disk_full(err):
+            full = err if isinstance(err, DiskFull) else DiskFull(self.run_dir.path)  # a write we did not name
+            return f"{full}: free some space, then {self._rerun()}"
+        if isinstance(err, OSError):
+            return f"{err}: fix that, then {self._rerun()}"
         if isinstance(err, FloatingPointError | UserError):  # these name their own remedy
             return str(err)
-        if not isinstance(err, OSError):
-            return f"{type(err).__name__}: {err}"
-        newest = self.checkpointer.latest()
-        resume = f"rerun to resume from {newest}" if newest is not None else "rerun to start over"
-        return f"{err}; the checkpoints written before are kept: fix that, then {resume}"
+        return f"{type(err).__name__}: {err}"
+
+    def _out_of_memory(self, err: torch.OutOfMemoryError) -> str:
+        """Out of device memory: the micro-batch is what to lower (the global batch, and so the run, stays)."""
+        g, tcfg = self.geometry, self.cfg.trainer
+        tried = re.search(r"Tried to allocate [\d.]+ \w+", str(err))
+        what = f" (t{tried.group(0)[1:]})" if tried else ""
+        micro = ("trainer.micro_batch_size" if tcfg.micro_batch_size is not None
+                 else "trainer.max_micro_batch_size (the micro-batch is derived from it)")
+        return (f"out of memory on {self.device} at step {self.step + 1}{what}: lower {micro} from "
+                f"{g.micro_batch_size} per rank (the accumulation steps grow to keep trainer.global_batch_size="
+                f"{g.global_batch_size}), then {self._rerun()}")
 
     def _fit(self) -> None:
         tcfg = self.cfg.trainer
@@ -194,37 +229,54 @@ class Trainer:
             stop_at = min(stop_at, self.step + tcfg.steps_this_run)
         window = _Window(self.totals)
         mark = time.perf_counter()
-        stopped = None  # what stopped the run before stop_at: a signal's name
+        stopped = None  # what stopped the run before max_steps: a signal's name, or the time box
         with self.stop:
             while self.step < stop_at:
                 metrics = self.train_step()
-                stopping = metrics is None
-                stepped = not stopping and not metrics["skipped"]
-                if not stopping:
-                    now = time.perf_counter()  # a step's time runs to the next step's end: logs, evals included
-                    self.totals.add(metrics, self.geometry.global_batch_size, now - mark)
-                    mark = now
-                    window.add(metrics)
-                if stepped:
-                    self.step += 1
-                    self._update_ema()
-                    self.logger.advance()
-                # A skipped (fp16 overflow) step keeps the step number: it is folded into the next record.
-                log_due = (stepped and self.step % tcfg.log_every == 0) or self.step == stop_at
-                if (log_due or stopping) and window.steps:
-                    self._log(window.flush())
-                if tcfg.eval_every and self.step % tcfg.eval_every == 0 and stepped and self.step < self.max_steps:
-                    self.evaluate()
-                if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and stepped:
-                    self.save_checkpoint()
-                if stopping:
+                if metrics is None:  # a stop signal, agreed by every rank: record what was done, then save
+                    if window.steps:
+                        self._log(window.flush())
                     stopped = self.stop.signal_name or "a stop signal on another rank"
                     self.logger.info(f"{stopped}: stopping at step {self.step} with a checkpoint")
                     break
+                now = time.perf_counter()  # a step's time runs to the next step's end: logs, evals included
+                self.totals.add(metrics, self.geometry.global_batch_size, now - mark)
+                mark = now
+                window.add(metrics)
+                if metrics["skipped"]:  # fp16 overflow: the step number stays, and it folds into the next record
+                    self._count_overflow()
+                    continue
+                self._overflow_streak = 0
+                self.step += 1
+                self._update_ema()
+                self.logger.advance()
+                if self.step % tcfg.log_every == 0 or self.step == stop_at:
+                    self._log(window.flush())
+                if tcfg.eval_every and self.step % tcfg.eval_every == 0 and self.step < self.max_steps:
+                    self.evaluate()
+                if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+            if stopped is None and self.step < self.max_steps:
+                stopped = f"trainer.steps_this_run={tcfg.steps_this_run}"
+                self.logger.info(f"{stopped}: stopping at step {self.step} of {self.max_steps} with a checkpoint; "
+                                 "rerun the same command to continue")
             self.save_checkpoint()
             if self.step >= self.max_steps:
                 self._finish()
         self._write_summary(stopped=stopped)
+
+    def _count_overflow(self) -> None:
+        """Stop a run whose fp16 steps keep overflowing: each halves the loss scale and the step never comes, so a
+        diverged model would spin without a word. Every rank counts the same agreed skips and stops alike."""
+        self._overflow_streak += 1
+        limit = self.cfg.precision.max_consecutive_skips
+        if limit is None or self._overflow_streak < limit:
+            return
+        raise FloatingPointError(
+            f"loss scale collapsed: the {limit} fp16 steps after step {self.step} all overflowed (precision."
+            f"max_consecutive_skips={limit}; the loss scale fell to {self.scaler.get_scale():g}), so the model has "
+            f"diverged: {self._rerun()}, with a lower optim.lr, or precision=bf16 (no loss scale)"
+        )
 
     @property
     def stop_signal(self) -> str | None:
@@ -344,7 +396,10 @@ class Trainer:
         if self._saved_step == self.step:
             return
         self._refuse_non_finite_weights()
-        path = self.checkpointer.save(self.step, *self.state_dicts(), meta={"optimizer": self.spec.name})
+        # What a later start checks its own plan against: the optimizer, and the length its LR schedule was for.
+        meta = {"optimizer": self.spec.name, "max_steps": self.max_steps}
+        with writing(self.checkpointer.directory):
+            path = self.checkpointer.save(self.step, *self.state_dicts(), meta=meta)
         self._saved_step = self.step
         self.logger.info(f"checkpoint {path}")
 
@@ -375,10 +430,14 @@ class Trainer:
 
     def _non_finite(self, what: str) -> str:
         """The error for a run that diverged: nothing was saved for it, and where to resume from."""
+        return f"{what}; no checkpoint was written for it: {self._rerun()}, with a lower optim.lr or precision=bf16"
+
+    def _rerun(self) -> str:
+        """What a rerun continues from: the newest checkpoint, which every stop keeps (none holds a bad value)."""
         newest = self.checkpointer.latest()
-        where = (f"The newest good checkpoint is {newest}: rerun to resume from it" if newest is not None
-                 else "No checkpoint was written before it: rerun to start over")
-        return f"{what}; no checkpoint was written for it. {where}, with a lower optim.lr or precision=bf16"
+        if newest is None:
+            return "rerun to start over (no checkpoint was written before)"
+        return f"rerun to resume from the newest checkpoint, {newest}"
 
     def evaluate(self, weights: EvalWeights | None = None) -> None:
         """The task's evaluation on held-out data, logged by rank 0 as eval/<metric>.
@@ -492,9 +551,10 @@ class Trainer:
         # The loader's worker processes and their queues go now: a signalled elastic worker leaves with os._exit
         # (train.run), which skips the queues' finalizers, and the resource tracker then warns of leaked semaphores.
         self.loader.close()
-        if self.is_main:
-            self.logger.info(_closing_line([r for r in read_metrics(self.run_dir.path) if "loss" in r]))
-        self.logger.info(f"metrics: {self.logger.path} | checkpoints: {self.checkpointer.directory}")
+        with contextlib.suppress(OSError, DiskFull):  # a full disk stopped the run with its own line already
+            if self.is_main:
+                self.logger.info(_closing_line([r for r in read_metrics(self.run_dir.path) if "loss" in r]))
+            self.logger.info(f"metrics: {self.logger.path} | checkpoints: {self.checkpointer.directory}")
         self.logger.close()
 
 
