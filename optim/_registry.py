@@ -163,16 +163,18 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Build optimizer `name` over `model`'s trainable parameters, from config kwargs over the entry's defaults.
 
-    `weight_decay` goes to the decay group only (biases and norm weights get 0, see `param_groups.py`); the
-    other kwargs go to the class as they are. None values are passed on, not dropped: `max_grad_norm: null`
+    `weight_decay` goes to the decay group only (biases and norm weights get 0, see `param_groups.py`), and to
+    the class as well, whose check sees it (the groups carry their own); the other kwargs go to the class as they
+    are. None values are passed on, not dropped: `max_grad_norm: null`
     means "off", not "the class default". Optimizers that synchronise themselves also get `comm`.
 
     Every value is checked once. A run's options were checked by `check_optimizer_config` in the launching
     process, which returned them complete; built from those (`checked=True`), nothing is checked again: not
     here and not by the constructor, whose `run_check` is the same function on the same values (a check that
     needs the model, as JointSpar's layer budget, still runs: no config check could see it). Direct use
-    (tests, benchmarks, a notebook) checks here what the constructor cannot name (unknown keys) and leaves the
-    values to the constructor, as torch's optimizers validate theirs.
+    (tests, benchmarks, a notebook) checks here what the config check finds before the values (unknown keys,
+    values of the wrong kind, the latter named by the class as its own check names a bad value) and leaves
+    the values to the constructor, as torch's optimizers validate theirs.
     """
     spec = get_optimizer_spec(name)
     if checked:
@@ -183,9 +185,10 @@ def build_optimizer(
         except InvalidOption as err:
             if err.key not in inspect.signature(spec.cls).parameters or err.key in _RESERVED:
                 raise ConfigError(f"'{err.key}' {err.why}") from None
-            # A value of the wrong kind: the class's own check, run by its constructor, names it.
+            err.args = (f"{getattr(spec.cls, '__name__', name)}: {err.args[0]}",)  # `SLAMB: seed=x must be ...`
+            raise
         kwargs = {**spec.defaults, **_plain(kwargs)}
-    weight_decay = kwargs.pop("weight_decay", _options(spec.cls).get("weight_decay", 0.0))
+    weight_decay = kwargs.get("weight_decay", _options(spec.cls).get("weight_decay", 0.0))
     groups = param_groups_weight_decay(model, weight_decay, named=spec.samples_layers)
     if spec.grad_sync == "self":
         kwargs["comm"] = comm

@@ -78,3 +78,24 @@ def run_train(args: list[str], timeout: float = 300, **kwargs) -> subprocess.Com
         [sys.executable, "-m", "train", *args], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=timeout, **kwargs,
     )
+
+
+def optim_preset(name: str) -> dict:
+    """conf/optim/<name>.yaml as `build_optimizer` takes it: its keys but `name` (PyYAML is stricter than OmegaConf:
+    `6e-3` would be a string, so the presets write `6.0e-3`)."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "conf" / "optim" / f"{name}.yaml").read_text())
+    cfg.pop("name")
+    return cfg
+
+
+def runnable_optimizers() -> list[str]:
+    """Every registered optimizer this machine can build: NVIDIA apex's need apex and a GPU (elsewhere their
+    one-line refusal is what is tested)."""
+    from conf.checks import missing_nvidia_apex
+    from optim import list_optimizers
+    from optim.apex import APEX_OPTIMIZERS
+
+    apex_missing = missing_nvidia_apex("apex.optimizers", "amp_C") is not None
+    return [name for name in list_optimizers() if not (apex_missing and name in APEX_OPTIMIZERS)]

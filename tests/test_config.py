@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import TINY, compose, run_train
 
+from optim import list_optimizers
 from train.config import ConfigError, batch_geometry, validate
 
 
@@ -123,7 +124,8 @@ def test_an_appended_key_no_schema_declares_is_refused_naming_it():
 @pytest.mark.parametrize(("args", "line"), [
     (["+trainer.max_stpes=5"], "config error: trainer.max_stpes is not a key of trainer; did you mean "
                                 "trainer.max_steps?"),
-    (["optim=nope", "--cfg", "job"], "config error: In 'config': Could not find 'optim/nope'; options: adamw, "),
+    (["optim=nope", "--cfg", "job"], "config error: In 'config': Could not find 'optim/nope'; options: "
+                                     f"{', '.join(list_optimizers())}"),  # conf/optim/, one to one with the registry
     (["trainer.max_stpes=5", "--cfg", "job"], "config error: Could not override 'trainer.max_stpes': Key "
                                               "'max_stpes' not in 'TrainerConfig'"),
     (["name=café", "--cfg", "job"], "config error: cannot parse override 'name=café' ("),

@@ -8,9 +8,9 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY, compose
+from conftest import TINY, compose, optim_preset
 from distributed_harness import run_on_ranks
-from test_optim_registry import RUNNABLE_HERE, _config, _tiny_bert
+from test_optim_registry import RUNNABLE_HERE, _tiny_bert
 
 from conf.checks import missing_nvidia_apex
 from optim import build_optimizer, get_optimizer_spec
@@ -54,8 +54,7 @@ CUDA_OPTIMIZERS = [name for name in RUNNABLE_HERE if name not in APEX_OPTIMIZERS
 @pytest.mark.parametrize("name", CUDA_OPTIMIZERS)
 def test_each_optimizer_steps_on_cuda_as_on_the_cpu(name):
     """The same gradients, three steps: the CUDA parameters equal the CPU ones to float tolerance."""
-    cfg = _config(name)
-    cfg.pop("name")
+    cfg = optim_preset(name)
     spec = get_optimizer_spec(name)
     cpu_model = _tiny_bert()
     cuda_model = copy.deepcopy(cpu_model).cuda()
@@ -86,8 +85,7 @@ def _steps_on_rank(rank: int, world_size: int, name: str, device: str) -> tuple[
     computed gradients perturbed by 1e-7 moved it by 87-130 % of its norm in four steps (and other tensors of 0/1
     Adam by 1 %); drawn ones perturbed by 1e-6 moved no tensor by more than 5e-6.
     """
-    cfg = _config(name) | SELF_SYNCING[name]
-    cfg.pop("name")
+    cfg = optim_preset(name) | SELF_SYNCING[name]
     model = _tiny_bert().to(device)
     comm = Comm()
     optimizer = build_optimizer(model, name, cfg, comm=comm)
@@ -121,8 +119,7 @@ def test_two_processes_step_cuda_tensors_as_cpu_ones(name):
 def test_apex_fused_lamb_and_our_lamb_follow_the_same_trajectory():
     """100 steps with the same gradients: apex FusedLAMB (max_grad_norm 1.0, inside the optimizer) and
     `optim.LAMB` (the same global-norm pre-normalisation) stay within float tolerance of each other."""
-    lamb_cfg, apex_cfg = _config("lamb"), _config("apex_lamb")
-    lamb_cfg.pop("name"), apex_cfg.pop("name")
+    lamb_cfg, apex_cfg = optim_preset("lamb"), optim_preset("apex_lamb")
     lamb_cfg["max_grad_norm"] = apex_cfg["max_grad_norm"]
     ours_model = _tiny_bert().cuda()
     apex_model = copy.deepcopy(ours_model)

@@ -34,6 +34,7 @@ from optim.comm import WIRE_DTYPES
 from optim.network import parse_cluster
 from optim.schedule import ScheduleConfig, check_schedule_config
 from train.distributed import environment_world_size
+from train.help import group_options
 from train.metrics import LoggerConfig
 from train.precision import PrecisionConfig, check_precision_config
 from train.run_dir import check_run_name
@@ -100,6 +101,8 @@ def _package_path(package: str, relative: str = "") -> str:
 def register_configs() -> None:
     if not OmegaConf.has_resolver("package_path"):
         OmegaConf.register_new_resolver("package_path", _package_path)
+    if not OmegaConf.has_resolver("help_groups"):  # --help's group options (conf/hydra/help/slamb.yaml)
+        OmegaConf.register_new_resolver("help_groups", group_options)
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     for name, node in data_schemas().items():
