@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import textwrap
 
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.object_type import ObjectType
+
 HELP_WIDTH = 116  # characters per line of the help text
 INDENT = 2  # the group names' indent in the help text
 NAME_WIDTH = 11  # `optim:` and its padding: the options start in one column
@@ -14,10 +18,6 @@ def group_options(*groups: str) -> str:
     """`${help_groups:task,model,...}`: one line per group, `group: chosen, the others in name order`, wrapped
     under the first option. The options are the group's config files on the search path (typed schemas that
     Python stores in the same group, as data's, are left out); the chosen one is the composed config's."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.object_type import ObjectType
-
     sources = [source for source in GlobalHydra.instance().config_loader().get_sources()
                if source.scheme() != "structured"]
     choices = HydraConfig.get().runtime.choices
