@@ -19,7 +19,7 @@ LAYOUT = {  # the module names the docs use
     "benchmarks.optim.onebit_step", "benchmarks.optim.optimizers", "benchmarks.optim.deepspeed_reference",
     "benchmarks.optim.step_cost",
     "benchmarks.throughput.training", "benchmarks.throughput.swin_builder",
-    "benchmarks.data.loader", "benchmarks.data.prepare",
+    "benchmarks.data.loader", "benchmarks.data.prepare", "benchmarks.data.padding", "benchmarks.gpu",
     "benchmarks.paper.reproduce", "benchmarks.paper.convergence", "benchmarks.paper.report", "benchmarks.paper.plots",
     "benchmarks.paper.scaling", "benchmarks.paper.stages",
 }

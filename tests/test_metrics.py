@@ -89,7 +89,7 @@ def test_a_batch_job_log_shows_a_loss_line_per_record_and_no_bar(tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith("step ") and "| loss " in line]
     assert [line.split(" |")[0] for line in lines] == [f"step {r['step']}/3" for r in records] == [
         "step 1/3", "step 2/3", "step 3/3"]
-    assert all(re.search(r"lr \S+ \| [\d.]+ samples/s \| 0 B sent/step \| elapsed \d+:\d\d:\d\d$", line)
+    assert all(re.search(r"lr \S+ \| [\d.]+ samples/s \| \d+ tokens/s \| 0 B sent/step \| elapsed \d+:\d\d:\d\d$", line)
                for line in lines)
     assert sum(line in RunDir(tmp_path).log_file.read_text() for line in lines) == 3
     startup = next(line for line in result.stdout.splitlines() if line.startswith("peak lr"))

@@ -28,6 +28,16 @@ def test_swin_step_runs():
     main(["--task", "swin", "--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch", "2"])
 
 
+def test_real_tokens_per_second_leave_the_padding_out(capsys):
+    main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch", "2", "--padding", "0.25"])
+    out = capsys.readouterr().out
+    rate = float(re.search(r"throughput\s+([\d.]+) seq/s", out).group(1))
+    tokens = float(re.search(r"real tokens\s+(\d+) tokens/s  \(25.0% padding\)", out).group(1))
+    assert tokens == pytest.approx(rate * 96, abs=2)  # 128 positions, 32 of them padding
+    with pytest.raises(SystemExit):  # no room left for 20 predictions
+        main(["--device", "cpu", "--padding", "0.9"])
+
+
 
 def _gflop_per_sample(out: str) -> float:
     return float(re.search(r"([\d.]+) GFLOP per sample", out).group(1))

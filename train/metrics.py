@@ -107,6 +107,8 @@ def record_line(record: dict[str, Any], total_steps: int) -> str:
         parts.append(f"lr {record['lr']:.3g}")
     if "seq_per_s" in record:
         parts.append(f"{record['seq_per_s']:.1f} samples/s")
+    if "tokens_per_seq" in record:  # BERT: real (non-pad) tokens, the throughput padding does not inflate
+        parts.append(f"{record['seq_per_s'] * record['tokens_per_seq']:.0f} tokens/s")
     if "comm_bytes_per_step" in record:
         parts.append(f"{_bytes(record['comm_bytes_per_step'])} sent/step")
     minutes, seconds = divmod(round(record["elapsed"]), 60)

@@ -4,13 +4,16 @@ published per-GPU figures.
     python -m benchmarks.throughput.training --task bert --size large --seq 128 --precision bf16 --micro-batch 64
     python -m benchmarks.throughput.training --task bert --size large --seq 512 --precision bf16 --micro-batch 16 \
         --compile
+    python -m benchmarks.throughput.training --task bert --size large --seq 512 --padding 0.3
     python -m benchmarks.throughput.training --task swin --size base --precision bf16 --micro-batch 64
     python -m benchmarks.throughput.training      # on CPU: tiny shapes, so the code path is exercised anywhere
 
 A step is what the trainer runs per micro-batch on one device, built from the same parts: the model from
 `models.create_model`, the task's loss (BERT: MLM on the masked positions only + NSP), autocast and the loss
 scaler of `train.precision`, backward, and the optimizer from the registry (LAMB for BERT, AdamW for Swin,
-`--optim` for another). Batches are synthetic and already on the device, so data loading never stalls it.
+`--optim` for another). Batches are synthetic and already on the device, so data loading never stalls it; BERT's
+rows are full unless `--padding` pads each row's end, as prepared data does (`benchmarks.data.padding` measures
+how much), and the real (non-pad) tokens per second are counted from the attention mask beside the sequences.
 FLOPs are counted, not estimated: `torch.utils.flop_counter` records one step's matmuls and attention
 (forward and backward), and MFU is those FLOPs per second over the device's dense peak for the precision.
 References: NVIDIA DeepLearningExamples BERT-Large pretraining, A100-80GB, mixed precision: 580 seq/s per GPU
@@ -66,17 +69,25 @@ class Workload:
     label: str
 
 
-def bert_workload(size: str, seq: int, micro_batch: int, device: torch.device) -> Workload:
+def predictions_per_row(seq: int) -> int:
+    """The phase recipes' max_predictions: 20 at seq 128, 80 at seq 512."""
+    return 20 if seq <= 128 else 80
+
+
+def bert_workload(size: str, seq: int, micro_batch: int, device: torch.device, padding: float = 0.0) -> Workload:
+    """A BERT step on synthetic rows of `seq` positions whose last `padding` fraction is padding."""
     hidden, layers, heads, ffn = BERT_SIZES[size]
     model = create_model("bert_pretraining", size="large", hidden_size=hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, intermediate_size=ffn)
-    predictions = 20 if seq <= 128 else 80  # the phase recipes' max_predictions
+    predictions = predictions_per_row(seq)
+    real = seq - round(padding * seq)  # [CLS] A [SEP] B [SEP], then padding
     g = torch.Generator().manual_seed(0)
-    positions = torch.sort(torch.rand(micro_batch, seq, generator=g).argsort(-1)[:, :predictions], -1).values
+    positions = torch.sort(torch.rand(micro_batch, real, generator=g).argsort(-1)[:, :predictions], -1).values
+    in_row = torch.arange(seq) < real
     batch = {
-        "input_ids": torch.randint(0, 30522, (micro_batch, seq), generator=g),
-        "token_type_ids": (torch.arange(seq) >= seq // 2).long().expand(micro_batch, seq).contiguous(),
-        "attention_mask": torch.ones(micro_batch, seq, dtype=torch.long),
+        "input_ids": torch.randint(0, 30522, (micro_batch, seq), generator=g) * in_row,  # pad id 0
+        "token_type_ids": ((torch.arange(seq) >= real // 2) & in_row).long().expand(micro_batch, seq).contiguous(),
+        "attention_mask": in_row.long().expand(micro_batch, seq).contiguous(),
         "masked_lm_positions": positions,
         "masked_lm_labels": torch.randint(0, 30522, (micro_batch, predictions), generator=g),
         "next_sentence_label": torch.randint(0, 2, (micro_batch,), generator=g),
@@ -113,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default=None, help="bert: large|base|tiny; swin: base|tiny (default: the "
                         "published model on a GPU, tiny on CPU)")
     parser.add_argument("--seq", type=int, choices=[128, 512], default=128)
+    parser.add_argument("--padding", type=float, default=0.0, metavar="FRACTION",
+                        help="bert: the fraction of each row that is padding (default 0: full rows)")
     parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: 64 on GPU (16 at seq 512), 4 on CPU")
     parser.add_argument("--optim", default=None, help="a registered optimizer (default: lamb for bert, adamw for swin)")
@@ -134,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     sizes = BERT_SIZES if args.task == "bert" else SWIN_SIZES
     if size not in sizes:
         parser.error(f"--size {size}: {args.task} sizes are {', '.join(sizes)}")
+    if not 0 <= args.padding <= 1 - (predictions_per_row(args.seq) + 3) / args.seq:
+        parser.error(f"--padding {args.padding}: give a fraction from 0 that leaves room for "
+                     f"{predictions_per_row(args.seq)} predictions and [CLS] A [SEP] B [SEP] in {args.seq} positions")
     if args.accumulation < 1:
         parser.error(f"--accumulation {args.accumulation}: give 1 or more micro-batches per optimizer step")
     precision = args.precision or ("bf16" if gpu else "fp32")
@@ -142,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     if args.task == "bert":
-        work = bert_workload(size, args.seq, micro_batch, device)
+        work = bert_workload(size, args.seq, micro_batch, device, args.padding)
     else:
         work = swin_workload(size, micro_batch, device)
     model = work.model.to(device).train()
@@ -189,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{', compiled' if args.compile else ''}, optimizer {args.optim or work.optim} | {where} | "
           f"torch {torch.__version__} | mean of {steps} steps after {args.warmup + 1} warm-up")
     print(f"throughput   {rate:10.2f} {unit}  ({seconds * 1e3:.1f} ms/step)")
+    if "attention_mask" in work.batch:  # BERT: real (non-pad) tokens, as the attention mask counts them
+        real_per_sample = work.batch["attention_mask"].sum().item() / micro_batch
+        print(f"real tokens  {rate * real_per_sample:10.0f} tokens/s  ({1 - real_per_sample / args.seq:.1%} padding)")
     print(f"model FLOPs  {flops_per_step / samples_per_step / 1e9:10.2f} GFLOP per sample, "
           f"{achieved_tflops:.2f} TFLOP/s, "
           + (f"MFU {achieved_tflops / peak:.1%} of {peak:g} TFLOP/s" if peak else "MFU n/a (no known peak here)"))

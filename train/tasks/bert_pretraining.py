@@ -28,12 +28,14 @@ def bert_pretraining_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> d
         mlm_correct = ((mlm_logits.argmax(-1) == labels) & predicted).sum()
         mlm_accuracy = mlm_correct / predicted.sum().clamp(min=1)
         nsp_accuracy = (nsp_logits.argmax(-1) == batch["next_sentence_label"]).float().mean()
+        tokens_per_seq = batch["attention_mask"].sum(-1).float().mean()  # real (non-pad): x seq/s = tokens/s
     return {
         "loss": mlm_loss + nsp_loss,
         "mlm_loss": mlm_loss.detach(),
         "nsp_loss": nsp_loss.detach(),
         "mlm_accuracy": mlm_accuracy,
         "nsp_accuracy": nsp_accuracy,
+        "tokens_per_seq": tokens_per_seq,
     }
 
 

@@ -1,0 +1,124 @@
+"""How much of a BERT batch is padding: the share of phase-1 (seq 128) and phase-2 (seq 512) positions that hold no
+token, for the demo corpus and a prepared corpus, beside what create_pretraining_data's rule implies for long
+documents (Wikipedia + BooksCorpus, an estimate).
+
+    python -m benchmarks.data.padding                                   # demo + python_docs (prepared in a temp dir)
+    python -m benchmarks.data.padding --path data/prepared/python_docs  # a `python -m data.prepare` output_dir
+    python -m benchmarks.data.padding --corpus demo
+
+Rows are padded to max_seq_len, so the padding fraction is 1 - real tokens / (sequences x max_seq_len), counted over
+every training sequence: the demo corpus as `data=demo` builds it, a prepared corpus from its manifests' counts
+(python_docs is prepared with `python -m data.prepare corpus=python_docs` into a temp dir: minutes).
+
+The estimate runs the project's NSP pairing (Google's create_pretraining_data semantics, data.text.nsp) on documents
+far longer than a sequence, as BooksCorpus' books are: a document pass fills every sequence to max_seq_len except
+its last, unless (short_seq_prob = 0.1) it draws a shorter target, uniform in [2, max_seq_len - 3], for all its
+sequences. Those are many and short, so they weigh more than 10 %. The two cases are run apart and weighted 0.9 /
+0.1, which leaves no sampling noise in how many passes draw short. Sentence lengths are geometric with a mean of
+17 WordPiece tokens (BooksCorpus: 13 words per sentence, Zhu et al. 2015) or 30 (longer, encyclopaedic sentences).
+Wikipedia adds the ends of its documents, most of them shorter than 512 tokens: Krell et al. 2021 (sequence
+packing) measured over 50 % padding at seq 512 on the Wikipedia set BERT is pretrained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import REPO, markdown_table
+from data.text.nsp import create_nsp_instances
+from data.text.shards import read_manifest, resolve_phase_dir
+
+PHASES = {128: 20, 512: 80}  # max_seq_len: max_predictions, as the BERT phases prepare them
+SHORT_SEQ_PROB = 0.1  # create_pretraining_data's default, and conf/prepare's
+PACKING_THRESHOLD = 0.15  # phase 2 padding above this makes packing worth building (DESIGN: "pack when large")
+SENTENCE_TOKENS = (17, 30)  # mean WordPiece tokens per sentence of the long-document estimate
+
+
+@dataclass(frozen=True)
+class Padding:
+    corpus: str
+    seq: int
+    sequences: float  # the estimate's are expectations
+    tokens: float  # real (non-pad) tokens, [CLS] and [SEP] included
+
+    @property
+    def fraction(self) -> float:
+        return 1 - self.tokens / (self.sequences * self.seq)
+
+    def row(self) -> dict[str, object]:
+        return {"corpus": self.corpus, "seq": self.seq, "sequences": f"{self.sequences:,.0f}",
+                "real tokens per sequence": f"{self.tokens / self.sequences:.1f}", "padding": f"{self.fraction:.1%}"}
+
+
+def demo_padding(seq: int) -> Padding:
+    """The demo corpus as `data=demo` trains on it (dupe factor 5, short_seq_prob 0.1)."""
+    from data.text.pretraining import build_demo_dataset
+    from data.text.tokenizer import load_tokenizer
+
+    instances = build_demo_dataset(load_tokenizer(), max_seq_len=seq, max_predictions=PHASES[seq]).instances
+    return Padding("demo", seq, len(instances), sum(len(inst.input_ids) for inst in instances))
+
+
+def prepared_padding(path: Path, seq: int) -> Padding:
+    """A prepared phase's training shards, from the counts its manifest holds."""
+    manifest = read_manifest(resolve_phase_dir(path, seq))
+    counts = manifest["counts"]
+    return Padding(manifest["corpus"], seq, counts["instances"], counts["tokens"])
+
+
+def prepare_python_docs(workdir: Path) -> Path:
+    """`python -m data.prepare corpus=python_docs` into `workdir`, both phases (Debian's python3.11-doc, fetched
+    once into the cache)."""
+    out = workdir / "python_docs"
+    command = [sys.executable, "-m", "data.prepare", "corpus=python_docs", f"output_dir={out}", "progress_bar=false"]
+    print("preparing python_docs:", " ".join(command[1:]), flush=True)
+    subprocess.run(command, cwd=REPO, check=True)
+    return out
+
+
+def long_document_padding(seq: int, sentence_tokens: int, documents: int = 40, sentences: int = 1000,
+                          short_passes: int = 40) -> Padding:
+    """Padding the create_pretraining_data rule implies for documents far longer than `seq` (module docstring):
+    the sequences and tokens of one pass over the documents, expected over the short-target draws."""
+    rng = np.random.default_rng(0)
+    docs = [[[1000] * int(n) for n in rng.geometric(1 / sentence_tokens, sentences)] for _ in range(documents)]
+
+    def per_pass(short_seq_prob: float, passes: int) -> np.ndarray:
+        instances = create_nsp_instances(docs, seq, random.Random(0), cls_id=101, sep_id=102, dupe_factor=passes,
+                                         short_seq_prob=short_seq_prob)
+        return np.array([len(instances), sum(len(inst.input_ids) for inst in instances)]) / passes
+
+    # Every pass full-length, then every pass short; the short targets drawn over several passes, as they vary most.
+    sequences, tokens = (1 - SHORT_SEQ_PROB) * per_pass(0.0, 1) + SHORT_SEQ_PROB * per_pass(1.0, short_passes)
+    return Padding(f"long documents, {sentence_tokens} tokens per sentence (estimate)", seq, sequences, tokens)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", nargs="+", choices=["demo", "python_docs"], default=["demo", "python_docs"])
+    parser.add_argument("--path", type=Path, help="a prepared output_dir to measure instead of preparing python_docs")
+    args = parser.parse_args(argv)
+    rows: list[Padding] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if "demo" in args.corpus:
+            rows += [demo_padding(seq) for seq in PHASES]
+        if args.path or "python_docs" in args.corpus:
+            prepared = args.path or prepare_python_docs(Path(tmp))
+            rows += [prepared_padding(prepared, seq) for seq in PHASES]
+    rows += [long_document_padding(seq, tokens) for tokens in SENTENCE_TOKENS for seq in PHASES]
+    print(markdown_table([r.row() for r in rows]), end="")
+    over = [r.corpus for r in rows if r.seq == 512 and r.fraction > PACKING_THRESHOLD]
+    print(f"phase 2 pads more than {PACKING_THRESHOLD:.0%}, past which packing sequences into rows pays, in: "
+          f"{'; '.join(over) or 'none'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Everything a GPU is needed for, in one command: the GPU tests, the demo on CUDA, BERT-Large and Swin-B training
+throughput, and the optimizer steps against their bandwidth bound, written to one dated Markdown page.
+
+    python -m benchmarks.gpu                          # one GPU, about 7 minutes; the page goes to docs/results/
+    python -m benchmarks.gpu --out /tmp/gpu-run --only phase1 phase2
+    python -m benchmarks.gpu --dry-run                # the same orchestration on the CPU with tiny sizes
+
+Each part runs in its own process (its own CUDA context and memory) under its own time limit, and all of them under
+one budget (`--budget`, 8 minutes): a part that fails, hangs or finds the budget spent is recorded as such, and the
+parts after it still run. The page, rewritten after every part, records the device, torch and library versions, the
+commit, and per part its command, status, wall time, headline figures and output tail; the full output of every
+part goes to a log beside it. No part reaches the network. On a bare GPU machine with torch, carry the project's
+pure-Python dependencies as wheels (docs/results/README.md, "Taking the GPU figures").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from benchmarks.common import REPO
+
+THROUGHPUT = ("python", "-m", "benchmarks.throughput.training")
+TIMED = ("--steps", "10", "--warmup", "2")  # half the benchmark's default: 8 minutes hold every part
+PHASE1 = (*THROUGHPUT, "--task", "bert", "--seq", "128", "--precision", "bf16", "--micro-batch", "256",
+          "--accumulation", "4", *TIMED)
+PHASE2 = (*THROUGHPUT, "--task", "bert", "--seq", "512", "--precision", "bf16", "--micro-batch", "32",
+          "--accumulation", "8", *TIMED)
+TINY_BERT = ("--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch", "2")
+TINY_DEMO = ("trainer.device=cpu", "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
+             "model.num_hidden_layers=1", "data.dupe_factor=1", "data.heldout_sequences=8", "data.eval_batch_size=8",
+             "logger.progress_bar=false")
+THROUGHPUT_FIGURES = r"[\d.]+ (?:seq|img)/s|\d+ tokens/s|MFU [\d.]+%"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One measurement: a command run from the repository root, stopped after `limit_s` seconds.
+
+    `smoke` is the same code path on the CPU with tiny sizes (`--dry-run`); `figures` a regular expression whose
+    matches in the output are the part's headline. `{tmp}` in a command is a scratch directory of the run.
+    """
+
+    name: str
+    what: str
+    command: tuple[str, ...]
+    limit_s: int
+    smoke: tuple[str, ...]
+    figures: str = ""
+
+
+PARTS = [  # in order of what matters most when the budget runs short
+    Part("phase1", "BERT-Large phase 1 (seq 128), bf16 autocast, LAMB", PHASE1, 120,
+         (*THROUGHPUT, *TINY_BERT), THROUGHPUT_FIGURES),
+    Part("phase2", "BERT-Large phase 2 (seq 512), bf16 autocast, LAMB", PHASE2, 120,
+         (*THROUGHPUT, "--seq", "512", *TINY_BERT), THROUGHPUT_FIGURES),
+    Part("demo", "the demo (`python -m train`) on CUDA", ("python", "-m", "train", "trainer.device=cuda",
+                                                          "hydra.run.dir={tmp}/demo"), 120,
+         ("python", "-m", "train", "hydra.run.dir={tmp}/demo", *TINY_DEMO), r"eval/loss [\d.]+|[\d.]+ samples/s"),
+    Part("gpu_tests", "the GPU tests (`pytest -m gpu`)", ("python", "-m", "pytest", "-m", "gpu", "-q", "-n", "8",
+                                                         "{gpu_tests}"), 240,
+         ("python", "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "{gpu_tests}"),
+         r"\d+ (?:passed|failed|skipped|errors?)"),
+    Part("swin", "Swin-B (224 px), bf16 autocast, AdamW", (*THROUGHPUT, "--task", "swin", "--precision", "bf16",
+                                                           "--micro-batch", "128", *TIMED), 90,
+         (*THROUGHPUT, "--task", "swin", *TINY_BERT), THROUGHPUT_FIGURES),
+    Part("bandwidth", "optimizer steps against their memory-bandwidth bound, BERT-Large",
+         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large"), 90,
+         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--optimizers",
+          "lamb", "--warmup", "1", "--repeats", "1"), r"copy bandwidth \d+ GB/s"),
+    Part("step_cost", "optimizer steps counted: ops and bytes against one fused pass, BERT-Large, 2 ranks",
+         ("python", "-m", "benchmarks.optim.step_cost", "--size", "large", "--ranks", "2"), 90,
+         ("python", "-m", "benchmarks.optim.step_cost", "--size", "tiny", "--ranks", "2", "--optimizers", "lamb")),
+    # torch.compile last: its first step compiles for about a minute on BERT-Large. On the CPU the smoke runs
+    # eagerly: a compile there takes minutes.
+    Part("phase1_compile", "BERT-Large phase 1, bf16 autocast, torch.compile", (*PHASE1, "--compile"), 180,
+         (*THROUGHPUT, *TINY_BERT), THROUGHPUT_FIGURES),
+    Part("phase2_compile", "BERT-Large phase 2, bf16 autocast, torch.compile", (*PHASE2, "--compile"), 180,
+         (*THROUGHPUT, "--seq", "512", *TINY_BERT), THROUGHPUT_FIGURES),
+]
+BUDGET_S = 480  # the whole command's limit: 8 minutes
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+TAIL_LINES = 25
+ENVIRONMENT = r"""
+import importlib.metadata, json, platform, torch
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+cuda = torch.cuda.is_available()
+print(json.dumps({
+    "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",
+    "cuda": torch.version.cuda if cuda else None, "torch": torch.__version__, "python": platform.python_version(),
+    "libraries": {name: version(name) for name in ("transformers", "timm", "hydra-core", "pysbd", "apex")},
+}))
+"""
+
+
+@dataclass
+class Result:
+    part: Part
+    command: list[str]
+    status: str  # ok, failed (exit N), timed out, not run (budget spent)
+    seconds: float
+    output: str
+
+    @property
+    def figures(self) -> str:
+        return ", ".join(re.findall(self.part.figures, self.output)) if self.part.figures else ""
+
+
+def gpu_test_files() -> list[str]:
+    """The test files that hold `gpu` tests: `pytest -m gpu` over these alone, so that no other file's imports can
+    stop the collection on a machine that has only the runtime packages."""
+    return sorted(str(path.relative_to(REPO)) for path in (REPO / "tests").glob("test_*.py")
+                  if "pytest.mark.gpu" in path.read_text())
+
+
+def command_line(part: Part, dry_run: bool, tmp: Path) -> list[str]:
+    """The part's command with its placeholders filled in, as a user would type it (`python` first)."""
+    args = []
+    for arg in part.smoke if dry_run else part.command:
+        args += gpu_test_files() if arg == "{gpu_tests}" else [arg.replace("{tmp}", str(tmp))]
+    return args
+
+
+def run_part(part: Part, args: list[str], limit_s: float, log) -> Result:
+    """Run one part in its own process group, so that a time-out also stops the processes it started (pytest
+    workers, ranks)."""
+    if limit_s <= 0:
+        return Result(part, args, "not run (budget spent)", 0.0, "")
+    log.write(f"\n===== {part.name}: {' '.join(args)}\n")
+    log.flush()
+    start = time.monotonic()
+    with tempfile.TemporaryFile("w+", errors="replace") as output:
+        process = subprocess.Popen([sys.executable, *args[1:]], cwd=REPO, env={**os.environ, **OFFLINE},
+                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = process.wait(timeout=limit_s)
+            status = "ok" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            status = f"timed out after {limit_s:.0f} s"
+        output.seek(0)
+        text = output.read()
+    log.write(text)
+    log.flush()
+    return Result(part, args, status, time.monotonic() - start, text)
+
+
+def environment() -> dict:
+    """Device, CUDA, torch and library versions, read in a child process (this one never touches the GPU)."""
+    result = subprocess.run([sys.executable, "-c", ENVIRONMENT], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    if result.returncode != 0:
+        return {"device": f"not recorded ({(result.stderr.strip().splitlines() or ['no output'])[-1]})"}
+    return json.loads(result.stdout)
+
+
+def commit() -> tuple[str | None, bool]:
+    """The checkout's short commit hash (None outside a git checkout) and whether tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.CalledProcessError):
+        return None, False
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a page's header records about the run."""
+
+    env: dict  # environment()'s answer
+    commit: tuple[str | None, bool]  # commit()'s answer
+    started: datetime
+    argv: list[str]  # the command's arguments
+    dry_run: bool
+
+    @property
+    def stem(self) -> str:
+        """The name of the page (.md) and of the full output beside it (.log): gpu-<date>-<commit>."""
+        return f"gpu-{self.started:%Y-%m-%d}-{self.commit[0] or 'run'}"
+
+
+def page(run: Run, results: list[Result]) -> str:
+    """The Markdown page of a run, so far."""
+    env, (head, dirty), started = run.env, run.commit, run.started
+    recorded_commit = f"`{head}`" + (" with uncommitted changes" if dirty else "") if head else "not recorded"
+    libraries = ", ".join(f"{name} {version}" for name, version in env.get("libraries", {}).items())
+    cuda = f", CUDA {env['cuda']}" if env.get("cuda") else ""
+    total = sum(r.seconds for r in results)
+    title = "dry run on the CPU (tiny sizes; times and figures are not measurements)" if run.dry_run else env["device"]
+    lines = [
+        f"# GPU run: {title}, {started:%Y-%m-%d}", "",
+        f"`{' '.join(['python -m benchmarks.gpu', *run.argv])}`", "",
+        "| Recorded | |", "|---|---|",
+        f"| Device | {env['device']}{cuda} |",
+        f"| torch | {env.get('torch', 'not recorded')} (Python {env.get('python', '?')}) |",
+        f"| Libraries | {libraries or 'not recorded'} |",
+        f"| Commit | {recorded_commit} |",
+        f"| Started | {started:%Y-%m-%d %H:%M} UTC |",
+        f"| Wall time | {total:.0f} s for {len(results)} parts; full output in `{run.stem}.log` |", "",
+        "| Part | Status | Wall time | Figures |", "|---|---|---|---|",
+        *(f"| [{r.part.name}](#{r.part.name}) | {r.status} | {r.seconds:.0f} s of "
+          f"{r.part.limit_s} s | {r.figures} |" for r in results), "",
+    ]
+    for r in results:
+        tail = "\n".join(r.output.rstrip().splitlines()[-TAIL_LINES:])
+        lines += [f"## {r.part.name}", r.part.what + ".", "", "```bash", " ".join(r.command), "```", "",
+                  f"{r.status}, {r.seconds:.0f} s.", ""]
+        if tail:
+            lines += ["```text", tail, "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for the page and its log (default: docs/results; --dry-run: runs/gpu-dry-run)")
+    parser.add_argument("--only", nargs="+", choices=[p.name for p in PARTS], help="run these parts (default: all)")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, metavar="SECONDS",
+                        help=f"the whole run's limit; a part gets what is left of it if that is less than its own "
+                        f"(default {BUDGET_S})")
+    parser.add_argument("--dry-run", action="store_true", help="each part's tiny CPU version (minutes in all)")
+    args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.budget
+    out = args.out or REPO / ("runs/gpu-dry-run" if args.dry_run else "docs/results")
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(environment(), commit(), datetime.now(timezone.utc), sys.argv[1:] if argv is None else argv,
+              args.dry_run)
+    page_path, log_path = out / f"{run.stem}.md", out / f"{run.stem}.log"
+    parts = [p for p in PARTS if not args.only or p.name in args.only]
+    results: list[Result] = []
+    print(f"{len(parts)} parts on {run.env['device']}; page: {page_path}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp, log_path.open("w") as log:
+        for part in parts:
+            limit = min(part.limit_s, deadline - time.monotonic())
+            result = run_part(part, command_line(part, args.dry_run, Path(tmp)), limit, log)
+            results.append(result)
+            page_path.write_text(page(run, results))
+            print(f"{part.name:<15} {result.status:<28} {result.seconds:6.0f} s  {result.figures}", flush=True)
+    failed = [r.part.name for r in results if r.status != "ok"]
+    print(f"page: {page_path}" + (f"; not ok: {', '.join(failed)}" if failed else "; every part ok"))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
