@@ -4,7 +4,15 @@ Importing this package loads no model library (transformers, timm): the builders
 checks a config stays light. The BERT module class is `models.bert_heads.BertForPreTrainingMaskedLM`.
 """
 
-from models._registry import check_model_config, create_model, list_models, model_options_in_use, register_model
+from models._pretrained import export_names, init_summary, pretrained_state, quiet_transformers
+from models._registry import (
+    check_model_config,
+    create_model,
+    init_refusal,
+    list_models,
+    model_options_in_use,
+    register_model,
+)
 from models.bert import BERT_SIZES, build_bert_config, pad_vocab_size
 from models.swin import export_timm_model, swin
 
@@ -13,10 +21,15 @@ __all__ = [
     "build_bert_config",
     "check_model_config",
     "create_model",
+    "export_names",
     "export_timm_model",
+    "init_refusal",
+    "init_summary",
     "list_models",
     "model_options_in_use",
     "pad_vocab_size",
+    "pretrained_state",
+    "quiet_transformers",
     "register_model",
     "swin",
 ]

@@ -1,9 +1,12 @@
-"""A name -> builder registry for models, filled by the `@register_model` decorator, and the models' config check."""
+"""A name -> builder registry for models, filled by the `@register_model` decorator, the models' config check, and
+the check that a model can start from given weights (`trainer.init_from`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -17,30 +20,37 @@ class ModelSpec:
 
     name: str  # the builder's own name, as `model.name` in conf/model/*.yaml
     build: Callable[..., nn.Module]
+    family: str  # the weights it starts from: an export's transformers model_type ("bert") or timm family ("swin")
     check: Callable[..., None] | None = None
     in_use: Callable[..., dict[str, Any]] | None = None  # the options with the values their nulls stand for
+    # Why the builder's options cannot take an export of its family (its config.json), or None; without it the
+    # export's weights are checked tensor by tensor.
+    export_refusal: Callable[[Mapping[str, Any], Mapping[str, Any], Path], str | None] | None = None
 
 
 _MODELS: dict[str, ModelSpec] = {}
 
 
-def register_model(fn: Callable[..., nn.Module] | None = None, *, check: Callable[..., None] | None = None,
-                   in_use: Callable[..., dict[str, Any]] | None = None) -> Any:
-    """Register a builder under its own function name (`@register_model` or `@register_model(check=...)`).
+def register_model(*, family: str, check: Callable[..., None] | None = None,
+                   in_use: Callable[..., dict[str, Any]] | None = None,
+                   export_refusal: Callable[[Mapping[str, Any], Mapping[str, Any], Path], str | None] | None = None,
+                   ) -> Any:
+    """Register a builder under its own function name: `@register_model(family="bert", check=...)`.
 
-    `check` takes the builder's keyword arguments (None ones dropped, as `create_model` does) and raises
-    `InvalidOption` for a value that cannot build; `in_use` takes them too and returns them with each null replaced
-    by the value the builder uses for it (BERT's shape from its `size`). A second builder with the same name is an
-    error.
+    `family` names the weights the model starts from (`ModelSpec.family`). `check` takes the builder's keyword
+    arguments (None ones dropped, as `create_model` does) and raises `InvalidOption` for a value that cannot build;
+    `in_use` takes them too and returns them with each null replaced by the value the builder uses for it (BERT's
+    shape from its `size`); `export_refusal` takes them, an export's config.json and its directory. A second builder
+    with the same name is an error.
     """
 
     def add(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if builder.__name__ in _MODELS:
             raise ValueError(f"model '{builder.__name__}' is registered twice")
-        _MODELS[builder.__name__] = ModelSpec(builder.__name__, builder, check, in_use)
+        _MODELS[builder.__name__] = ModelSpec(builder.__name__, builder, family, check, in_use, export_refusal)
         return builder
 
-    return add if fn is None else add(fn)
+    return add
 
 
 def list_models() -> list[str]:
@@ -75,3 +85,39 @@ def model_options_in_use(name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]
 def create_model(name: str, **kwargs: Any) -> nn.Module:
     """Build model `name`; kwargs that are None are dropped so the builder's own defaults apply."""
     return _spec(name).build(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+EXPORT_CONFIG = "config.json"  # what transformers' save_pretrained and timm's save_for_hf both write
+
+
+def export_holds(directory: Path) -> tuple[str, str]:
+    """What the export in `directory` holds, from its config.json: its family (transformers' model_type, or a
+    timm architecture's first word) and words for it ("a transformers BertForQuestionAnswering export")."""
+    config = json.loads((Path(directory) / EXPORT_CONFIG).read_text())
+    if "architecture" in config:  # timm's save_for_hf
+        return config["architecture"].split("_")[0], f"a timm {config['architecture']} export"
+    model_type = config.get("model_type", "?")
+    architectures = ", ".join(config.get("architectures") or [model_type])
+    return model_type, f"a transformers {architectures} export"
+
+
+def init_refusal(name: str, options: Mapping[str, Any], directory: Path, run_model: str | None) -> str | None:
+    """Why model `name`, built with `options`, cannot start from the weights in `directory`, naming what they hold
+    and what the model wants; None when it can. An export says what it holds in its config.json; a run's or one of
+    its checkpoints' weights are its model's, `run_model` (None: not known, the tensors are checked instead)."""
+    spec = _spec(name)
+    if run_model is not None:
+        family = _spec(run_model).family if run_model in _MODELS else run_model
+        holds = f"a run of model.name={run_model}"
+    elif (Path(directory) / EXPORT_CONFIG).is_file():
+        family, holds = export_holds(directory)
+    else:
+        return None
+    if family != spec.family:
+        return (f"holds {holds} ({family} weights), and model.name={name} starts from {spec.family} weights: give "
+                f"a {spec.family} run or export, or a {family} model")
+    if run_model is None and spec.export_refusal is not None:
+        config = json.loads((Path(directory) / EXPORT_CONFIG).read_text())
+        refusal = spec.export_refusal({k: v for k, v in options.items() if v is not None}, config, Path(directory))
+        return None if refusal is None else f"holds {holds} {refusal}"
+    return None

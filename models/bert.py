@@ -9,6 +9,7 @@ back in stock transformers.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,12 +100,12 @@ def check_bert_options(fused_layer_norm: bool = False, activation_checkpointing:
 
 
 _SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")  # null: the size's
+_SPEED_OPTIONS = ("fused_layer_norm", "activation_checkpointing")  # no part of the BertConfig
 
 
 def bert_options_in_use(**options: Any) -> dict[str, Any]:
     """The options with the shape their size (or `config_from`'s config.json) gives in place of the nulls."""
-    config_kwargs = {k: v for k, v in options.items() if k not in ("fused_layer_norm", "activation_checkpointing")}
-    config = build_bert_config(**config_kwargs)
+    config = build_bert_config(**{k: v for k, v in options.items() if k not in _SPEED_OPTIONS})
     return {**options, **{key: getattr(config, key) for key in _SHAPE}}
 
 
@@ -130,7 +131,23 @@ def _use_fused_layer_norm(model: nn.Module) -> None:
                 setattr(parent, name, fused)
 
 
-@register_model(check=check_bert_options, in_use=bert_options_in_use)
+def bert_export_refusal(options: Mapping[str, Any], export_config: Mapping[str, Any], directory: Path) -> str | None:
+    """Why a BERT built with `options` cannot take the export whose config.json is `export_config` (in `directory`):
+    the first shape it has otherwise, which transformers would refuse only as it loads, after its report."""
+    config = build_bert_config(**{k: v for k, v in options.items() if k not in _SPEED_OPTIONS})
+    for key in (*_SHAPE, "vocab_size", "max_position_embeddings", "type_vocab_size"):
+        theirs, ours = export_config.get(key), getattr(config, key)
+        if theirs is not None and theirs != ours:
+            own_key = f"model.{key}={theirs}, or " if key in inspect.signature(build_bert_config).parameters else ""
+            return (f"with {key}={theirs}, and this run's model has {key}={ours}: set {own_key}"
+                    f"model.config_from={directory} to take the export's whole shape")
+    return None
+
+
+_FAMILY = dict(family="bert", check=check_bert_options, in_use=bert_options_in_use, export_refusal=bert_export_refusal)
+
+
+@register_model(**_FAMILY)
 def bert_pretraining(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
                      **config_kwargs) -> BertForPreTrainingMaskedLM:
     """BERT with MLM + NSP heads; the other keyword arguments are those of `build_bert_config`."""
@@ -142,7 +159,7 @@ def bert_pretraining(fused_layer_norm: bool = False, activation_checkpointing: b
     return _with_options(model, fused_layer_norm, activation_checkpointing)
 
 
-@register_model(check=check_bert_options, in_use=bert_options_in_use)
+@register_model(**_FAMILY)
 def bert_question_answering(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
                             **config_kwargs) -> BertForQuestionAnswering:
     """BERT with a span start/end head (SQuAD); the other keyword arguments are those of `build_bert_config`."""

@@ -35,7 +35,7 @@ def check_swin_options(arch: str = "swin", depths: Sequence[int] | None = None,
         raise InvalidOption("num_heads", f"must have one entry per stage, as depths={list(depths)}", list(num_heads))
 
 
-@register_model(check=check_swin_options)
+@register_model(family="swin", check=check_swin_options)
 def swin(
     arch: str = "swin_base_patch4_window7_224",
     num_classes: int = 1000,

@@ -14,9 +14,10 @@ from torch import nn
 
 from conf.checks import ConfigError
 from data.atomic import atomic_write_json, replace_directory
-from models import create_model
+from models import create_model, export_names, init_refusal, init_summary, pretrained_state
 from optim import get_optimizer_spec
 from train.checkpoint import init_checkpoint, model_state, read_meta
+from train.run_dir import RunDir
 
 EXPORT_MARKER = "export.json"  # written into every export: what tells an export of this project from other folders
 
@@ -52,22 +53,31 @@ def load_weights(model: nn.Module, path: Path) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def check_init_from(name: str, options: Mapping[str, Any], init_from: str) -> None:
+def check_init_from(name: str, options: Mapping[str, Any], init_from: str) -> str | None:
     """`trainer.init_from`'s weights checked against the model built on the meta device (no memory, no compute),
-    so the launching process refuses weights of another model before it records the run or starts a worker.
+    so the launching process refuses weights of another model before it records the run or starts a worker, and
+    the line that says what loads and what starts fresh, for the run's log.
 
-    A transformers export is left to `from_pretrained`, which checks it as the worker loads it (loading it here
-    too would double its time and its report).
+    A transformers export is left to `from_pretrained`, which maps its names as it loads (its shape was checked
+    against its config.json); its line comes from its tensors' names (None: none can be read).
     """
     import torch
 
+    path = Path(init_from)
+    checkpoint = init_checkpoint(path)
+    recorded = RunDir(checkpoint.parent.parent).recorded_config() if checkpoint is not None else None
+    refusal = init_refusal(name, options, path, recorded.model.name if recorded is not None else None)
+    if refusal is not None:
+        raise ConfigError(f"trainer.init_from={path} {refusal}")
     with torch.device("meta"):
         model = create_model(name, **options)
-    path = Path(init_from)
     state = model_state(path)
     if state is None and (path / "config.json").is_file() and hasattr(type(model), "from_pretrained"):
-        return
-    check_init_weights(model, init_weights(model, path) if state is None else state, path)
+        given = export_names(model, path)
+        return None if given is None else f"trainer.init_from={path}: {init_summary(model.state_dict(), given)}"
+    state = init_weights(model, path) if state is None else state
+    check_init_weights(model, state, path)
+    return f"trainer.init_from={path}: {init_summary(model.state_dict(), state)}"
 
 
 def init_weights(model: nn.Module, path: Path) -> Mapping[str, Any]:
@@ -82,7 +92,7 @@ def init_weights(model: nn.Module, path: Path) -> Mapping[str, Any]:
         )
     if hasattr(type(model), "from_pretrained"):
         # transformers maps base-model prefixes (a saved BertModel into BertForQuestionAnswering) for us.
-        return type(model).from_pretrained(path, config=model.config).state_dict()
+        return pretrained_state(model, path)
     from safetensors.torch import load_file  # a timm export (models.export_timm_model)
 
     return load_file(str(path / "model.safetensors"))

@@ -59,8 +59,9 @@ def plan_run(cfg: DictConfig, run_dir: str | Path, notices: tuple[str, ...] = ()
     init_checkpoint = None
     if trainer.init_optimizer_state:  # or a one-line refusal
         init_checkpoint = optimizer_checkpoint(trainer.init_from, cfg.optim.name, checked.geometry.world_size)
-    if trainer.init_from:
-        check_init_from(cfg.model.name, checked.model_options, trainer.init_from)
+    if trainer.init_from:  # what loads and what starts fresh: a line for the run's log
+        init_line = check_init_from(cfg.model.name, checked.model_options, trainer.init_from)
+        notices = (*notices, init_line) if init_line is not None else notices
     return RunPlan(
         run_dir=Path(run_dir), geometry=checked.geometry,
         model=cfg.model.name, model_options=checked.model_options,
