@@ -13,7 +13,7 @@ def test_a_user_error_ends_its_job_with_its_line(capsys):
     def refused() -> None:
         raise ConfigError("optim.lr=-1 must be >= 0")
 
-    assert run_job(refused) == JobOutcome("config error: optim.lr=-1 must be >= 0", user_error=True)
+    assert run_job(refused) == JobOutcome(2, "config error: optim.lr=-1 must be >= 0")
     assert capsys.readouterr().err == "config error: optim.lr=-1 must be >= 0\n"
 
 
@@ -22,14 +22,14 @@ def test_a_crash_ends_its_job_with_its_traceback_and_first_line(capsys):
         raise RuntimeError("CUDA error: an illegal memory access\nmore detail")
 
     outcome = run_job(crashes)
-    assert outcome == JobOutcome("RuntimeError: CUDA error: an illegal memory access") and not outcome.ok
+    assert outcome == JobOutcome(1, "RuntimeError: CUDA error: an illegal memory access") and not outcome.ok
     assert "Traceback" in capsys.readouterr().err
     assert run_job(lambda: None).ok
 
 
 def test_the_table_names_each_job_by_what_sets_it_apart():
     jobs = [(0, ["optim=lamb", "trainer.max_steps=2"], JobOutcome()),
-            (1, ["optim=adamw", "trainer.max_steps=2"], JobOutcome("config error: optim.lr=-1 must be >= 0", True))]
+            (1, ["optim=adamw", "trainer.max_steps=2"], JobOutcome(2, "config error: optim.lr=-1 must be >= 0"))]
     assert sweep_table(jobs, "runs/demo-multirun").splitlines() == [
         "sweep runs/demo-multirun: 1 of 2 job(s) ok, 1 failed",
         "  job  overrides    result",

@@ -24,14 +24,14 @@ from conf.checks import user_error_text
 
 @dataclass(frozen=True)
 class JobOutcome:
-    """How one job of a sweep ended: `reason` is the one line of a failure ("" when it ran to its end)."""
+    """How one job of a sweep ended: the exit code a single run would have ended with, and why it failed."""
 
-    reason: str = ""
-    user_error: bool = False  # a failure the user must fix (a value, a file): exit code 2, as a single run's
+    exit_code: int = 0  # 2: a user error (a value, a file); 1: anything else
+    reason: str = ""  # the one line of a failure
 
     @property
     def ok(self) -> bool:
-        return not self.reason
+        return self.exit_code == 0
 
 
 def run_job(job: Callable[[], None]) -> JobOutcome:
@@ -43,9 +43,9 @@ def run_job(job: Callable[[], None]) -> JobOutcome:
         line = user_error_text(err)
         if line is None:
             traceback.print_exc()
-            return JobOutcome(_first_line(err))
+            return JobOutcome(1, _first_line(err))
         print(line, file=sys.stderr)
-        return JobOutcome(line, user_error=True)
+        return JobOutcome(getattr(err, "exit_code", 2), line)  # the code a single run exits with (conf.checks)
     return JobOutcome()
 
 
@@ -68,9 +68,9 @@ class SweepReport(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         print(sweep_table(self.jobs, config.hydra.sweep.dir), flush=True)
-        failed = [outcome for _, _, outcome in self.jobs if not outcome.ok]
+        failed = [outcome.exit_code for _, _, outcome in self.jobs if not outcome.ok]
         if failed:
-            sys.exit(2 if all(outcome.user_error for outcome in failed) else 1)
+            sys.exit(2 if set(failed) == {2} else 1)
 
 
 def sweep_table(jobs: Sequence[tuple[int, list[str], JobOutcome]], sweep_dir: str) -> str:
