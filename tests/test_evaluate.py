@@ -7,8 +7,11 @@ import json
 
 import pytest
 from test_export import _cli, swin_run  # noqa: F401 - the module's run fixture
+from test_init_from import BERT
 
-from conf.checks import ConfigError
+from conf.checks import ConfigError, UserError
+from models import create_model, quiet_transformers
+from train.evaluate import evaluate
 from train.metrics import read_metrics
 from train.restore import find_weights, weights_config
 from train.run_dir import RunDir
@@ -53,3 +56,17 @@ def test_the_command_refuses_an_unknown_key_in_one_line(swin_run):  # noqa: F811
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"config error: data.eval_batch_sise is not a key of the config {swin_run} "
                                           "recorded; did you mean data.eval_batch_size?"]
+
+
+def test_an_export_without_the_task_head_is_refused_naming_it(tmp_path):
+    with quiet_transformers():
+        create_model("bert_pretraining", **BERT).save_pretrained(tmp_path / "pretrained")
+    question_answering = ["experiment=squad_demo", "model.config_from=null", "data.vocab_path=null",
+                          *[f"model.{key}={value}" for key, value in BERT.items()]]
+    with pytest.raises(UserError) as info:
+        evaluate(tmp_path / "pretrained", question_answering, out=tmp_path / "eval")
+    assert str(info.value) == (
+        f"{tmp_path / 'pretrained'} does not hold the whole model (21 of 23 tensors load; starting fresh: qa_outputs "
+        "(2); not used: bert.pooler (2), cls.predictions (5), cls.seq_relationship (2)): evaluate weights trained for "
+        "task question_answering")
+    assert not (tmp_path / "eval").exists()

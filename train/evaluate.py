@@ -12,8 +12,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from conf.checks import UserError, user_errors_exit
 from data import atomic_write_json
+from models import export_names, init_summary
 from train.restore import find_weights, rebuild, weights_config
 from train.run_dir import RunDir
 from train.tasks import EvalShard, evaluate_model, get_task
@@ -32,6 +35,8 @@ def evaluate(source: str | Path, overrides: list[str], *, best: bool = False,
     if task.evaluate is None:
         raise UserError(f"task {cfg.task.name} has no evaluation")
     model, data, device = rebuild(cfg, weights.path, cfg.trainer.device)
+    if not weights.is_checkpoint:
+        refuse_a_partial_export(model, weights.path, cfg.task.name)
     if data.eval is None:
         raise UserError(f"data {cfg.data.name} has no held-out split to evaluate on (images: data.eval_split; "
                         "prepared text: python -m data.prepare heldout_sequences=...)")
@@ -40,6 +45,15 @@ def evaluate(source: str | Path, overrides: list[str], *, best: bool = False,
     record = {"weights": str(weights.path), "metrics": {f"eval/{k}": v for k, v in metrics.items()}}
     atomic_write_json(out_dir.eval_file, record, indent=1)
     return out_dir.eval_file, record
+
+
+def refuse_a_partial_export(model: nn.Module, export: Path, task: str) -> None:
+    """An export that lacks part of the model (a pretraining export evaluated as question answering) would be
+    evaluated with that part at random: refused in one line that says what it lacks."""
+    given = export_names(model, export)
+    if given is not None and not given.issuperset(model.state_dict()):
+        raise UserError(f"{export} does not hold the whole model ({init_summary(model.state_dict(), given)}): "
+                        f"evaluate weights trained for task {task}")
 
 
 def main(argv: list[str] | None = None) -> None:
