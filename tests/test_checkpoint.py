@@ -381,7 +381,7 @@ def _resume_with_rank_1s_newest_file_damaged(rank: int, world_size: int, tmp_pat
         damaged = tmp_path / "step_00000004" / "rank_00001.pt"
         damaged.write_bytes(damaged.read_bytes()[:-10])
     comm.barrier()
-    path, shared, own = ckpt.resume()
+    path, _, own = ckpt.resume()
     return path.name, int(own["mine"]), ckpt.passed_over
 
 
