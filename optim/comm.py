@@ -69,12 +69,18 @@ class Comm:
         self._link_free_at = start + collective_seconds(kind, nbytes, self.world_size, self.network)
         return self._link_free_at
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
-        """In-place all-reduce of algorithm data; returns the Work handle when `async_op`."""
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
+                   counted: bool = True):
+        """In-place all-reduce of algorithm data; returns the Work handle when `async_op`.
+
+        `counted=False`: traffic that is not the algorithm's (an evaluation's replica average), neither charged to
+        the step nor delayed by a simulated network.
+        """
         if not self.distributed:
             return _completed(tensor) if async_op else None
-        self._count(tensor, "all_reduce")
-        deadline = self._deadline("all_reduce", tensor)
+        if counted:
+            self._count(tensor, "all_reduce")
+        deadline = self._deadline("all_reduce", tensor) if counted else None
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         if deadline is None:
             return work
@@ -82,13 +88,6 @@ class Comm:
             _sleep_until(deadline, tensor)
             return None
         return _DelayedWork(work, deadline, tensor)
-
-    def average(self, tensor: torch.Tensor) -> torch.Tensor:
-        """In-place mean over ranks (sum, then divide)."""
-        self.all_reduce(tensor)
-        if self.distributed:
-            tensor.div_(self.world_size)
-        return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In-place broadcast from `src`; only the source rank is charged the bytes."""
@@ -308,8 +307,10 @@ class MirrorComm(Comm):
         super()._count(tensor, kind)
         self.calls.append((kind, tensor.numel() * tensor.element_size()))
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
-        self._count(tensor, "all_reduce")
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
+                   counted: bool = True):
+        if counted:
+            self._count(tensor, "all_reduce")
         if op == dist.ReduceOp.SUM and self.world_size > 1:
             tensor.mul_(self.world_size)
         return _completed(tensor) if async_op else None
@@ -378,34 +379,30 @@ def counting_allreduce_hook(
 
 
 def average_tensors_(tensors: Sequence[torch.Tensor], comm: Comm, bucket_numel: int | None = None,
-                     wire_dtype: torch.dtype = torch.float32) -> None:
-    """Mean over the ranks of `tensors`, in place: what optimizers that synchronise themselves share.
+                     wire_dtype: torch.dtype = torch.float32, counted: bool = True) -> None:
+    """Mean over the ranks of `tensors`, in place: the one replica average (the optimizers that synchronise
+    themselves, and the evaluation of drifted replicas with `counted=False`, see `Comm.all_reduce`).
 
-    The tensors travel flattened in fp32 buckets of whole tensors, at most `bucket_numel` elements each (a larger
-    tensor is a bucket of its own; None: one bucket), one all-reduce per bucket, all in flight at once. A 16-bit
-    `wire_dtype` sends half the bytes: each rank's share is divided by the world size in fp32 before the cast (so
-    small values do not underflow) and the sum is taken in the wire dtype, as DeepSpeed's fp16 engine does.
+    The tensors are laid end to end and travel in all-reduces of at most `bucket_numel` elements (None: one), all
+    in flight at once. One contiguous fp32 tensor (a flat buffer) is reduced where it lies; other tensors go
+    through one fp32 staging vector and are copied home (cast to their dtype). A 16-bit `wire_dtype` sends half
+    the bytes: each rank's share is divided by the world size in fp32 before the cast (so small values do not
+    underflow) and the sum is taken in the wire dtype, as DeepSpeed's fp16 engine does.
     """
     if not comm.distributed or not tensors:
         return
-    buckets: list[list[torch.Tensor]] = [[]]
-    numel = 0
-    for t in tensors:
-        if buckets[-1] and bucket_numel is not None and numel + t.numel() > bucket_numel:
-            buckets.append([])
-            numel = 0
-        buckets[-1].append(t)
-        numel += t.numel()
-    in_flight = []
-    for bucket in buckets:
-        flat = torch.cat([t.detach().reshape(-1).float() for t in bucket])
-        payload = flat if wire_dtype == flat.dtype else flat.div_(comm.world_size).to(wire_dtype)
-        in_flight.append((bucket, flat, payload, comm.all_reduce(payload, async_op=True)))
-    for bucket, flat, payload, work in in_flight:
+    in_place = len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].dtype == torch.float32
+    flat = tensors[0].detach().view(-1) if in_place else torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    payload = flat if wire_dtype == flat.dtype else flat.div_(comm.world_size).to(wire_dtype)
+    works = [comm.all_reduce(piece, async_op=True, counted=counted)
+             for piece in payload.split(bucket_numel or max(payload.numel(), 1))]
+    for work in works:
         work.wait()
-        if payload is flat:
-            flat.div_(comm.world_size)
-        else:
-            flat.copy_(payload)
-        torch._foreach_copy_(bucket, [v.view_as(t) for t, v in zip(bucket, flat.split([t.numel() for t in bucket]),
+    if payload is flat:
+        flat.div_(comm.world_size)
+    else:
+        flat.copy_(payload)
+    if not in_place:
+        homes = [t.detach() for t in tensors]
+        torch._foreach_copy_(homes, [v.view_as(t) for t, v in zip(homes, flat.split([t.numel() for t in homes]),
                                                                      strict=True)])

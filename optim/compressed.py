@@ -14,6 +14,7 @@ all-reduce is two collectives, not DeepSpeed's four; the arithmetic is the same.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm
+from optim.flat import FlatLayout, copy_in_chunks_
 
 _SCALE_BYTES = 4  # one float32 scale per chunk on the wire
 _SIGN_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # byte -> its 8 signs, MSB first
@@ -34,6 +36,7 @@ def padded_numel(numel: int, world_size: int) -> int:
 
 
 _PACK_MULTIPLIER = 0x8040201008040201 - (1 << 64)  # as int64: sum over k of 2**(63 - 9k)
+_TOP_BYTE = 7 if sys.byteorder == "little" else 0  # where an int64's most significant byte sits in memory
 
 
 def pack_signs(x: Tensor) -> Tensor:
@@ -44,11 +47,11 @@ def pack_signs(x: Tensor) -> Tensor:
 
     How: the 8 sign flags (one byte each, 0 or 1) of a group are one little-endian int64 word; multiplying
     by sum_k 2**(63 - 9k) moves flag k to bit 63 - k of the product without carries (all partial products
-    have distinct exponents), so the top byte is the packed byte. One pass over the flags, no loop.
+    have distinct exponents), so the top byte, read in place, is the packed byte (of the negative flags: one
+    `not` of the bytes makes it the sign bits). Two passes over the flags, no loop.
     """
-    negative = torch.signbit(x.reshape(-1)).view(torch.int64)
-    packed = negative.mul_(_PACK_MULTIPLIER).bitwise_right_shift_(56).to(torch.uint8)
-    return packed.bitwise_not_()
+    negative = torch.signbit(x.reshape(-1)).view(torch.int64).mul_(_PACK_MULTIPLIER)
+    return negative.view(torch.uint8)[_TOP_BYTE::8].bitwise_not()
 
 
 def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -79,6 +82,23 @@ def _decode_into(out: Tensor, packed: Tensor, scales: Tensor) -> None:
         torch.index_select(table * scale, 0, bytes_.int(), out=out[row].view(-1, 8))
 
 
+def _weighted_tables(weights: Tensor, dtype: torch.dtype) -> Tensor:
+    """(W * 256, 8): rows 256 j to 256 j + 255 are `_sign_table` times `weights[j]` (exact: +-weight)."""
+    world = weights.numel()
+    return (weights.to(dtype).reshape(world, 1, 1) * _sign_table(dtype, weights.device)).reshape(world * 256, 8)
+
+
+def _decode_sum(packed: Tensor, tables: Tensor) -> Tensor:
+    """`sum_j weights[j] * unpack_signs(packed[j])` over the rows j of `packed` (W, n/8), `tables` from
+    `_weighted_tables`: one lookup per byte of each row, summed row after row in one `embedding_bag`, without the
+    W decoded rows (the sum is in row order, as `torch.sum` over them takes it)."""
+    world = packed.shape[0]
+    rows = torch.empty(packed.shape[1], world, dtype=torch.int32, device=packed.device)
+    offsets = torch.arange(0, 256 * world, 256, dtype=torch.int32, device=packed.device)
+    torch.add(packed.t(), offsets, out=rows)  # byte b of rank j -> table row 256 j + b
+    return torch.nn.functional.embedding_bag(rows, tables, mode="sum").reshape(-1)
+
+
 def compress_(z: Tensor, error: Tensor) -> Tensor:
     """1-bit compression of `z` with error feedback: returns the RMS scale `||z|| / sqrt(numel)` (shape (1,)).
 
@@ -88,7 +108,7 @@ def compress_(z: Tensor, error: Tensor) -> Tensor:
     `copysign(scale, z)` (exactly `scale * sign(z)`), so no temporary is allocated.
     """
     scale = torch.linalg.vector_norm(z).div_(math.sqrt(z.numel())).reshape(1)
-    torch.copysign(scale.expand_as(z), z, out=error)
+    torch.copysign(scale, z, out=error)  # broadcast: the scale is read once, not as a vector
     torch.sub(z, error, out=error)
     return scale
 
@@ -142,13 +162,12 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     # Server stage on this rank's chunk: the scale-weighted mean of the W sign vectors, compressed again, a
     # block of columns at a time.
     weights = scales.to(buffer.dtype) * (1.0 / world)  # DeepSpeed multiplies by 1/W rather than dividing
-    server = torch.empty(chunk, dtype=buffer.dtype, device=buffer.device)
-    columns = max(8, block // world // 8 * 8)
+    tables = _weighted_tables(weights, buffer.dtype)
+    server = buffer[:chunk]  # the buffer is free until phase 2 decodes into it: the server's vector lives there
+    columns = max(8, block // 8 * 8)
     for a in range(0, chunk, columns):
-        weighted = torch.empty(world, min(columns, chunk - a), dtype=buffer.dtype, device=buffer.device)
-        _decode_into(weighted, signs[:, a // 8:(a + columns) // 8], weights)
-        torch.sum(weighted, 0, out=server[a:a + columns])
-    server.add_(server_error)
+        torch.add(_decode_sum(signs[:, a // 8:(a + columns) // 8], tables), server_error[a:a + columns],
+                  out=server[a:a + columns])
     server_scale = compress_(server, server_error)
     # Phase 2: every rank gets every compressed chunk and decodes the same bytes, straight into the buffer.
     mine = _with_scale(pack_signs(server).reshape(1, chunk // 8), server_scale)
@@ -173,103 +192,70 @@ def compressed_bytes_per_call(numel: int, world_size: int) -> int:
 
 
 class CompressedBuckets:
-    """Tensors grouped into buckets, each bucket one persistent padded flat buffer all-reduced in place.
+    """The compressed all-reduce of a `FlatLayout`'s buckets, with this rank's error buffers.
 
-    `layout` lists, per bucket, the indices of the tensors it holds (in order) and `shapes` their shapes.
-    Every buffer set made by `new_flats()` has this layout; `views(flats)` are the tensors inside it, so an
-    optimizer keeps the state it communicates (1-bit Adam's and 1-bit LAMB's momentum) right in the buffer
-    and a compressed call needs no copy in or out, as DeepSpeed's fused buffers. `segments` are the
-    contiguous runs of a bucket that belong to one param group, for flat math with per-group scalars.
+    A flat buffer with the layout (an optimizer's momentum, say) is all-reduced bucket by bucket in place: its
+    per-tensor views are the optimizer's state, so a compressed call copies nothing in or out, as DeepSpeed's
+    fused buffers. The worker error follows the layout (one flat buffer, a bucket's error at the bucket's
+    place); the server error holds each bucket's 1/W share, bucket after bucket.
 
-    With `keep_tail` the padded tail of a buffer is kept from call to call, as 1-bit LAMB's fused momentum
-    buffer is in DeepSpeed (the tail holds the previous decompressed output, which feeds the next
-    compression and its scale); without it the tail is zeroed before every call, as DeepSpeed's per-tensor
-    padding. The error buffers and `flats` (the tails) are rank-specific state: checkpoint them with
-    `state_dict()`.
+    With `keep_tail` the padded tail of a bucket is kept from call to call, as 1-bit LAMB's fused momentum
+    buffer is in DeepSpeed (the tail holds the previous decompressed output, which feeds the next compression
+    and its scale); without it the tail is zeroed before every call, as DeepSpeed's per-tensor padding. The
+    errors and (with `keep_tail`) the tails are rank-specific state: checkpoint them with `state_dict()`.
     """
 
-    def __init__(self, layout: Sequence[Sequence[int]], shapes: Sequence[torch.Size], comm: Comm,
-                 device: torch.device, dtype: torch.dtype = torch.float32, keep_tail: bool = False,
-                 groups: Sequence[int] | None = None) -> None:
-        self.layout = [list(indices) for indices in layout]
-        self.shapes = [torch.Size(shape) for shape in shapes]
-        self.comm, self.keep_tail, self.device, self.dtype = comm, keep_tail, device, dtype
-        numels = [shape.numel() for shape in self.shapes]
-        self.sizes = [sum(numels[i] for i in indices) for indices in self.layout]
+    def __init__(self, layout: FlatLayout, comm: Comm, device: torch.device, dtype: torch.dtype = torch.float32,
+                 keep_tail: bool = False) -> None:
+        self.layout, self.comm, self.keep_tail = layout, comm, keep_tail
         world = comm.world_size
-        self.padded = [padded_numel(size, world) for size in self.sizes]
-        self.segments = _segments(self.layout, numels, groups if groups is not None else [0] * len(numels))
-        self.worker_errors = [torch.zeros(n, device=device, dtype=dtype) for n in self.padded]
-        self.server_errors = [torch.zeros(n // world, device=device, dtype=dtype) for n in self.padded]
-        self.flats = self.new_flats()
+        if any((b.end - b.start) % (8 * world) for b in layout.buckets):
+            raise ValueError(f"CompressedBuckets: buckets must be padded for {world} ranks (use padded_numel)")
+        self.sizes = [b.size for b in layout.buckets]
+        self.worker_error = torch.zeros(layout.numel, device=device, dtype=dtype)
+        self.server_error = torch.zeros(sum(b.end - b.start for b in layout.buckets) // world, device=device,
+                                        dtype=dtype)
+        shares = [(b.end - b.start) // world for b in layout.buckets]
+        self._workers = layout.bucket_views(self.worker_error)
+        self._servers = list(self.server_error.split(shares)) if shares else []
 
-    def new_flats(self) -> list[Tensor]:
-        """A fresh zeroed set of padded flat buffers with this layout."""
-        return [torch.zeros(n, device=self.device, dtype=self.dtype) for n in self.padded]
-
-    def views(self, flats: Sequence[Tensor]) -> list[Tensor]:
-        """Per tensor (in the original order), its shaped view inside `flats`."""
-        out: list[Tensor | None] = [None] * len(self.shapes)
-        for flat, indices in zip(flats, self.layout, strict=True):
-            start = 0
-            for i in indices:
-                out[i] = flat[start:start + self.shapes[i].numel()].view(self.shapes[i])
-                start += self.shapes[i].numel()
-        return out  # type: ignore[return-value]
-
-    def segment_views(self, flats: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
-        """(param group, 1-D view) for each run of one group's tensors inside `flats`: one kernel per run."""
-        return [(group, flats[b][start:stop]) for b, group, start, stop in self.segments]
-
-    def allreduce_(self, flats: Sequence[Tensor] | None = None) -> None:
-        """Replace each buffer of `flats` (default: `self.flats`) by its compressed mean over ranks, in place."""
+    def allreduce_(self, flat: Tensor) -> None:
+        """Replace each bucket of `flat` (a buffer with the layout) by its compressed mean over ranks, in place."""
         if not self.comm.distributed:
             return
-        for b, flat in enumerate(self.flats if flats is None else flats):
+        for bucket, buffer, worker, server in zip(self.layout.buckets, self.layout.bucket_views(flat), self._workers,
+                                                  self._servers, strict=True):
             if not self.keep_tail:
-                flat[self.sizes[b]:].zero_()
-            compressed_allreduce_(flat, self.worker_errors[b], self.server_errors[b], self.comm)
+                buffer[bucket.size:].zero_()
+            compressed_allreduce_(buffer, worker, server, self.comm)
 
     def bytes_per_call(self) -> int:
         """What one `allreduce_` costs this rank in Comm's bytes, all buckets together."""
         return sum(compressed_bytes_per_call(size, self.comm.world_size) for size in self.sizes)
 
     def zero_errors_(self) -> None:
-        for error in (*self.worker_errors, *self.server_errors):
-            error.zero_()
+        self.worker_error.zero_()
+        self.server_error.zero_()
 
-    def state_dict(self) -> dict[str, Any]:
-        tails = [flat[size:].clone() for flat, size in zip(self.flats, self.sizes, strict=True)]
-        return {"world_size": self.comm.world_size, "sizes": list(self.sizes),
-                "worker_errors": self.worker_errors, "server_errors": self.server_errors, "tails": tails}
+    def state_dict(self, flat: Tensor) -> dict[str, Any]:
+        """This rank's errors (views: nothing is copied) and the tails of `flat`, per bucket."""
+        tails = [buffer[size:].clone() for buffer, size in zip(self.layout.bucket_views(flat), self.sizes,
+                                                                strict=True)]
+        return {"world_size": self.comm.world_size, "sizes": list(self.sizes), "worker_errors": self._workers,
+                "server_errors": self._servers, "tails": tails}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], flat: Tensor) -> None:
+        """Copy saved errors and tails into this rank's buffers and `flat`, in place."""
         if state["world_size"] != self.comm.world_size or list(state["sizes"]) != self.sizes:
             raise ValueError(
                 f"compression state was saved for {state['world_size']} ranks and buckets {state['sizes']}; this "
                 f"run has {self.comm.world_size} ranks and buckets {self.sizes}: the per-rank error buffers "
                 "cannot be carried over to another world size"
             )
-        tails = [flat[size:] for flat, size in zip(self.flats, self.sizes, strict=True)]
-        for mine, saved in zip([*self.worker_errors, *self.server_errors, *tails],
+        tails = [buffer[size:] for buffer, size in zip(self.layout.bucket_views(flat), self.sizes, strict=True)]
+        for mine, saved in zip([*self._workers, *self._servers, *tails],
                                [*state["worker_errors"], *state["server_errors"], *state["tails"]], strict=True):
-            mine.copy_(saved)
-
-
-def _segments(layout: Sequence[Sequence[int]], numels: Sequence[int],
-              groups: Sequence[int]) -> list[tuple[int, int, int, int]]:
-    """(bucket, group, start, stop) for each maximal run of consecutive tensors of one group in a bucket."""
-    segments: list[tuple[int, int, int, int]] = []
-    for b, indices in enumerate(layout):
-        start = 0
-        for i in indices:
-            stop = start + numels[i]
-            if segments and segments[-1][0] == b and segments[-1][1] == groups[i] and segments[-1][3] == start:
-                segments[-1] = (b, groups[i], segments[-1][2], stop)
-            else:
-                segments.append((b, groups[i], start, stop))
-            start = stop
-    return segments
+            copy_in_chunks_(mine, saved)
 
 
 def bucket_layout(group_sizes: Sequence[int], bucketing: str) -> list[list[int]]:

@@ -18,7 +18,8 @@ from optim._math import (
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import WIRE_DTYPES, Comm, average_tensors_
-from optim.compressed import CompressedBuckets, bucket_layout
+from optim.compressed import CompressedBuckets, bucket_layout, padded_numel
+from optim.flat import FlatLayout, FlatState, pop_flat_entries
 from optim.memory import onebit_family_bytes
 
 # Kept in every docstring of the family: where we differ from DeepSpeed 0.19.6.
@@ -84,12 +85,17 @@ class OneBitFamily(torch.optim.Optimizer):
     Subclasses implement `_step(t)`. The step counter `t` counts `step()` calls including the init step, as
     DeepSpeed's does, so every schedule boundary (freeze_step, variance and local-step intervals) matches.
 
-    Memory layout: every per-element state tensor (``exp_avg``, ``exp_avg_sq``, ...) is a view into one
-    persistent padded flat buffer per bucket (`CompressedBuckets`), the momentum into the buffers the
-    compressed all-reduce works on. Math over state alone then runs as one kernel per bucket segment, and a
-    compressed call copies nothing in or out. The frozen denominators `sqrt(v) + eps` and the zero-variance
-    masks are cached and rebuilt (on the device) only when `v` changes or a state is loaded. After `step()`
-    the gradients hold scratch values: their storage is reused for the update.
+    Memory layout (`optim.flat`): every per-element state tensor (``exp_avg``, ``exp_avg_sq``, ...) is a view of
+    one flat buffer per name, laid out bucket by bucket (each bucket padded for the compressed all-reduce), the
+    momentum's the buffer the compressed all-reduce works on: a compressed call copies nothing in or out, and
+    math over state alone runs as one op per segment (a param group's run in a bucket). The frozen denominators
+    `sqrt(v) + eps` and the zero-variance masks are cached and rebuilt (on the device) only when `v` changes or a
+    state is loaded. After `step()` the gradients hold scratch values: their storage is reused for the update.
+
+    Roundings: on the CPU every op rounds as DeepSpeed's (its trajectories are matched bit for bit there); on
+    other devices (a GPU, and the `meta` device the step-cost count uses) the momentum is one `lerp` and the
+    Adam update the fused AdamW form `w (1 - lr wd) - lr m / denom`: fewer passes over memory, results within
+    1e-6 relative of DeepSpeed's (see `deepspeed_roundings`).
     """
 
     def __init__(self, params: Any, defaults: dict[str, Any], comm: Comm | None, bucketing: str,
@@ -108,17 +114,20 @@ class OneBitFamily(torch.optim.Optimizer):
         if len({(p.device, p.dtype) for p in params}) > 1:
             raise ValueError(f"{type(self).__name__}: all parameters must share one device and dtype (its state "
                              f"lives in flat buffers); got {sorted({(str(p.device), str(p.dtype)) for p in params})}")
-        layout = bucket_layout([len(g["params"]) for g in self.param_groups], bucketing)
+        device, dtype = params[0].device, params[0].dtype
         groups = [index for index, group in enumerate(self.param_groups) for _ in group["params"]]
-        self.buckets = CompressedBuckets(layout, [p.shape for p in params], self.comm, params[0].device,
-                                         params[0].dtype, keep_tail=keep_tail, groups=groups)
+        layout = FlatLayout.packed([p.shape for p in params], groups,
+                                   bucket_layout([len(g["params"]) for g in self.param_groups], bucketing),
+                                   padded=lambda size: padded_numel(size, self.comm.world_size))
+        self.flat = FlatState(layout, device, dtype)
+        self._state_keys = ("exp_avg", *flat_keys)
+        for key in self._state_keys:
+            self.flat.add(key, params, self.state)
+        self.buckets = CompressedBuckets(layout, self.comm, device, dtype, keep_tail=keep_tail)
+        # DeepSpeed's roundings where its trajectories are checked (the CPU); fewer passes elsewhere
+        self.deepspeed_roundings = device.type == "cpu"
         self.step_count = 0
-        self._flats = {"exp_avg": self.buckets.flats, **{key: self.buckets.new_flats() for key in flat_keys}}
-        self._denoms: list[Tensor] | None = None  # sqrt(v) + eps, flat; None: to be rebuilt from v
-        self._variance_masks: list[Tensor] | None = None  # v == 0 per bucket; None: to be rebuilt
-        for key, flats in self._flats.items():
-            for p, view in zip(params, self.buckets.views(flats), strict=True):
-                self.state[p][key] = view
+        self._stale = {"denom": True, "zero_variance": True}  # caches of v, rebuilt after v changed
         for p in params:
             self._init_state(self.state[p], p)
 
@@ -150,64 +159,82 @@ class OneBitFamily(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     def _grads(self) -> list[Tensor]:
-        """Every parameter's gradient, a zero tensor where there is none (all ranks communicate alike)."""
+        """Every parameter's gradient, a zero tensor where there is none (all ranks communicate alike), contiguous
+        (a flat piece of it is a view)."""
         grads = []
         for p in self._params():
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
             grads.append(p.grad)
         return grads
 
     def _states(self, key: str) -> list[Tensor]:
-        return [self.state[p][key] for p in self._params()]
+        """Every parameter's view of flat buffer `key`."""
+        return self.flat.views(key)
 
-    def _segments(self, key: str) -> list[tuple[int, Tensor]]:
-        """(param group index, contiguous 1-D run of that group's `key` state): flat math, one kernel per run."""
-        return self.buckets.segment_views(self._flats[key])
-
-    def _group_slices(self) -> list[slice]:
-        """Positions of each group's tensors in the flat lists of `_params()`."""
+    def _groups(self) -> list[tuple[slice, dict[str, Any]]]:
+        """(positions of the group's tensors in `_params()`, the group) per param group."""
         slices, start = [], 0
         for group in self.param_groups:
-            slices.append(slice(start, start + len(group["params"])))
+            slices.append((slice(start, start + len(group["params"])), group))
             start += len(group["params"])
         return slices
 
     def _average(self, tensors: Sequence[Tensor]) -> None:
         average_tensors_(tensors, self.comm, DENSE_BUCKET_NUMEL, self.dense_wire_dtype)
 
+    def _momentum_(self, inputs: list[Tensor]) -> None:
+        """`m <- beta1 m + (1 - beta1) x` for every group (`momentum_`)."""
+        momenta = self._states("exp_avg")
+        for slice_, group in self._groups():
+            momentum_(momenta[slice_], inputs[slice_], group["betas"][0], self.deepspeed_roundings)
+
+    def _variance_(self, grads: list[Tensor]) -> None:
+        """`v <- beta2 v + (1 - beta2) g^2` for every group; the caches of `v` are stale from here on."""
+        variances = self._states("exp_avg_sq")
+        for slice_, group in self._groups():
+            foreach_variance_(variances[slice_], grads[slice_], group["betas"][1])
+        self._stale = dict.fromkeys(self._stale, True)
+
     def _denominators(self) -> list[Tensor]:
-        """Per tensor `sqrt(v) + eps` (views of flat buffers), rebuilt only after `v` changed.
+        """Per tensor `sqrt(v) + eps` (views of a flat buffer), rebuilt only after `v` changed.
 
         Frozen variance makes the denominator constant through a compressed stage: one pass instead of
-        two per step. Rebuilt in place, so the cache costs one state-sized buffer and no allocation.
+        two per step. Rebuilt in place, one op per segment, so the cache costs one state-sized buffer.
         """
-        if self._denoms is None:
-            self._flats.setdefault("denom", self.buckets.new_flats())
-            for (group, variance), (_, denom) in zip(self._segments("exp_avg_sq"), self._segments("denom"),
+        if self._stale["denom"]:
+            if "denom" not in self.flat:
+                self.flat.add("denom")
+            for (group, variance), (_, denom) in zip(self.flat.segments("exp_avg_sq"), self.flat.segments("denom"),
                                                       strict=True):
                 torch.sqrt(variance, out=denom).add_(self.param_groups[group]["eps"])
-            self._denoms = self.buckets.views(self._flats["denom"])
-        return self._denoms
+            self._stale["denom"] = False
+        return self.flat.views("denom")
 
-    def _mask_(self, flats: Sequence[Tensor]) -> None:
-        """Zero what 1 bit cannot represent as zero: the group's `exp_avg_mask` and zero-variance elements.
+    def _mask_(self, key: str) -> None:
+        """Zero what 1 bit cannot represent as zero in flat buffer `key`: the group's `exp_avg_mask` and
+        zero-variance elements (`mask_zero_variance`).
 
-        `flats` have the bucket layout. The zero-variance masks are built on the device (no host read decides
-        which tensors need one), so every element is multiplied by its 0/1 mask.
+        The zero-variance mask is a bool buffer built on the device when `v` changed (no host read decides which
+        tensors need one) and applied with one masked fill per segment (no float copy of it per step).
         """
         if self.mask_zero_variance:
-            if self._variance_masks is None:
-                self._variance_masks = [variance[:size].eq(0) for variance, size
-                                        in zip(self._flats["exp_avg_sq"], self.buckets.sizes, strict=True)]
-            for flat, size, zero_variance in zip(flats, self.buckets.sizes, self._variance_masks, strict=True):
-                flat[:size].masked_fill_(zero_variance, 0.0)  # a bool mask: no float copy of it per step
-        if not any("exp_avg_mask" in group for group in self.param_groups):
-            return
-        views = self.buckets.views(flats)
-        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+            if self._stale["zero_variance"]:
+                if "zero_variance" not in self.flat:
+                    self.flat.add("zero_variance", dtype=torch.bool)
+                for (_, variance), (_, mask) in zip(self.flat.segments("exp_avg_sq"),
+                                                    self.flat.segments("zero_variance"), strict=True):
+                    torch.eq(variance, 0, out=mask)
+                self._stale["zero_variance"] = False
+            for (_, values), (_, mask) in zip(self.flat.segments(key), self.flat.segments("zero_variance"),
+                                              strict=True):
+                values.masked_fill_(mask, 0.0)
+        views = self._states(key)
+        for slice_, group in self._groups():
             group_mask = group.get("exp_avg_mask")
             if group_mask is None:
                 continue
@@ -216,50 +243,55 @@ class OneBitFamily(torch.optim.Optimizer):
             for view in views[slice_]:
                 view.mul_(group_mask)  # in place (DeepSpeed PR #1278)
 
-    def _variance_changed(self) -> None:
-        """`v` was updated: the cached denominators and zero-variance masks are stale."""
-        self._denoms = None
-        self._variance_masks = None
-
-    def _adam_update_(self, params: list[Tensor], scratch: list[Tensor]) -> None:
+    def _adam_update_(self, scratch: list[Tensor]) -> None:
         """Every group's `w <- w - lr (m / (sqrt(v) + eps) + weight_decay w)`; `scratch` (dead gradients)."""
-        exp_avgs, denoms = self._states("exp_avg"), self._denominators()
-        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+        params, exp_avgs, denoms = self._params(), self._states("exp_avg"), self._denominators()
+        for slice_, group in self._groups():
             onebit_adam_update_(params[slice_], exp_avgs[slice_], denoms[slice_], scratch[slice_], lr=group["lr"],
-                                weight_decay=group["weight_decay"])
+                                weight_decay=group["weight_decay"], deepspeed_roundings=self.deepspeed_roundings)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of the persistent tensors: `state` (flat buffers, error buffers) and `scratch` (bounded work)."""
+        errors = self.buckets.worker_error, self.buckets.server_error
+        return {"state": self.flat.nbytes() + sum(e.numel() * e.element_size() for e in errors), "scratch": 0}
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Torch's state plus this rank's own: step counter, error buffers, phase and schedule state."""
+        """Torch's state (the flat buffers' views: nothing is copied) plus this rank's own: step counter, error
+        buffers, phase and schedule state."""
         state = super().state_dict()
-        state["onebit"] = {"step": self.step_count, "buckets": self.buckets.state_dict(), **self._extra_state()}
+        state["onebit"] = {"step": self.step_count, "buckets": self.buckets.state_dict(self.flat["exp_avg"]),
+                           **self._extra_state()}
         for group in state["param_groups"]:
             group.pop("exp_avg_mask", None)  # masks come from the config of every run, as in DeepSpeed
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by `state_dict()` (of this class, this model and this world size), the per-element
+        state straight into the flat buffers: torch's loader would first copy every tensor to the device."""
         state_dict = dict(state_dict)
         own = state_dict.pop("onebit")
         masks = [group.get("exp_avg_mask") for group in self.param_groups]
+        small, flat = pop_flat_entries(state_dict, self._state_keys)
         # torch casts floating state to the parameter's dtype; float64 scalars must come back unrounded
         exact = {index: {key: value for key, value in entry.items() if torch.is_tensor(value)
-                         and value.dtype == torch.float64} for index, entry in state_dict["state"].items()}
-        views = {key: self._states(key) for key in self._flats if key != "denom"}
-        super().load_state_dict(state_dict)
+                         and value.dtype == torch.float64} for index, entry in small["state"].items()}
+        super().load_state_dict(small)
         for index, p in enumerate(self._params()):
             for key, value in exact.get(index, {}).items():
                 self.state[p][key] = value.to(p.device)
-            for key, key_views in views.items():  # the state lives in the flat buffers: copy it back in
-                key_views[index].copy_(self.state[p][key])
-                self.state[p][key] = key_views[index]
+        for key in self._state_keys:
+            self.flat.load_(key, flat[key])
+            for p, view in zip(self._params(), self.flat.views(key), strict=True):
+                self.state[p][key] = view
         for group, mask in zip(self.param_groups, masks, strict=True):
             group.pop("exp_avg_mask", None)
             if mask is not None:
                 group["exp_avg_mask"] = mask
         self.step_count = own["step"]
-        self.buckets.load_state_dict(own["buckets"])
+        self.buckets.load_state_dict(own["buckets"], self.flat["exp_avg"])
         self._load_extra_state(own)
-        self._variance_changed()
+        self._stale = dict.fromkeys(self._stale, True)
 
 
 class OneBitAdam(OneBitFamily):
@@ -307,33 +339,43 @@ class OneBitAdam(OneBitFamily):
         return t > max(self.freeze_step, self.first_real_step)
 
     def _step(self, t: int) -> None:
-        params, grads = self._params(), self._grads()
-        exp_avgs, exp_avg_sqs = self._states("exp_avg"), self._states("exp_avg_sq")
-        compressing = self.compressing(t)
-        if not compressing:
-            self._average(grads)
-        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
-            beta1, beta2 = group["betas"]
-            foreach_momentum_(exp_avgs[slice_], grads[slice_], beta1)
-            if not compressing:
-                foreach_variance_(exp_avg_sqs[slice_], grads[slice_], beta2)
-        if compressing:
-            self.buckets.allreduce_()  # the momenta live in the buckets' buffers: in place
-            self._mask_(self.buckets.flats)
+        grads = self._grads()
+        if self.compressing(t):
+            self._momentum_(grads)
+            self.buckets.allreduce_(self.flat["exp_avg"])  # the momenta live in the buckets' buffer: in place
+            self._mask_("exp_avg")
         else:
-            self._variance_changed()
-        self._adam_update_(params, grads)
+            self._average(grads)
+            self._momentum_(grads)
+            self._variance_(grads)
+        self._adam_update_(grads)
+
+
+def momentum_(exp_avgs: list[Tensor], inputs: list[Tensor], beta1: float, deepspeed_roundings: bool) -> None:
+    """`m <- beta1 m + (1 - beta1) x`: DeepSpeed's two ops (`foreach_momentum_`) with its roundings, or one
+    `lerp` (one pass fewer, rounded apart)."""
+    if deepspeed_roundings:
+        foreach_momentum_(exp_avgs, inputs, beta1)
+    else:
+        torch._foreach_lerp_(exp_avgs, inputs, 1.0 - beta1)
 
 
 def onebit_adam_update_(params: list[Tensor], exp_avgs: list[Tensor], denoms: list[Tensor], scratch: list[Tensor],
-                        *, lr: float, weight_decay: float) -> None:
+                        *, lr: float, weight_decay: float, deepspeed_roundings: bool = True) -> None:
     """Functional core of the family's Adam step: `w <- w - lr (m / denom + weight_decay w)`, `denom = sqrt(v) + eps`.
 
-    `scratch` (same shapes; the caller's dead gradients) receives the update, so nothing is allocated. The
-    roundings are DeepSpeed's: `m / denom` and `weight_decay * w` each rounded, then summed (addcdiv with
-    value 1 adds the rounded quotient exactly), then scaled by `-lr`, then added.
+    With `deepspeed_roundings` the roundings are DeepSpeed's: `m / denom` and `weight_decay * w` each rounded,
+    then summed (addcdiv with value 1 adds the rounded quotient exactly), then scaled by `-lr`, then added;
+    `scratch` (same shapes; the caller's dead gradients) receives the update, so nothing is allocated. Without,
+    the fused AdamW form `w (1 - lr weight_decay) - lr m / denom`: two passes over the weights instead of five,
+    no scratch, rounded apart.
     """
     if not params:
+        return
+    if not deepspeed_roundings:
+        if weight_decay != 0:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-lr)
         return
     if weight_decay != 0:
         torch._foreach_copy_(scratch, params)

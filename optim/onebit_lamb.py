@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,8 +14,6 @@ from optim._math import (
     clamped_trust_ratio,
     foreach_adam_update,
     foreach_chunks,
-    foreach_momentum_,
-    foreach_variance_,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
@@ -39,17 +37,13 @@ def check_onebit_lamb_options(options: dict[str, Any]) -> None:
     require(0.0 <= o["coeff_beta"] < 1.0, "coeff_beta", o["coeff_beta"], "must be in [0, 1)")
 
 
-# 1-bit LAMB's one work buffer, what replaces DeepSpeed's clone of every momentum: its compressed step runs foreach
-# ops over chunks of tensors of at most this many elements, each chunk with a view of the buffer as its temporary
-# (a larger tensor is cut into 1-D pieces). It holds an eighth of the parameters, at most 64 MiB of fp32: a bounded
-# buffer, and a step of at most about 16 chunks plus one per 2^24 elements, however many tensors there are.
+# 1-bit LAMB's one work buffer, what replaces DeepSpeed's clone of every momentum: its compressed step runs over
+# chunks of the flat buffers of at most this many elements (`optim.flat`: a larger tensor is cut into 1-D pieces),
+# each with a view of the buffer as its temporary. It holds an eighth of the parameters, at most 64 MiB of fp32: a
+# bounded buffer, and a step of at most about 16 chunks plus one per 2^24 elements, however many tensors there are.
 # Smaller, cache-sized chunks do not pay on a CPU (BERT-base, one thread: 2^20 elements per chunk no faster than
 # 2^24 or whole lists) and only multiply the launches on a GPU.
 _SCRATCH_NUMEL, _SCRATCH_FRACTION = 1 << 24, 8
-
-
-# Aligned chunks of lists of tensors, each with a list of temporaries shaped like them (`OneBitLAMB._chunks`).
-Chunks = Callable[..., Iterable[tuple[list[Tensor], ...]]]
 
 
 class OneBitLAMB(OneBitFamily):
@@ -110,10 +104,11 @@ class OneBitLAMB(OneBitFamily):
                          keep_tail=bucketing == "flat_scaled", flat_keys=("exp_avg_sq", "exp_avg_sq_fresh"))
         self.scaled = bucketing == "flat_scaled"
         self._lamb_coeffs: list[Tensor] = []
-        self._scratch: Tensor | None = None  # the bounded work buffer (see `_chunks`)
-        self._scratch_cache: dict[tuple[torch.Size, ...], list[Tensor]] = {}
         numel = sum(p.numel() for p in self._params())
         self._chunk_numel = min(_SCRATCH_NUMEL, -(-numel // _SCRATCH_FRACTION))
+        self._scratch: Tensor | None = None  # the bounded work buffer, made at the first compressed step
+        self._work_views: list[tuple[Tensor, list[Tensor]]] | None = None
+        self._one = torch.ones((), dtype=self.flat.dtype, device=self.flat.device)  # a factor of exactly 1
 
     def _init_state(self, state: dict[str, Any], p: Tensor) -> None:
         state["lamb_coeff_freeze"] = torch.zeros((), dtype=torch.float64, device=p.device)
@@ -126,6 +121,14 @@ class OneBitLAMB(OneBitFamily):
         """The coefficient each tensor's update was scaled by in the last step (a copy; reads the device)."""
         return [float(c) for c in self._lamb_coeffs]
 
+    def memory_bytes(self) -> dict[str, int]:
+        scratch = 0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size()
+        return {**super().memory_bytes(), "scratch": scratch}
+
+    def _per_param(self, key: str) -> list[Tensor]:
+        """Every parameter's entry `key` of its (non-flat) state: its scalars."""
+        return [self.state[p][key] for p in self._params()]
+
     def _step(self, t: int) -> None:
         if self.compressing(t):
             self._compressed_step()
@@ -135,61 +138,104 @@ class OneBitLAMB(OneBitFamily):
     def _warmup_step(self, last: bool) -> None:
         params, grads = self._params(), self._grads()
         self._average(grads)
+        self._momentum_(grads)
+        self._variance_(grads)
         self._lamb_coeffs = []
-        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
-            beta1, beta2 = group["betas"]
-            exp_avgs, exp_avg_sqs = self._states("exp_avg")[slice_], self._states("exp_avg_sq")[slice_]
-            foreach_momentum_(exp_avgs, grads[slice_], beta1)
-            foreach_variance_(exp_avg_sqs, grads[slice_], beta2)
-            group_params, freezes = params[slice_], self._states("lamb_coeff_freeze")[slice_]
+        exp_avgs, exp_avg_sqs, freezes = self._states("exp_avg"), self._states("exp_avg_sq"), \
+            self._per_param("lamb_coeff_freeze")
+        for slice_, group in self._groups():
+            group_params = params[slice_]
             for chunk in foreach_chunks(group_params):  # the update's temporaries: one chunk's, not the group's
+                chunk = slice(slice_.start + chunk.start, slice_.start + chunk.stop)
                 coeffs = onebit_lamb_warmup_update_(
-                    group_params[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], freezes[chunk], lr=group["lr"],
+                    params[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], freezes[chunk], lr=group["lr"],
                     eps=group["eps"], weight_decay=group["weight_decay"], max_coeff=group["max_coeff"],
                     min_coeff=group["min_coeff"], coeff_beta=self.coeff_beta,
                 )
                 self._lamb_coeffs.extend(coeffs.unbind())
-            if last:
-                torch._foreach_copy_(self._states("exp_avg_sq_fresh")[slice_], exp_avg_sqs)
-        self._variance_changed()
+        if last:
+            for (_, fresh), (_, variance) in zip(self.flat.segments("exp_avg_sq_fresh"),
+                                                 self.flat.segments("exp_avg_sq"), strict=True):
+                fresh.copy_(variance)
 
     def _compressed_step(self) -> None:
         """Momentum update, one fused compressed call, then the frozen-coefficient update, on flat buffers.
 
-        DeepSpeed keeps a clone of every momentum for the reconstructed gradient. Here the dead gradients hold
-        `beta1 m_old` instead (swapped with the momentum through the bounded work buffer, chunk by chunk), while
-        the home buffer takes the new momentum `m_new = beta1 m_old + (1 - beta1) g` with DeepSpeed's single
-        rounding; they then serve as scratch for the reconstructed gradient and the update direction. The home
-        buffer's padded tail, last step's output, feeds this compression as in DeepSpeed. Every op runs over a
-        list (a chunk, a group, all tensors): the number of ops does not grow with the number of tensors.
+        DeepSpeed keeps a clone of every momentum for the reconstructed gradient. Here the dead gradients hold the
+        old momentum instead (swapped in through the bounded work buffer, a chunk at a time), while the flat buffer
+        takes the new one; they then serve as scratch for the reconstructed gradient and the update direction.
+        The buffer's padded tail, last step's output, feeds this compression as in DeepSpeed. Every op runs over a
+        segment, a chunk or a list: the number of ops does not grow with the number of tensors.
         """
         params, grads = self._params(), self._grads()
         if "scaling_coeff" not in self.state[params[0]]:
             self._init_scaling_coeffs(params)
-        scaling = self._states("scaling_coeff")
-        momenta = self._states("exp_avg")
-        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
-            beta1 = group["betas"][0]
-            for m, g, old in self._chunks(momenta[slice_], grads[slice_]):
-                torch._foreach_copy_(old, g)
-                torch._foreach_mul_(m, beta1)  # beta1 m_old, kept for the reconstructed gradient
-                torch._foreach_copy_(g, m)
-                torch._foreach_add_(m, old, alpha=1 - beta1)
+        scaling, momenta = self._per_param("scaling_coeff"), self._states("exp_avg")
+        self._swap_in_momenta_(grads)
         torch._foreach_mul_(momenta, scaling)
-        self.buckets.allreduce_()
+        self.buckets.allreduce_(self.flat["exp_avg"])
         torch._foreach_div_(momenta, scaling)
-        self._mask_(self.buckets.flats)
-        self._lamb_coeffs = []
-        denoms = self._denominators()
+        self._mask_("exp_avg")
         fresh = self._states("exp_avg_sq_fresh")
-        for slice_, group in zip(self._group_slices(), self.param_groups, strict=True):
+        for slice_, group in self._groups():
+            refresh_variance_(grads[slice_], momenta[slice_], fresh[slice_], group["betas"], self.deepspeed_roundings)
+        maxima = self._ratio_maxima()
+        denoms, ones = self._denominators(), [self._one] * len(params)
+        freezes, last_factors = self._per_param("lamb_coeff_freeze"), self._per_param("last_factor")
+        self._lamb_coeffs = []
+        for slice_, group in self._groups():
             coeffs = onebit_lamb_compressed_update_(
-                params[slice_], grads[slice_], momenta[slice_], fresh[slice_], denoms[slice_], self._chunks,
-                self._states("lamb_coeff_freeze")[slice_], self._states("last_factor")[slice_], lr=group["lr"],
-                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                params[slice_], grads[slice_], momenta[slice_], denoms[slice_], maxima[slice_], freezes[slice_],
+                last_factors[slice_], ones[slice_], lr=group["lr"], weight_decay=group["weight_decay"],
                 factor_max=self.factor_max, factor_min=self.factor_min, factor_threshold=self.factor_threshold,
+                deepspeed_roundings=self.deepspeed_roundings,
             )
             self._lamb_coeffs.extend(coeffs.unbind())
+
+    def _swap_in_momenta_(self, grads: list[Tensor]) -> None:
+        """`m <- beta1 m + (1 - beta1) g` in the flat buffer while the gradients' storage takes the old momentum
+        (`beta1 m_old` with DeepSpeed's roundings, `m_old` otherwise), a chunk at a time through the work buffer."""
+        work = self._work()
+        momenta = self.flat.pieces("exp_avg", self._chunk_numel)
+        flat_momenta = self.flat.chunk_views("exp_avg", self._chunk_numel)
+        for chunk, m, flat_m, (flat_w, w) in zip(self.flat.chunks(self._chunk_numel), momenta, flat_momenta, work,
+                                                strict=True):
+            beta1 = self.param_groups[chunk.group]["betas"][0]
+            g = [piece.of(grads[piece.slot]) for piece in chunk.pieces]
+            if self.deepspeed_roundings:
+                torch.mul(flat_m, beta1, out=flat_w)
+                flat_m.copy_(flat_w)
+                torch._foreach_add_(m, g, alpha=1.0 - beta1)
+            else:
+                flat_w.copy_(flat_m)
+                torch._foreach_lerp_(m, g, 1.0 - beta1)
+            torch._foreach_copy_(g, w)
+
+    def _ratio_maxima(self) -> Tensor:
+        """Per tensor, the largest `(sqrt(v) + eps) / (sqrt(v_fresh) + eps)` over its elements: three flat passes
+        per chunk through the work buffer, the maxima of cut tensors' pieces combined on the device."""
+        self._denominators()
+        limit = self._chunk_numel
+        maxima = []
+        for chunk, fresh, denom, (flat_w, w) in zip(self.flat.chunks(limit), self.flat.chunk_views("exp_avg_sq_fresh",
+                                                    limit), self.flat.chunk_views("denom", limit), self._work(),
+                                                    strict=True):
+            torch.sqrt(fresh, out=flat_w).add_(self.param_groups[chunk.group]["eps"])
+            torch.div(denom, flat_w, out=flat_w)
+            maxima.extend(torch._foreach_max(w))
+        return self.flat.per_slot(maxima, limit, "amax")
+
+    def _work(self) -> list[tuple[Tensor, list[Tensor]]]:
+        """Per chunk, the bounded work buffer's flat view and its pieces shaped like the chunk's (built once)."""
+        if self._work_views is None:
+            self._scratch = torch.empty(self._chunk_numel, dtype=self.flat.dtype, device=self.flat.device)
+            self._work_views = []
+            for chunk, pieces in zip(self.flat.chunks(self._chunk_numel),
+                                     self.flat.pieces("exp_avg", self._chunk_numel), strict=True):
+                flat = self._scratch[:chunk.stop - chunk.start]
+                parts = flat.split([p.numel() for p in pieces])
+                self._work_views.append((flat, [part.view_as(p) for part, p in zip(parts, pieces, strict=True)]))
+        return self._work_views
 
     def _init_scaling_coeffs(self, params: list[Tensor]) -> None:
         """Each tensor's `scaling_coeff` at the first compression step (1 without scaling)."""
@@ -199,29 +245,6 @@ class OneBitLAMB(OneBitFamily):
             coeffs = torch.ones(len(params), dtype=torch.float64, device=params[0].device).unbind()
         for p, coeff in zip(params, coeffs, strict=True):
             self.state[p]["scaling_coeff"] = coeff
-
-    def _chunks(self, *lists: list[Tensor]) -> Iterator[tuple[list[Tensor], ...]]:
-        """Aligned chunks of same-shaped `lists` of at most `_chunk_numel` elements (a larger contiguous tensor cut
-        into 1-D pieces), each with a list of temporaries shaped like it: views of one bounded work buffer."""
-        if not lists[0]:
-            return
-        pieces = _aligned_pieces(lists, self._chunk_numel)
-        for chunk in foreach_chunks(pieces[0], self._chunk_numel):
-            yield *(tensors[chunk] for tensors in pieces), self._scratch_views(pieces[0][chunk])
-
-    def _scratch_views(self, tensors: list[Tensor]) -> list[Tensor]:
-        """Views of the work buffer shaped like `tensors`, cached by shape (no op per step); fresh tensors for
-        what does not fit (a large tensor that is not contiguous, taken whole)."""
-        shapes = tuple(t.shape for t in tensors)
-        if shapes not in self._scratch_cache:
-            numels = [t.numel() for t in tensors]
-            if sum(numels) > self._chunk_numel:
-                return [torch.empty_like(t) for t in tensors]
-            if self._scratch is None:
-                self._scratch = torch.empty(self._chunk_numel, dtype=tensors[0].dtype, device=tensors[0].device)
-            flat = self._scratch[:sum(numels)].split(numels)
-            self._scratch_cache[shapes] = [view.view(shape) for view, shape in zip(flat, shapes, strict=True)]
-        return self._scratch_cache[shapes]
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         for p in self._params():  # checkpoints before scaling coefficients were tensors held Python floats
@@ -259,43 +282,47 @@ def onebit_lamb_warmup_update_(params: list[Tensor], exp_avgs: list[Tensor], exp
     return coeffs
 
 
+def refresh_variance_(work: list[Tensor], exp_avgs: list[Tensor], fresh: list[Tensor], betas: Sequence[float],
+                      deepspeed_roundings: bool) -> None:
+    """`v_fresh <- beta2 v_fresh + (1 - beta2) g^2` with the reconstructed gradient `g = (m - beta1 m_old) /
+    (1 - beta1)`, which `work` takes. `work` holds `beta1 m_old` with DeepSpeed's roundings (then two ops as its,
+    negating numerator and denominator: exact), `m_old` otherwise (one extrapolating `lerp`, and the square
+    blended in by a second)."""
+    beta1, beta2 = betas
+    if deepspeed_roundings:
+        torch._foreach_sub_(work, exp_avgs)
+        torch._foreach_div_(work, beta1 - 1)
+        torch._foreach_mul_(fresh, beta2)
+        torch._foreach_addcmul_(fresh, work, work, value=1 - beta2)
+        return
+    torch._foreach_lerp_(work, exp_avgs, 1.0 / (1.0 - beta1))
+    torch._foreach_mul_(work, work)
+    torch._foreach_lerp_(fresh, work, 1.0 - beta2)
+
+
 def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp_avgs: list[Tensor],
-                                   fresh: list[Tensor], denoms: list[Tensor], chunks: Chunks,
-                                   coeff_freezes: list[Tensor], last_factors: list[Tensor], *, lr: float,
-                                   betas: Sequence[float], eps: float, weight_decay: float, factor_max: float,
-                                   factor_min: float, factor_threshold: float) -> Tensor:
+                                   denoms: list[Tensor], ratio_maxima: Tensor, coeff_freezes: list[Tensor],
+                                   last_factors: list[Tensor], ones: list[Tensor], *, lr: float, weight_decay: float,
+                                   factor_max: float, factor_min: float, factor_threshold: float,
+                                   deepspeed_roundings: bool = True) -> Tensor:
     """One group's compression-stage update after the momenta were all-reduced; returns each tensor's coefficient.
 
-    `work` (the dead gradients) holds `beta1 m_old` and then, in place, the reconstructed gradient, the ratio
-    of denominators and the update; `fresh` is `v_fresh`, `denoms` `sqrt(v) + eps`; `chunks(*lists)` gives
-    aligned chunks of lists, each with bounded temporaries shaped like it. Nothing is allocated at full size, and
-    every op runs over a list, so their number does not grow with the tensors'. Per-tensor maxima, norms and the
-    factor chain run over stacked 0-d tensors (float64): nothing is read on the host. The roundings are
-    DeepSpeed's (negating numerator and denominator of the reconstructed gradient is exact).
+    `work` (the dead gradients) takes the update direction; `denoms` is `sqrt(v) + eps`; `ratio_maxima` per tensor
+    the largest `denom / (sqrt(v_fresh) + eps)`; `ones` a 0-d 1 per tensor (a factor that keeps DeepSpeed's
+    rounding of `weight_decay * w`). Every op runs over a list, so their number does not grow with the tensors'.
+    Per-tensor norms and the factor chain run over stacked 0-d tensors (float64): nothing is read on the host.
     """
     if not params:
         return torch.empty(0, dtype=torch.float64)
-    beta1, beta2 = betas
-    torch._foreach_sub_(work, exp_avgs)
-    torch._foreach_div_(work, beta1 - 1)  # reconstructed gradient (m - beta1 m_old) / (1 - beta1)
-    torch._foreach_mul_(fresh, beta2)
-    torch._foreach_addcmul_(fresh, work, work, value=1 - beta2)
-    torch._foreach_copy_(work, fresh)
-    torch._foreach_sqrt_(work)
-    torch._foreach_add_(work, eps)
-    for w, denom, ratio in chunks(work, denoms):  # w <- denom / w, through the temporaries
-        torch._foreach_copy_(ratio, denom)
-        torch._foreach_div_(ratio, w)
-        torch._foreach_copy_(w, ratio)
-    factor = torch.stack(torch._foreach_max(work)).double()  # max over elements of denom / fresh denom
+    factor = ratio_maxima.double()
     torch._foreach_zero_(work)
     torch._foreach_addcdiv_(work, exp_avgs, denoms)  # update_prelim = m / denom (0 + m / denom: one rounding)
     if weight_decay > 0:
         prelim_norm = torch.stack(torch._foreach_norm(work))
-        for w, p, decay in chunks(work, params):  # update = update_prelim + (weight_decay w), rounded apart
-            torch._foreach_copy_(decay, p)
-            torch._foreach_mul_(decay, weight_decay)
-            torch._foreach_add_(w, decay)
+        if deepspeed_roundings:  # update = update_prelim + (weight_decay w), rounded apart
+            torch._foreach_addcmul_(work, params, ones, value=weight_decay)
+        else:
+            torch._foreach_add_(work, params, alpha=weight_decay)
         update_norm = torch.stack(torch._foreach_norm(work))
         ratio = torch.where(update_norm > 0, prelim_norm / update_norm, 1.0).double().clamp(max=1.0)
         factor = factor * ratio + (1.0 - ratio)
@@ -304,24 +331,8 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
     factor = torch.minimum(torch.maximum(factor, last * (1.0 - factor_threshold)), last * (1.0 + factor_threshold))
     torch._foreach_copy_(last_factors, list(factor.unbind()))
     coeffs = torch.stack(coeff_freezes) * factor
-    torch._foreach_mul_(work, list((coeffs * -lr).float().unbind()))
-    torch._foreach_add_(params, work)
+    torch._foreach_addcmul_(params, work, list((coeffs * -lr).float().unbind()))  # w + round(-lr c u)
     return coeffs
-
-
-def _aligned_pieces(lists: Sequence[list[Tensor]], size: int) -> list[list[Tensor]]:
-    """`lists` of same-shaped tensors with each tensor of more than `size` elements replaced by its 1-D pieces of at
-    most `size`, alike in every list; kept whole where one of them is not contiguous (a channels_last gradient,
-    say: no flat view of it exists). Two ops per cut tensor: a view and one split."""
-    out: list[list[Tensor]] = [[] for _ in lists]
-    for tensors in zip(*lists, strict=True):
-        cut = tensors[0].numel() > size and all(t.is_contiguous() for t in tensors)
-        for pieces, t in zip(out, tensors, strict=True):
-            if cut:
-                pieces.extend(t.view(-1).split(size))
-            else:
-                pieces.append(t)
-    return out
 
 
 register_optimizer(OptimSpec(

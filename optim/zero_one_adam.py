@@ -7,10 +7,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
 
 from conf.checks import require
-from optim._math import foreach_momentum_, foreach_variance_
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
 from optim.memory import onebit_family_bytes
@@ -152,49 +150,45 @@ class ZeroOneAdam(OneBitFamily):
         self.lr_sums = [0.0] * len(self.param_groups)
 
     def _step(self, t: int) -> None:
-        params, grads = self._params(), self._grads()
-        exp_avgs, exp_avg_sqs = self._states("exp_avg"), self._states("exp_avg_sq")
+        grads = self._grads()
         kind = self.schedule.kind(t)
-        momentum_input = grads
         if kind == "variance":
             self._average(grads)
-        elif kind == "onebit_grad":  # phase 1: the anchors' buffers are free and carry the gradients
-            momentum_input = self._states("sync_anchor")
-            torch._foreach_copy_(momentum_input, grads)
-            self.buckets.allreduce_(self._flats["sync_anchor"])
-            self._mask_(self._flats["sync_anchor"])
-        for index, (slice_, group) in enumerate(zip(self._group_slices(), self.param_groups, strict=True)):
-            beta1, beta2 = group["betas"]
-            if kind == "variance":
-                foreach_variance_(exp_avg_sqs[slice_], grads[slice_], beta2)
-            foreach_momentum_(exp_avgs[slice_], momentum_input[slice_], beta1)
-            if self.schedule.frozen:
-                self.lr_sums[index] += group["lr"]
-        if kind == "variance":
-            self._variance_changed()
-        self._adam_update_(params, grads)
+            self._variance_(grads)
+            self._momentum_(grads)
+        elif kind == "onebit_grad":  # phase 1: the anchors' buffer is free and carries the gradients
+            carried = self._states("sync_anchor")
+            torch._foreach_copy_(carried, grads)
+            self.buckets.allreduce_(self.flat["sync_anchor"])
+            self._mask_("sync_anchor")
+            self._momentum_(carried)
+        else:
+            self._momentum_(grads)
+        if self.schedule.frozen:
+            self.lr_sums = [total + group["lr"] for total, group in zip(self.lr_sums, self.param_groups, strict=True)]
+        self._adam_update_(grads)
         if kind == "sync":
-            self._sync(params)
+            self._sync()
         if self.schedule.advance(t):  # phase 2 from the next step: errors now track u, not gradients
             self.buckets.zero_errors_()
-            torch._foreach_copy_(self._states("sync_anchor"), params)
+            torch._foreach_copy_(self._states("sync_anchor"), self._params())
 
-    def _sync(self, params: list[Tensor]) -> None:
+    def _sync(self) -> None:
         """Average the accumulated updates with one compressed call and restart from the common point.
 
-        The momentum is replaced by the averaged update at a sync, so its buffers carry q: no copy, no
+        The momentum is replaced by the averaged update at a sync, so its buffer carries q: no copy, no
         temporary. Roundings as before: q = (w - w_a) (sqrt(v) + eps); w = w_a + q / (sqrt(v) + eps).
         """
-        anchors, denoms = self._states("sync_anchor"), self._denominators()
+        params, anchors, denoms = self._params(), self._states("sync_anchor"), self._denominators()
         accumulated = self._states("exp_avg")
         torch._foreach_copy_(accumulated, params)
         torch._foreach_sub_(accumulated, anchors)  # u: what this rank moved since the last sync
         torch._foreach_mul_(accumulated, denoms)  # q = u (sqrt(v) + eps)
-        self.buckets.allreduce_()
-        self._mask_(self.buckets.flats)
+        self.buckets.allreduce_(self.flat["exp_avg"])
+        self._mask_("exp_avg")
         torch._foreach_addcdiv_(anchors, accumulated, denoms)  # w = w_a + q / (sqrt(v) + eps)
         torch._foreach_copy_(params, anchors)
-        for group, momentum in self._segments("exp_avg"):
+        for group, momentum in self.flat.segments("exp_avg"):
             momentum.div_(-self.lr_sums[group])  # m = -q / sum(lr)
         self.lr_sums = [0.0] * len(self.param_groups)
 

@@ -10,7 +10,7 @@ from distributed_harness import run_on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from optim.comm import AllReduceHookState, Comm, counting_allreduce_hook
+from optim.comm import AllReduceHookState, Comm, average_tensors_, counting_allreduce_hook
 
 
 def test_single_process_is_identity_and_counts_nothing():
@@ -30,7 +30,7 @@ def _collectives(rank, world_size):
     x = torch.full((10,), float(rank + 1))
     comm.all_reduce(x)
     y = torch.ones(6, dtype=torch.float16)
-    comm.average(y)
+    average_tensors_([y], comm, wire_dtype=torch.float16)
     z = torch.zeros(3)
     if rank == 0:
         z += 7

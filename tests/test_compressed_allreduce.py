@@ -21,6 +21,7 @@ from optim.compressed import (
     padded_numel,
     unpack_signs,
 )
+from optim.flat import FlatLayout, FlatState
 
 
 def test_packing_is_msb_first_like_numpy_and_round_trips():
@@ -157,15 +158,19 @@ def test_matches_the_equivalence_spec_on_gloo(world_size):
 
 def _ranks_buckets(rank, world_size):
     comm = Comm()
-    buckets = CompressedBuckets([[0, 1]], [(3, 5), (7,)], comm, torch.device("cpu"), keep_tail=True)
-    tensors = buckets.views(buckets.flats)  # the tensors live in the bucket's padded buffer
+    layout = FlatLayout.packed([torch.Size((3, 5)), torch.Size((7,))], [0, 0], [[0, 1]],
+                               padded=lambda size: padded_numel(size, world_size))
+    state = FlatState(layout, torch.device("cpu"), torch.float32)
+    flat = state.add("exp_avg")
+    buckets = CompressedBuckets(layout, comm, torch.device("cpu"), keep_tail=True)
+    tensors = state.views("exp_avg")  # the tensors live in the bucket's padded buffer
     tensors[0].fill_(rank + 1.0)
     tensors[1].copy_(torch.arange(7.0) * (rank + 1))
-    buckets.allreduce_()
+    buckets.allreduce_(flat)
     tensors = [t.clone() for t in tensors]
-    tail = buckets.flats[0][22:].clone()
+    tail = flat[22:].clone()
     dense = [torch.full((4,), float(rank)), torch.ones(3) * rank]
-    average_tensors_(dense, comm, bucket_numel=4)  # two flat buckets
+    average_tensors_(dense, comm, bucket_numel=4)  # two all-reduces: the 7 elements end to end, cut after 4
     return tensors, tail, dense, buckets.bytes_per_call(), comm.take_counts()
 
 

@@ -61,7 +61,7 @@ def _slamb_after_steps(model: nn.Module, steps: int) -> SLAMB:
     return optimizer
 
 
-def _checkpoint(optimizer: SLAMB) -> dict:
+def _checkpoint(optimizer: torch.optim.Optimizer) -> dict:
     buffer = io.BytesIO()
     torch.save(optimizer.state_dict(), buffer)
     buffer.seek(0)
@@ -183,13 +183,14 @@ def test_onebit_lamb_keeps_no_twin_of_the_momentum():
             p.grad = torch.randn_like(p)
         optimizer.step()
     assert optimizer.compressing(optimizer.step_count)
-    flat_bytes = 4 * optimizer.buckets.padded[0]
+    flat_bytes = 4 * optimizer.flat.layout.numel
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     parameters |= {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
     sizes = _storage_sizes(optimizer, {}, set())
     momentum_sized = [ptr for ptr, n in sizes.items() if n >= flat_bytes and ptr not in parameters]
     # m, v, v_fresh, sqrt(v) + eps; the worker and (on one rank, as large) server error buffers
-    assert len(momentum_sized) == len(optimizer._flats) + 2
+    assert sorted(optimizer.flat.buffers) == ["denom", "exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "zero_variance"]
+    assert len(momentum_sized) == 4 + 2
 
 
 def test_compressed_allreduce_temporaries_are_bounded_by_the_chunk(monkeypatch):
@@ -205,3 +206,30 @@ def test_compressed_allreduce_temporaries_are_bounded_by_the_chunk(monkeypatch):
     signs = 3 * (numel // 8 + 64)  # packed signs: sent, received, gathered
     assert counted.peak <= server + signs + 16 * 4096
     assert counted.peak < 4 * numel  # less than one fp32 copy of the buffer
+
+
+def test_onebit_resume_copies_the_state_into_its_flat_buffers_in_place():
+    """Torch's loader would first cast every saved state tensor to the parameters' dtype and device, all of them
+    alive at once beside the flat buffers: a second copy of the state. The 1-bit family copies each saved tensor
+    into its flat buffers a chunk at a time (here from a float64 checkpoint, as a host checkpoint on a GPU)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])
+    optimizer = OneBitLAMB(model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=3, comm=MirrorComm(2))
+    for _ in range(5):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    saved = _checkpoint(optimizer)
+    for entry in saved["state"].values():
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.dtype == torch.float32:
+                entry[key] = value.double()
+    before = {key: buffer.untyped_storage().data_ptr() for key, buffer in optimizer.flat.buffers.items()}
+    with _NewStorageBytes() as allocated:
+        optimizer.load_state_dict(saved)
+    assert {key: buffer.untyped_storage().data_ptr() for key, buffer in optimizer.flat.buffers.items()} == before
+    largest = 4 * max(p.numel() for p in model.parameters())
+    assert allocated.peak <= largest + 4096  # one tensor's cast at a time, not the state
+    for index, p in enumerate(model.parameters()):
+        assert optimizer.state[p]["exp_avg"].untyped_storage().data_ptr() == before["exp_avg"]
+        assert torch.equal(optimizer.state[p]["exp_avg_sq_fresh"], saved["state"][index]["exp_avg_sq_fresh"].float())
