@@ -9,14 +9,16 @@ import torch
 from torch import Tensor
 
 from conf.checks import check_non_negative, check_positive, require
-from optim._math import check_flags, closure_loss, foreach_chunks
+from optim._math import FOREACH_CHUNK_NUMEL, check_flags, closure_loss
 from optim._registry import OptimSpec, get_optimizer_spec, list_optimizers, register_optimizer, run_check
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options
 from optim.comm import Comm, average_tensors_
+from optim.flat import FlatLayout, FlatState, pop_flat_entries
 from optim.memory import wrapper_bytes
 from optim.restart import restart_optimizer
 
 _GLOBAL = "slowmo"  # key of the optimizer-wide entry of `self.state` (the others are parameters)
+_FLAT = ("anchor", "slow_momentum")  # per-parameter state, views of flat fp32 buffers
 
 
 def base_names() -> list[str]:
@@ -72,7 +74,8 @@ class SlowMo(BaseWrapper):
     optimizer's and are not averaged (BERT and Swin have none that train).
 
     State (all in `state_dict()`): per parameter ``anchor`` (:math:`x_{t,0}`) and ``slow_momentum``
-    (:math:`u`), both fp32 and created at the first step (after the trainer's set-up broadcast); under the key
+    (:math:`u`), both fp32 views of flat buffers (`optim.flat`: one op per param group and chunk for the outer
+    step, loaded in place), created at the first step (after the trainer's set-up broadcast); under the key
     ``"slowmo"`` the base steps taken; and, under ``"base"``, the base optimizer's state. Between syncs the
     weights and the base's state differ across ranks, so checkpoints are per rank, and rank 0's weights are the
     averaged ones only right after a sync: evaluate and export at multiples of ``sync_interval``.
@@ -103,6 +106,7 @@ class SlowMo(BaseWrapper):
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
         self.comm = comm if comm is not None else Comm()
         self.state[_GLOBAL] = {"step": 0}
+        self.flat: FlatState | None = None  # anchors and slow momenta, made at the first step or a load
 
     def _check_loaded_state(self) -> None:
         if _GLOBAL not in self.state:
@@ -124,42 +128,70 @@ class SlowMo(BaseWrapper):
         """Whether every rank holds the same weights after optimizer step `step` (only right after a sync)."""
         return step % self.sync_interval == 0
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `state_dict()`, the anchors and slow momenta straight into the flat buffers (torch's loader
+        would first copy them to the parameters' device)."""
+        small, flat = pop_flat_entries(state_dict, _FLAT)
+        super().load_state_dict(small)
+        if all(value is None for value in flat["anchor"]):  # saved before the first step: made at the next one
+            self.flat = None
+            return
+        state = self._flat_state()
+        for key in _FLAT:
+            state.load_(key, flat[key])
+
     def restart(self, saved: dict[str, Any]) -> None:
         """Continue another run's state with fresh step counts (`optim.restart`). The anchors are positions, not
         moments: they become the weights this run starts from, so the first outer step sees only this run's own
         displacement; the slow momentum continues."""
         restart_optimizer(self, saved)
-        with torch.no_grad():
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if "anchor" in self.state[p]:
-                        self.state[p]["anchor"].copy_(p)
+        if self.flat is not None:
+            torch._foreach_copy_(self.flat.views("anchor"), self._params())
+
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _flat_state(self) -> FlatState:
+        """The flat buffers of the anchors and slow momenta, zero at first, their views in `state`."""
+        if self.flat is None:
+            params = self._params()
+            if len({p.device for p in params}) > 1:
+                raise ValueError("SlowMo keeps its state in flat buffers: all parameters must be on one device")
+            groups = [index for index, group in enumerate(self.param_groups) for _ in group["params"]]
+            layout = FlatLayout.packed([p.shape for p in params], groups)
+            self.flat = FlatState(layout, params[0].device, torch.float32)
+            for key in _FLAT:
+                self.flat.add(key, params, self.state)
+        for p, anchor, momentum in zip(self._params(), self.flat.views("anchor"), self.flat.views("slow_momentum"),
+                                       strict=True):
+            self.state[p]["anchor"], self.state[p]["slow_momentum"] = anchor, momentum  # again after a load
+        return self.flat
 
     def _init_state(self) -> None:
         """Anchors are the weights before the first base step: by then every rank holds rank 0's."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if "anchor" not in state:
-                    state["anchor"] = p.detach().clone(memory_format=torch.preserve_format).float()
-                    state["slow_momentum"] = torch.zeros_like(state["anchor"])
+        if self.flat is None:
+            torch._foreach_copy_(self._flat_state().views("anchor"), self._params())
 
     def _outer_step(self) -> None:
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = self._params()
         if self.comm.distributed:
             average_tensors_(params + (self._base_buffers(params) if self.average_buffers else []), self.comm,
                              self.bucket_numel)
-        for group in self.param_groups:
-            # In chunks of the device's FOREACH_CHUNK_NUMEL: the drift is a temporary of one chunk, not of the
-            # group (12 GB for BERT-XL's 2.9B parameters).
-            for chunk in foreach_chunks(group["params"]):
-                params = group["params"][chunk]
-                slow_momentum_step_(
-                    params,
-                    [self.state[p]["anchor"] for p in params],
-                    [self.state[p]["slow_momentum"] for p in params],
-                    lr=group["lr"], slow_momentum=self.slow_momentum, slow_lr=self.slow_lr,
-                )
+        flat = self._flat_state()
+        # In chunks of the device's FOREACH_CHUNK_NUMEL: the drift's temporary is one chunk's, not the model's
+        # (12 GB for BERT-XL's 2.9B parameters), and its passes stay in a CPU's cache.
+        limit = FOREACH_CHUNK_NUMEL.get(flat.device.type)
+        work = torch.empty(min(limit or flat.layout.numel, flat.layout.numel), device=flat.device)
+        for chunk, anchor, momentum, anchors in zip(flat.chunks(limit), flat.chunk_views("anchor", limit),
+                                                    flat.chunk_views("slow_momentum", limit),
+                                                    flat.pieces("anchor", limit), strict=True):
+            drift = work[:chunk.stop - chunk.start]
+            pieces = [piece.of(params[piece.slot]) for piece in chunk.pieces]
+            torch._foreach_copy_([d.view_as(p) for d, p in zip(drift.split([p.numel() for p in pieces]), pieces,
+                                                               strict=True)], pieces)  # x_bar, in fp32
+            slow_momentum_step_(drift, anchor, momentum, lr=self.param_groups[chunk.group]["lr"],
+                                slow_momentum=self.slow_momentum, slow_lr=self.slow_lr)
+            torch._foreach_copy_(pieces, anchors)
 
     def _base_buffers(self, params: list[Tensor]) -> list[Tensor]:
         """The base's per-parameter state tensors shaped like their parameter, in a rank-independent order."""
@@ -172,22 +204,19 @@ class SlowMo(BaseWrapper):
         return buffers
 
 
-def slow_momentum_step_(
-    params: list[Tensor], anchors: list[Tensor], momenta: list[Tensor], *, lr: float, slow_momentum: float,
-    slow_lr: float,
-) -> None:
-    """The outer step of one param group, in place: `params` hold the average on entry and the new anchor on
-    exit; `anchors` and `momenta` (u) are updated (see `SlowMo`). Its temporary (the drift) is as large as the
-    tensors given."""
-    drift = torch._foreach_sub(anchors, [p.float() for p in params])  # x_{t,0} - x_bar
-    torch._foreach_mul_(momenta, slow_momentum)
+def slow_momentum_step_(drift: Tensor, anchor: Tensor, momentum: Tensor, *, lr: float, slow_momentum: float,
+                        slow_lr: float) -> None:
+    """The outer step of one run of one param group's flat state, in place: `drift` holds the averaged weights
+    on entry (and is used as scratch); `anchor` (the new anchor on exit) and `momentum` (u) are updated (see
+    `SlowMo`)."""
+    torch.sub(anchor, drift, out=drift)  # x_{t,0} - x_bar
+    momentum.mul_(slow_momentum)
     if lr > 0:
-        torch._foreach_div_(drift, lr)
-        torch._foreach_add_(momenta, drift)
-        torch._foreach_add_(anchors, momenta, alpha=-slow_lr * lr)
+        drift.div_(lr)
+        momentum.add_(drift)
+        anchor.add_(momentum, alpha=-slow_lr * lr)
     else:  # the limit lr -> 0 of the update: the displacement, not u, moves the anchor
-        torch._foreach_add_(anchors, drift, alpha=-slow_lr)
-    torch._foreach_copy_(params, anchors)
+        anchor.add_(drift, alpha=-slow_lr)
 
 
 def check_slowmo_options(options: dict[str, Any]) -> None:
