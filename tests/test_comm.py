@@ -31,6 +31,8 @@ def _collectives(rank, world_size):
     comm.all_reduce(x)
     y = torch.ones(6, dtype=torch.float16)
     average_tensors_([y], comm, wire_dtype=torch.float16)
+    evaluated = [torch.full((5,), float(rank)), torch.full((2, 2), float(rank), dtype=torch.bfloat16)]
+    average_tensors_(evaluated, comm, counted=False)  # an evaluation's average: not the step's traffic
     z = torch.zeros(3)
     if rank == 0:
         z += 7
@@ -40,7 +42,8 @@ def _collectives(rank, world_size):
     stop = comm.any(rank == world_size - 1)
     votes = [comm.any_later(rank == world_size - 1), comm.any_later(False)]  # posted together, read later
     stop_later, no_stop = (vote.result() for vote in votes)
-    return x.tolist(), y.tolist(), z.tolist(), out.tolist(), (stop, stop_later, no_stop), comm.take_counts()
+    averaged = y.tolist() + [t.tolist() for t in evaluated]
+    return x.tolist(), averaged, z.tolist(), out.tolist(), (stop, stop_later, no_stop), comm.take_counts()
 
 
 def _collectives_and_all_to_all(rank, world_size):
@@ -60,7 +63,8 @@ def test_collectives_and_byte_counts(world_size):
     total = sum(range(1, world_size + 1))
     for rank, (x, y, z, gathered, stop, counts) in enumerate(results):
         assert x == [float(total)] * 10
-        assert y == [1.0] * 6
+        mean = (world_size - 1) / 2
+        assert y == [1.0] * 6 + [[mean] * 5, [[mean] * 2] * 2]  # uncounted: not in the bytes below
         assert z == [7.0] * 3
         assert gathered == [float(r) for r in range(world_size) for _ in range(2)]
         assert stop == (True, True, False)
