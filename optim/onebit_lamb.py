@@ -141,12 +141,11 @@ class OneBitLAMB(OneBitFamily):
         self._momentum_(grads)
         self._variance_(grads)
         self._lamb_coeffs = []
-        exp_avgs, exp_avg_sqs, freezes = self._states("exp_avg"), self._states("exp_avg_sq"), \
-            self._per_param("lamb_coeff_freeze")
+        exp_avgs, exp_avg_sqs = self._states("exp_avg"), self._states("exp_avg_sq")
+        freezes = self._per_param("lamb_coeff_freeze")
         for slice_, group in self._groups():
-            group_params = params[slice_]
-            for chunk in foreach_chunks(group_params):  # the update's temporaries: one chunk's, not the group's
-                chunk = slice(slice_.start + chunk.start, slice_.start + chunk.stop)
+            for part in foreach_chunks(params[slice_]):  # the update's temporaries: one chunk's, not the group's
+                chunk = slice(slice_.start + part.start, slice_.start + part.stop)
                 coeffs = onebit_lamb_warmup_update_(
                     params[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], freezes[chunk], lr=group["lr"],
                     eps=group["eps"], weight_decay=group["weight_decay"], max_coeff=group["max_coeff"],
@@ -296,7 +295,7 @@ def refresh_variance_(work: list[Tensor], exp_avgs: list[Tensor], fresh: list[Te
         torch._foreach_addcmul_(fresh, work, work, value=1 - beta2)
         return
     torch._foreach_lerp_(work, exp_avgs, 1.0 / (1.0 - beta1))
-    torch._foreach_mul_(work, work)
+    torch._foreach_pow_(work, 2.0)
     torch._foreach_lerp_(fresh, work, 1.0 - beta2)
 
 
