@@ -82,9 +82,15 @@ class FlatState:
     def per_slot(self, values: Sequence[Tensor], limit: int | None, reduce: str) -> Tensor:
         """Per slot, the `reduce` ("sum", "amax", ...: `Tensor.scatter_reduce_`) of its pieces' 0-d `values`, given
         for every piece of `chunks(limit)` in order: a per-tensor max or sum over a pass that ran chunk by chunk."""
-        if (limit, "slots") not in self._index:
-            slots = [piece.slot for chunk in self.layout.chunks(limit) for piece in chunk.pieces]
-            self._index[(limit, "slots")] = torch.tensor(slots, device=self.device)
+        if (limit, "slots") not in self._index:  # filled on the device: a host-to-device copy would wait for it
+            runs: list[list[int]] = []  # [slot, pieces] of consecutive pieces of one slot
+            for piece in (piece for chunk in self.layout.chunks(limit) for piece in chunk.pieces):
+                if runs and runs[-1][0] == piece.slot:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([piece.slot, 1])
+            self._index[(limit, "slots")] = torch.cat([torch.full((count,), slot, device=self.device)
+                                                       for slot, count in runs])
         stacked = torch.stack(list(values))
         out = torch.zeros(len(self.layout.slots), dtype=stacked.dtype, device=self.device)
         return out.scatter_reduce_(0, self._index[(limit, "slots")], stacked, reduce, include_self=False)
