@@ -108,6 +108,27 @@ def foreach_adam_denom(
     return denoms, [root / bc1 for root, bc1 in zip(roots, bias_corrections1, strict=True)]
 
 
+def fused_add_adam_direction_(
+    targets: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], *,
+    scale: float, step: int, beta1: float, beta2: float, eps: float, bias_correction: bool = True,
+) -> None:
+    """In one pass of torch's fused Adam kernel: `adam_moments_` of `grads`, then `targets += scale * direction`
+    with `direction = m_hat / (sqrt(v_hat) + eps)` at the 1-based step `step` (`adam_direction`'s formula).
+
+    The kernel reads each element of the four lists once and writes targets and moments once: the moments and
+    the direction cost one memory pass where separate foreach kernels take six. `targets` may be the parameters
+    (`scale = -lr`: a plain Adam step) or a buffer that already holds other terms of an update. Every list is on
+    one device (one with torch's fused kernels, or `meta`) and in one dtype. The direction rounds apart from
+    `adam_direction`'s by a few units in the last place (the kernel orders its divisions otherwise); on the CPU
+    the moments are bit for bit `adam_moments_`'s (a GPU's kernel may round them apart too).
+    """
+    # The kernel reads t from a tensor on the targets' device (a fill, not a host-to-device copy, so no sync);
+    # t = inf makes both corrections exactly 1 (beta ** inf = 0 for beta in [0, 1)): bias correction off.
+    t = torch.full((), float(step) if bias_correction else math.inf, dtype=torch.float32, device=targets[0].device)
+    torch._fused_adam_(targets, grads, exp_avgs, exp_avg_sqs, [], [t] * len(targets), lr=-scale, beta1=beta1,
+                       beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+
+
 def trust_ratio(
     weight_norm: Tensor, update_norm: Tensor, max_ratio: float | None = None, min_ratio: float | None = None
 ) -> Tensor:

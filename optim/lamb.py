@@ -16,9 +16,8 @@ from optim._math import (
     check_adam_hyperparameters,
     check_flags,
     closure_loss,
-    foreach_adam_denom,
-    foreach_adam_moments_,
     foreach_chunks,
+    fused_add_adam_direction_,
     global_grad_norm,
     grad_prenorm_divisor,
     trust_ratio,
@@ -59,8 +58,11 @@ class LAMB(torch.optim.Optimizer):
             Optimizer-wide, because the norm spans all groups.
         trust_clip: clamp the trust ratio to at most 1 (timm's LAMBC option).
         always_adapt: apply the trust ratio also where weight_decay is 0 (apex ``use_nvlamb=True``).
-        foreach: use the foreach kernels; None picks them when a group's tensors share device and dtype.
-            They run over chunks of a bounded number of elements (see `optim._math.FOREACH_CHUNK_NUMEL`).
+        foreach: use the multi-tensor path (torch's fused Adam kernel for the moments and the direction,
+            foreach kernels for the norms and the update: a fixed number of kernels per group); None picks it
+            when a group's tensors share device and dtype, False takes the for-loop reference. It runs over
+            chunks of a bounded number of elements (see `optim._math.FOREACH_CHUNK_NUMEL`) and rounds apart
+            from the reference within a few units in the last place per step.
 
     The step :math:`t` of the bias corrections is counted per param group, as in apex ``FusedLAMB``:
     ``group["step"]`` (a Python int, so reading it is no device sync) goes up by one at every `step()` call,
@@ -216,16 +218,17 @@ def lamb(
         beta2=beta2,
         eps=eps,
         weight_decay=weight_decay,
-        corrections=bias_corrections(step, beta1, beta2, bias_correction),
         max_ratio=1.0 if trust_clip else None,
         adapt=weight_decay != 0 or always_adapt,
     )
     if not (uniform if foreach is None else foreach):
-        _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, **options)
+        corrections = bias_corrections(step, beta1, beta2, bias_correction)
+        _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, corrections=corrections, **options)
         return
     for chunk in foreach_chunks(params):
         _multi_tensor_lamb(
-            params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], state_steps[chunk], **options
+            params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], state_steps[chunk],
+            step=step, bias_correction=bias_correction, **options,
         )
 
 
@@ -283,36 +286,34 @@ def _multi_tensor_lamb(
     exp_avg_sqs: list[Tensor],
     state_steps: list[Tensor],
     *,
+    step: int,
+    bias_correction: bool,
     grad_divisor: Tensor | None,
     lr: float,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
-    corrections: tuple[float, float],
     max_ratio: float | None,
     adapt: bool,
 ) -> None:
-    """The same update with foreach kernels: a few launches per group instead of a few per tensor."""
+    """The same update as one fused Adam pass and three foreach passes, a fixed number of kernels per chunk.
+
+    Memory passes, in tensor-sized reads and writes: the update `u = wd * w` (2), the fused Adam kernel that
+    moves the moments and adds the direction to `u` (7: reads g, m, v, u; writes m, v, u), the norms of `w` and
+    `u` (2) and `w -= lr * ratio * u` (3): 14, twice the 7 of one fused pass. A tensor without the trust
+    ratio takes a plain Adam step in the fused kernel alone (7).
+    """
     torch._foreach_add_(state_steps, 1)
     if grad_divisor is not None:
         grads = torch._foreach_div(grads, grad_divisor)  # new tensors: p.grad stays as the caller left it
-    foreach_adam_moments_(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
-    del grads
-    # One step count per group, so one pair of corrections for all its tensors (no per-tensor host reads).
-    bias_corrections1, bias_corrections2 = ([c] * len(params) for c in corrections)
-    denoms, scales = foreach_adam_denom(exp_avg_sqs, bias_corrections1, bias_corrections2, eps)
-
-    if not adapt:  # plain Adam step: w -= lr * scale * m / denom, without forming the update
-        torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr * scale for scale in scales])
+    adam = dict(step=step, beta1=beta1, beta2=beta2, eps=eps, bias_correction=bias_correction)
+    if not adapt:  # plain Adam step: w -= lr * direction, in the one kernel
+        fused_add_adam_direction_(params, grads, exp_avgs, exp_avg_sqs, scale=-lr, **adam)
         return
-    if weight_decay != 0:  # u = wd * w + scale * m / denom
-        updates = torch._foreach_mul(params, weight_decay)
-        torch._foreach_addcdiv_(updates, exp_avgs, denoms, scales)
-    else:
-        updates = torch._foreach_div(exp_avgs, denoms)
-        torch._foreach_mul_(updates, scales)
-    del denoms
+    updates = torch._foreach_mul(params, weight_decay)  # u = wd * w + direction
+    fused_add_adam_direction_(updates, grads, exp_avgs, exp_avg_sqs, scale=1.0, **adam)
+    del grads
     weight_norms = torch.stack(torch._foreach_norm(params))
     ratios = trust_ratio(weight_norms, torch.stack(torch._foreach_norm(updates)), max_ratio)
     # Per-tensor 0-d factors have no foreach fast path; addcmul applies ratio and lr in the one pass left.
