@@ -93,21 +93,6 @@ def adam_direction(
     return (exp_avg / bias_correction1).div_(denom)
 
 
-def foreach_adam_denom(
-    exp_avg_sqs: list[Tensor], bias_corrections1: list[float], bias_corrections2: list[float], eps: float
-) -> tuple[list[Tensor], list[float]]:
-    """Adam's denominators with the bias corrections folded into scalars, saving two passes over the tensors.
-
-    Returns `(denoms, scales)` with `denom = sqrt(v) + eps * sqrt(bc2)` and `scale = sqrt(bc2) / bc1`, so
-    that `m_hat / (sqrt(v_hat) + eps) == scale * m / denom`. The caller applies the scale as the scalar of
-    the `addcdiv` that forms `m / denom` anyway.
-    """
-    roots = [math.sqrt(bc2) for bc2 in bias_corrections2]
-    denoms = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_add_(denoms, [eps * root for root in roots])
-    return denoms, [root / bc1 for root, bc1 in zip(roots, bias_corrections1, strict=True)]
-
-
 def fused_add_adam_direction_(
     targets: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], *,
     scale: float, step: int, beta1: float, beta2: float, eps: float, bias_correction: bool = True,
