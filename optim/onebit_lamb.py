@@ -330,7 +330,12 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
     factor = torch.minimum(torch.maximum(factor, last * (1.0 - factor_threshold)), last * (1.0 + factor_threshold))
     torch._foreach_copy_(last_factors, list(factor.unbind()))
     coeffs = torch.stack(coeff_freezes) * factor
-    torch._foreach_addcmul_(params, work, list((coeffs * -lr).float().unbind()))  # w + round(-lr c u)
+    steps = list((coeffs * -lr).float().unbind())
+    if deepspeed_roundings:  # w + round(-lr c u): the product rounded before the sum
+        torch._foreach_mul_(work, steps)
+        torch._foreach_add_(params, work)
+    else:  # one multiply-add (its kernel may round once)
+        torch._foreach_addcmul_(params, work, steps)
     return coeffs
 
 
