@@ -230,8 +230,10 @@ def _worker_died(failed: Any) -> tuple[WorkerDied, str]:
 
 @contextlib.contextmanager
 def _launcher_logs_quiet() -> Iterator[None]:
-    """The launcher's own log records off while it runs: `launch_local_workers` reports what they would say."""
-    loggers = [logging.getLogger(name) for name in _LAUNCHER_LOGGERS]
+    """The launcher's own log records off while it runs: `launch_local_workers` reports what they would say (torch
+    gives some of its loggers a level of their own, so each is set, not only their parents)."""
+    names = [name for name in logging.Logger.manager.loggerDict if name.startswith(_LAUNCHER_LOGGERS)]
+    loggers = [logging.getLogger(name) for name in {*_LAUNCHER_LOGGERS, *names}]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)

@@ -131,7 +131,7 @@ def _lock(path: Path) -> tuple[int, list[str]]:
 def _claim_by_record(path: Path) -> list[str]:
     """Without locks: the record alone, refused while its holder may be alive (a race between two starts at the
     same instant is not caught)."""
-    holder = _read_holder(path.read_text()) if path.is_file() else None
+    holder = _read_holder(path.read_text(errors="replace")) if path.is_file() else None
     if holder is not None and not holder.has_ended():
         raise RunDirectoryInUse(f"{_in_use(path, holder)}; this file system has no locks: if that run has ended, "
                                 f"remove {path}")
@@ -151,7 +151,7 @@ def _release(path: Path, fd: int | None) -> None:
 
 def _recorded_here(path: Path) -> bool:
     """Whether the lock file records this process (without locks, a later start may have replaced the record)."""
-    holder, here = _read_holder(path.read_text()), Holder.this_process()
+    holder, here = _read_holder(path.read_text(errors="replace")), Holder.this_process()
     return holder is not None and (holder.host, holder.pid) == (here.host, here.pid)
 
 

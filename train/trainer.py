@@ -233,11 +233,8 @@ class Trainer:
         with self.stop:
             while self.step < stop_at:
                 metrics = self.train_step()
-                if metrics is None:  # a stop signal, agreed by every rank: record what was done, then save
-                    if window.steps:
-                        self._log(window.flush())
-                    stopped = self.stop.signal_name or "a stop signal on another rank"
-                    self.logger.info(f"{stopped}: stopping at step {self.step} with a checkpoint")
+                if metrics is None:  # a stop signal, agreed by every rank
+                    stopped = self._stop_for_signal(window)
                     break
                 now = time.perf_counter()  # a step's time runs to the next step's end: logs, evals included
                 self.totals.add(metrics, self.geometry.global_batch_size, now - mark)
@@ -257,13 +254,26 @@ class Trainer:
                 if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0:
                     self.save_checkpoint()
             if stopped is None and self.step < self.max_steps:
-                stopped = f"trainer.steps_this_run={tcfg.steps_this_run}"
-                self.logger.info(f"{stopped}: stopping at step {self.step} of {self.max_steps} with a checkpoint; "
-                                 "rerun the same command to continue")
+                stopped = self._time_box_reached()
             self.save_checkpoint()
             if self.step >= self.max_steps:
                 self._finish()
         self._write_summary(stopped=stopped)
+
+    def _stop_for_signal(self, window: _Window) -> str:
+        """Record the steps done since the last record and say the stop (its checkpoint follows); returns its cause."""
+        if window.steps:
+            self._log(window.flush())
+        stopped = self.stop.signal_name or "a stop signal on another rank"
+        self.logger.info(f"{stopped}: stopping at step {self.step} with a checkpoint")
+        return stopped
+
+    def _time_box_reached(self) -> str:
+        """Say that `trainer.steps_this_run` ends the run here (its checkpoint follows); returns the cause."""
+        stopped = f"trainer.steps_this_run={self.cfg.trainer.steps_this_run}"
+        self.logger.info(f"{stopped}: stopping at step {self.step} of {self.max_steps} with a checkpoint; rerun the "
+                         "same command to continue")
+        return stopped
 
     def _count_overflow(self) -> None:
         """Stop a run whose fp16 steps keep overflowing: each halves the loss scale and the step never comes, so a
