@@ -5,6 +5,7 @@ replaced whole)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,15 @@ def test_out_tmp_is_left_alone_and_a_re_export_replaces_the_export(swin_run, tmp
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (export(swin_run, empty) / "export.json").is_file()  # an empty folder holds nothing to lose
+
+
+def test_a_run_recorded_before_a_key_was_added_still_exports(swin_run, tmp_path):
+    """A key the project added since the run was recorded takes today's default for the run's choices."""
+    old_run = RunDir(tmp_path / "old_run")
+    shutil.copytree(swin_run, old_run.path)
+    cfg = old_run.recorded_config()
+    cfg.precision = {"dtype": "fp16", "init_scale": 1048576.0, "growth_interval": 2000}  # without the limit key
+    old_run.record_config(cfg, overrides=["experiment=swin_demo", "precision=fp16"])  # what `python -m train` records
+    result = _cli("train.export", old_run.path, tmp_path / "export")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "export" / "config.json").is_file()

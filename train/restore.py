@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from conf.checks import UserError, apply_overrides, config_error
+from conf.checks import ConfigError, UserError, apply_overrides, config_error
 from data import DataRequest, TaskData, build_data
 from train.checkpoint import SHARED_FILE, best_checkpoint, complete_checkpoints
 from train.config import register_configs, validate
@@ -71,9 +71,31 @@ def weights_config(weights: Weights, overrides: list[str]) -> DictConfig:
     """The config the weights were trained with (their run's recorded one) with `overrides` (key=value) applied; for
     weights no run recorded, the config `python -m train <overrides>` composes (`experiment=...`, say)."""
     if weights.run_dir is not None:
-        cfg = weights.run_dir.recorded_config()
+        cfg = recorded_config_with_new_keys(weights.run_dir)
         apply_overrides(cfg, overrides, owner=f"the config {weights.run_dir.path} recorded")
         return cfg
+    return _compose(overrides)
+
+
+def recorded_config_with_new_keys(run_dir: RunDir) -> DictConfig:
+    """The run's recorded config, completed with the keys the project added since it was recorded, at their defaults
+    for the run's choices (composed from its recorded group choices and command line), so a run of an earlier
+    version still exports and evaluates. Every recorded value stands; the record alone where it recorded no command
+    line (a run started from Python) or where its choices no longer compose."""
+    recorded = run_dir.recorded_config()
+    command_line = [f"{group}={choice}" for group, choice in run_dir.recorded_choices().items()]
+    command_line += run_dir.recorded_overrides()
+    if not command_line:
+        return recorded
+    try:
+        today = _compose(command_line)
+    except ConfigError:
+        return recorded
+    return OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(today)), recorded)
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """The config `python -m train <overrides>` runs with."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
 

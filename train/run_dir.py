@@ -154,6 +154,12 @@ class RunDir:
         """The command-line overrides of the accepted run (none recorded: an empty list)."""
         return list(OmegaConf.load(self.overrides_file)) if self.overrides_file.is_file() else []
 
+    def recorded_choices(self) -> dict[str, str]:
+        """The config group choices of the accepted run (none recorded: an empty dict)."""
+        if not self.choices_file.is_file():
+            return {}
+        return {group: choice for group, choice in OmegaConf.load(self.choices_file).items() if choice is not None}
+
 
 def check_run_name(name: str) -> None:
     """Refuse a `name=` that names no directory of its own under runs/ ('' '.' '..' make runs/ itself or its parent
