@@ -59,7 +59,7 @@ class LAMB(torch.optim.Optimizer):
         trust_clip: clamp the trust ratio to at most 1 (timm's LAMBC option).
         always_adapt: apply the trust ratio also where weight_decay is 0 (apex ``use_nvlamb=True``).
         foreach: use the multi-tensor path (torch's fused Adam kernel for the moments and the direction,
-            foreach kernels for the norms and the update: a fixed number of kernels per group); None picks it
+            foreach kernels for the norms and the update: a fixed number of ops per chunk); None picks it
             when a group's tensors share device and dtype, False takes the for-loop reference. It runs over
             chunks of a bounded number of elements (see `optim._math.FOREACH_CHUNK_NUMEL`) and rounds apart
             from the reference within a few units in the last place per step.
@@ -297,7 +297,7 @@ def _multi_tensor_lamb(
     max_ratio: float | None,
     adapt: bool,
 ) -> None:
-    """The same update as one fused Adam pass and three foreach passes, a fixed number of kernels per chunk.
+    """The same update as one fused Adam pass and three foreach passes: a fixed number of ops per chunk.
 
     Memory passes, in tensor-sized reads and writes: the update `u = wd * w` (2), the fused Adam kernel that
     moves the moments and adds the direction to `u` (7: reads g, m, v, u; writes m, v, u), the norms of `w` and
