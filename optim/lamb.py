@@ -208,9 +208,10 @@ def lamb(
     """
     if not params:
         return
-    uniform = _same_device_and_dtype(params + grads + exp_avgs + exp_avg_sqs)
+    uniform = _uniform(params, grads, exp_avgs, exp_avg_sqs)
     if foreach and not uniform:
-        raise ValueError("LAMB(foreach=True) needs each group's tensors on one device and dtype; try None")
+        raise ValueError("LAMB(foreach=True) needs each group's tensors on one device and dtype, with gradients laid "
+                         "out as their parameters; try None")
     options = dict(
         grad_divisor=grad_divisor,
         lr=lr,
@@ -243,8 +244,12 @@ def check_lamb_options(options: dict[str, Any]) -> None:
     require(foreach is None or isinstance(foreach, bool), "foreach", foreach, "must be true, false or null (auto)")
 
 
-def _same_device_and_dtype(tensors: list[Tensor]) -> bool:
-    return len({(t.device, t.dtype) for t in tensors}) <= 1
+def _uniform(params: list[Tensor], *lists: list[Tensor]) -> bool:
+    """One device and dtype, and each parameter's gradient and moments laid out as it is: the fused Adam kernel
+    pairs elements by their place in memory (a channels_last weight with a contiguous gradient would mix them)."""
+    tensors = [*params, *(t for tensors in lists for t in tensors)]
+    return len({(t.device, t.dtype) for t in tensors}) <= 1 and all(
+        t.stride() == p.stride() for tensors in lists for p, t in zip(params, tensors, strict=True))
 
 
 def _single_tensor_lamb(

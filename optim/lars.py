@@ -133,7 +133,10 @@ def lars(
     order = [i for i, a in enumerate(adapt) if a] + [i for i, a in enumerate(adapt) if not a]
     n_adapted = sum(adapt)
     params = [params[i] for i in order]
-    grads = [grads[i] for i in order]
+    # The fused kernel pairs elements by their place in memory: a gradient laid out otherwise than its parameter (a
+    # hand-set contiguous gradient of a channels_last weight) is copied into the parameter's layout first.
+    grads = [grads[i] if grads[i].stride() == p.stride() else torch.empty_like(p).copy_(grads[i])
+             for i, p in zip(order, params, strict=True)]
     if momentum_buffers is not None:
         momentum_buffers = [momentum_buffers[i] for i in order]
 

@@ -390,3 +390,19 @@ def test_checkpoint_with_per_parameter_steps_resumes_with_the_largest(foreach):
     fresh_state = fresh.state_dict()
     fresh.load_state_dict(fresh_state)
     assert all("step" not in group for group in fresh.param_groups)
+
+
+def test_a_gradient_laid_out_otherwise_than_its_weight_steps_as_a_contiguous_one():
+    """The fused Adam kernel pairs elements by their place in memory: a channels_last weight with a contiguous
+    gradient takes the for-loop path (it would mix elements in the kernel)."""
+    g = torch.Generator().manual_seed(5)
+    weight, grad = torch.randn(8, 3, 2, 2, generator=g), torch.randn(8, 3, 2, 2, generator=g)
+    results = []
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        p = nn.Parameter(weight.clone().contiguous(memory_format=memory_format))
+        optimizer = LAMB([p], lr=0.1, max_grad_norm=None)
+        for _ in range(3):
+            p.grad = grad.clone()  # contiguous, whatever the weight's layout
+            optimizer.step()
+        results.append(p.detach().contiguous())
+    torch.testing.assert_close(results[1], results[0])

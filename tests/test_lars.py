@@ -169,3 +169,20 @@ def test_state_dict_round_trip_continues_exactly():
 def test_bad_options_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         LARS([nn.Parameter(torch.ones(2))], **kwargs)
+
+
+def test_a_gradient_laid_out_otherwise_than_its_weight_steps_as_a_contiguous_one():
+    """The fused SGD kernel pairs elements by their place in memory: a contiguous gradient of a channels_last weight
+    is brought into the weight's layout first."""
+    g = torch.Generator().manual_seed(5)
+    weight, grad = torch.randn(8, 3, 2, 2, generator=g), torch.randn(8, 3, 2, 2, generator=g)
+    results = []
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        p = nn.Parameter(weight.clone().contiguous(memory_format=memory_format))
+        optimizer = LARS([p], lr=1.0, weight_decay=0.01)
+        for _ in range(3):
+            p.grad = grad.clone()  # contiguous, whatever the weight's layout
+            optimizer.step()
+        assert p.grad.is_contiguous()  # read, never written
+        results.append(p.detach().contiguous())
+    torch.testing.assert_close(results[1], results[0])
