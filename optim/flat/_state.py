@@ -28,8 +28,9 @@ class FlatState:
         self.buffers: dict[str, Tensor] = {}
         self._views: dict[str, list[Tensor]] = {}
         self._segments: dict[str, list[tuple[int, Tensor]]] = {}
-        self._pieces: dict[tuple, list] = {}  # per-chunk views, by (key, limit[, kind])
-        self._index: dict[tuple, Tensor] = {}  # per-piece slot indices on the device, by limit
+        self._pieces: dict[tuple[str, int | None], list[list[Tensor]]] = {}  # per chunk, its pieces' views
+        self._chunk_views: dict[tuple[str, int | None], list[Tensor]] = {}  # per chunk, its 1-D view
+        self._slot_index: dict[int | None, Tensor] = {}  # per piece, its slot (on the device)
 
     def add(self, key: str, params: Sequence[Tensor] | None = None, state: Mapping[Tensor, dict] | None = None,
             dtype: torch.dtype | None = None) -> Tensor:
@@ -71,10 +72,10 @@ class FlatState:
 
     def chunk_views(self, key: str, limit: int | None) -> list[Tensor]:
         """Per chunk of `layout.chunks(limit)`, its 1-D view of buffer `key`: one op per chunk for flat math."""
-        if (key, limit, "flat") not in self._pieces:
+        if (key, limit) not in self._chunk_views:
             buffer = self.buffers[key]
-            self._pieces[(key, limit, "flat")] = [buffer[c.start:c.stop] for c in self.layout.chunks(limit)]
-        return self._pieces[(key, limit, "flat")]
+            self._chunk_views[(key, limit)] = [buffer[c.start:c.stop] for c in self.layout.chunks(limit)]
+        return self._chunk_views[(key, limit)]
 
     def chunks(self, limit: int | None) -> list[Chunk]:
         return self.layout.chunks(limit)
@@ -82,18 +83,18 @@ class FlatState:
     def per_slot(self, values: Sequence[Tensor], limit: int | None, reduce: str) -> Tensor:
         """Per slot, the `reduce` ("sum", "amax", ...: `Tensor.scatter_reduce_`) of its pieces' 0-d `values`, given
         for every piece of `chunks(limit)` in order: a per-tensor max or sum over a pass that ran chunk by chunk."""
-        if (limit, "slots") not in self._index:  # filled on the device: a host-to-device copy would wait for it
+        if limit not in self._slot_index:  # filled on the device: a host-to-device copy would wait for it
             runs: list[list[int]] = []  # [slot, pieces] of consecutive pieces of one slot
             for piece in (piece for chunk in self.layout.chunks(limit) for piece in chunk.pieces):
                 if runs and runs[-1][0] == piece.slot:
                     runs[-1][1] += 1
                 else:
                     runs.append([piece.slot, 1])
-            self._index[(limit, "slots")] = torch.cat([torch.full((count,), slot, device=self.device)
+            self._slot_index[limit] = torch.cat([torch.full((count,), slot, device=self.device)
                                                        for slot, count in runs])
         stacked = torch.stack(list(values))
         out = torch.zeros(len(self.layout.slots), dtype=stacked.dtype, device=self.device)
-        return out.scatter_reduce_(0, self._index[(limit, "slots")], stacked, reduce, include_self=False)
+        return out.scatter_reduce_(0, self._slot_index[limit], stacked, reduce, include_self=False)
 
     def load_(self, key: str, saved: Sequence[Tensor | None]) -> None:
         """Copy each slot's saved tensor (None: none saved, zeros as in a fresh buffer) into buffer `key`, in place,
