@@ -158,6 +158,11 @@ _WRITE_ONLY = {"aten::copy_", "aten::zero_", "aten::fill_", "aten::_foreach_copy
                "aten::normal_", "aten::uniform_", "aten::random_", "aten::bernoulli_"}
 # Fused optimizer kernels mark the gradients mutable but write them only to unscale them (with a grad_scale).
 _FUSED_STEPS = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_"}
+# Indexed ops move only the slices of `self` that their index names (a gather reads its selected rows, a scatter
+# writes them), at most `self` once (an index that repeats slices reads them from cache): those bytes are counted,
+# read or not (index_copy_ and index_fill_ overwrite them).
+_INDEXED = {"aten::index_select": True, "aten::index_add_": True, "aten::index_copy_": False,
+            "aten::index_fill_": False}
 
 
 class StepTraffic(TorchDispatchMode):
@@ -181,13 +186,18 @@ class StepTraffic(TorchDispatchMode):
             return out
         self.ops += 1
         write_only = schema.name in _WRITE_ONLY
-        for i, argument in enumerate(schema.arguments):
-            value = args[i] if i < len(args) else kwargs.get(argument.name)
+        named = {a.name: args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)}
+        for argument in schema.arguments:
+            value = named[argument.name]
             size = sum(t.nbytes for t in tree_leaves(value) if isinstance(t, torch.Tensor))
             mutated = argument.alias_info is not None and argument.alias_info.is_write
+            reads = not (write_only or argument.name == "out")
             if schema.name in _FUSED_STEPS and argument.name == "grads" and kwargs.get("grad_scale") is None:
                 mutated = False
-            self.bytes += size * ((0 if write_only or argument.name == "out" else 1) + (1 if mutated else 0))
+            if schema.name in _INDEXED and argument.name == "self":
+                size = min(size, size // max(value.size(named["dim"]), 1) * named["index"].numel())
+                reads = _INDEXED[schema.name]
+            self.bytes += size * (int(reads) + int(mutated))
         fresh = [r.alias_info is None for r in schema.returns]
         results = out if isinstance(out, tuple) else (out,)
         for is_fresh, result in zip(fresh, results, strict=False):

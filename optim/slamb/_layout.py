@@ -6,14 +6,10 @@ once here, and a step works on a few large slices instead of one tensor at a tim
 - slot: one parameter's place in the flat buffers (offset, size, row size, first freshness row).
 - row: `row_size` consecutive coordinates of a masked tensor (up to 16, see `_masks.row_size`), which the
   mask selects together; they share one freshness value, so the freshness buffer holds one value per row.
-- chunk: consecutive slots of one param group, at most `_CHUNK_NUMEL` elements, stepped one after the other:
+- chunk: consecutive slots of one param group, at most `Geometry.chunk_numel` elements, stepped one after the other:
   always-synced slots first, then the masked ones grouped by row size.
 - span: a chunk's masked slots of one row size, consecutive in the buffers, so that one row view of a buffer
   (and of the freshness) serves all of them.
-- piece: elements [a, b) of one slot, the unit of the foreach passes: the whole tensor, or on a CPU a
-  cache-sized part of it.
-- foreach group: pieces processed by one set of foreach calls (on a CPU, at most `_PIECE_NUMEL` elements).
-- segment: the pieces of one row size within a GPU update group (a span's part in it).
 """
 
 from __future__ import annotations
@@ -29,14 +25,41 @@ from torch import Tensor
 
 from optim.slamb._masks import ROW_NUMEL, Mask, mask_size, row_size
 
-# Elements per chunk of the flat buffers, by device type (absent: a whole param group). On the CPU the passes
-# of one chunk stay in cache (see optim._math's FOREACH_CHUNK_NUMEL); on a GPU it bounds the scratch buffer
-# (a tensor larger than the limit forms a chunk of its own).
-_CHUNK_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 26}
-# Elements per piece of the moments' and the update's passes, by device type (absent: a whole tensor). On the CPU
-# a piece stays in cache between the passes that form and use it; on a GPU, pieces would only multiply the kernel
-# launches (BERT-Large: about 10,000 more per step, the step's whole cost), so each tensor is one piece.
-_PIECE_NUMEL = {"cpu": 1 << 18}
+
+@dataclass(frozen=True)
+class Geometry:
+    """How a step cuts its work, chosen by the device that runs it (`GEOMETRIES`).
+
+    chunk_numel: elements per chunk (None: a whole param group; a larger tensor forms a chunk of its own). A chunk
+        is stepped whole, its momentum all-reduce included, so it bounds the work buffer; on the CPU its passes
+        stay in cache.
+    draw_picks: rows per draw of the stratified and Bernoulli masks (None: one draw for all chunks). On the CPU a
+        draw's passes stay in cache; on a GPU one draw takes the fewest launches.
+    per_tensor: whether an op per tensor costs no more than one over a list (a CPU). Where it does (a GPU: each
+        launch costs host time), a step dispatches a number of ops independent of the number of tensors, and
+        every foreach op takes lists of equal shapes, which CUDA runs as one kernel per list (a broadcast or a
+        per-tensor 0-d factor would launch one kernel per tensor).
+    draw_ahead: draw the next step's masks at the end of a step (`MaskSampler.draw_ahead`), where the host's draw
+        can overlap the device's work.
+    """
+
+    chunk_numel: int | None
+    draw_picks: int | None
+    per_tensor: bool
+    draw_ahead: bool
+
+
+# By device type; any other than the CPU takes the GPU's (`geometry_of`). Tests and the step-cost benchmark may
+# give the CPU the GPU's geometry, to run or count a GPU's step there.
+GEOMETRIES = {"cpu": Geometry(1 << 20, 1 << 16, True, False), "cuda": Geometry(1 << 26, None, False, True)}
+
+
+def geometry_of(device: torch.device) -> Geometry:
+    """The geometry for parameters on `device`: the GPU's on every device but the CPU (the meta device counts a
+    GPU's step)."""
+    return GEOMETRIES.get(device.type, GEOMETRIES["cuda"])
+
+
 _ALIGN = ROW_NUMEL  # masked tensors start at multiples of this many elements: any row size divides it
 FRESHNESS_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}  # storage of the scaled freshness
 _STRUCT_CODES = {torch.float16: "e", torch.float32: "f"}  # the freshness dtypes' codes in the struct module
@@ -61,50 +84,6 @@ class Slot:
     def flat(self, buffer: Tensor, start: int = 0) -> Tensor:
         """This slot's 1-D slice of `buffer`, a flat buffer whose element 0 is flat position `start`."""
         return buffer[self.offset - start:self.offset - start + self.numel]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Elements [a, b) of one slot."""
-
-    slot: Slot
-    at: int  # the slot's position in its chunk
-    a: int
-    b: int
-
-    @property
-    def whole(self) -> bool:
-        return self.a == 0 and self.b == self.slot.numel
-
-    def of(self, tensor: Tensor) -> Tensor:
-        """This piece of the parameter or of a tensor shaped like it (a whole one as it is: no op)."""
-        return tensor if self.whole else tensor.view(-1)[self.a:self.b]
-
-    def view(self, buffer: Tensor, start: int) -> Tensor:
-        """This piece of a flat buffer whose element 0 is flat position `start`, shaped as `of` shapes it."""
-        flat = buffer[self.slot.offset + self.a - start:self.slot.offset + self.b - start]
-        return flat.view_as(self.slot.param) if self.whole else flat
-
-    @property
-    def rows(self) -> tuple[int, int]:
-        """Its [first, last) rows in the freshness buffer (pieces start at multiples of the row size)."""
-        return self.slot.row + self.a // self.slot.row_size, self.slot.row + self.b // self.slot.row_size
-
-
-@dataclass(frozen=True)
-class ForeachGroup:
-    """Pieces with their views of the flat buffers (built once, so a step dispatches no per-tensor view);
-    [start, end) is the flat extent they cover, [first, last) their freshness rows."""
-
-    pieces: tuple[Piece, ...]
-    start: int
-    end: int
-    first: int
-    last: int
-    views: dict[str, list[Tensor]]
-    # (row size, first element, end element, first row, end row) relative to the group, per segment (an update
-    # group of a GPU layout only: see `Layout._update_group`).
-    segments: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,9 +125,19 @@ class Chunk:
     spans: tuple[Span, ...]  # the masked slots by row size
     bases: tuple[int, ...]  # per masked slot, the span-relative index of its first row
     rows: tuple[int, int, int]  # freshness rows: the always-synced slots' in [first, split), masked in [split, end)
-    directions: list[Tensor]  # per slot, its view of the direction space (the work buffer), shaped like it
-    moments: tuple[ForeachGroup, ...]  # every slot: the passes over m, v, g and the direction
-    updates: tuple[ForeachGroup, ...]  # the masked slots: the coefficient and update passes
+    always_numels: Tensor  # per always-synced slot its numel, on the device (spreads per-slot factors over them)
+    # Per masked slot, on the device: its position in `slots`, and its rows up to the next masked slot's first
+    # row (padding rows included), which spread per-slot factors over the masked rows (`Layout.per_row`).
+    masked_at: Tensor
+    row_counts: Tensor
+    # Views, built once (so a step dispatches no per-tensor view): per slot its m, v and direction (the work
+    # buffer's direction space), shaped like it; per masked slot its direction's rows and its rows' coefficients
+    # (a column of the coefficient buffer, which holds the chunk's masked rows from its first).
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    directions: list[Tensor]
+    direction_rows: list[Tensor]
+    coefs: list[Tensor]
 
     @property
     def padded(self) -> int:
@@ -161,7 +150,7 @@ class Layout:
 
     Order: param group by param group, always-synced tensors first, so that each chunk's always-synced
     coordinates are one slice and its masked ones another; chunks and masked tensors start at multiples of
-    `_ALIGN` elements. Every view a step needs of these buffers (per tensor or piece) is built here, once.
+    `_ALIGN` elements. Every view a step needs of these buffers (per tensor) is built here, once.
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], state: dict, min_compress_numel: int, mask: str,
@@ -171,7 +160,8 @@ class Layout:
         if len(devices) != 1:
             raise ValueError(f"SLAMB needs all parameters on one device, got {sorted(map(str, devices))}")
         self.device = device = devices.pop()
-        placed = self._place(param_groups, min_compress_numel, mask, _CHUNK_NUMEL.get(device.type))
+        self.geometry = geometry_of(device)
+        placed = self._place(param_groups, min_compress_numel, mask, self.geometry.chunk_numel)
         self.slots: list[Slot] = [s for _, slots in placed for s in slots]
         by_param = {id(s.param): s for s in self.slots}
         self.slots_in_group_order = [by_param[id(p)] for p in params]
@@ -184,28 +174,16 @@ class Layout:
         self.rebase_interval = rebase_interval(beta3)
         rows = max((s.row + s.rows for s in self.slots), default=0)  # one per row of the masks
         self.scaled_freshness = torch.ones(rows, dtype=freshness_dtype, device=device)
-        # Work buffers, kept between steps (a fresh allocation would be page-faulted in again every step).
-        # One buffer serves, in turn, as the compact vector (about k d: the momenta that are all-reduced) and,
-        # once they are back in m, as each chunk's work space: its masked weights (to gather them), then its
-        # direction, with the direction and the weights gathered at its selected coordinates after it.
-        compact = sum(_split(slots) - slots[0].offset + sum(mask_size(mask, s, k) for s in slots if not s.always)
-                      for _, slots in placed)
-        work = max((_aligned(slots[-1].offset + slots[-1].numel - slots[0].offset)
-                    + 2 * sum(mask_size(mask, s, k) for s in slots if not s.always) for _, slots in placed),
-                   default=0)
-        self.work = torch.empty(max(compact, work), device=device)
-        self.compact = self.work[:compact]
-        self.piece_numel = _PIECE_NUMEL.get(device.type)
-        updates = [_pieces([(at, s) for at, s in enumerate(slots) if not s.always], self.piece_numel)
-                   for _, slots in placed]
-        largest = max((pieces[-1].rows[1] - pieces[0].rows[0] for groups in updates for pieces in groups), default=0)
-        self.coef = torch.empty(largest, device=device)  # the coefficients of one group of `updates`, per row
-        self.spare = torch.empty(largest if product else 0, device=device)  # the product form's second factor
-        widest = max((_extent(pieces)[1] - _extent(pieces)[0] for groups in updates for pieces in groups), default=0)
-        # A GPU layout spreads the coefficients over the coordinates of one group of `updates`
-        self.spread = torch.empty(widest if self.piece_numel is None else 0, device=device)
-        self.chunks = [self._chunk(gi, slots, groups, device) for (gi, slots), groups in zip(placed, updates,
-                                                                                             strict=True)]
+        # The work buffer, kept between steps (a fresh allocation would be page-faulted in again every step): one
+        # chunk's `Scratch` at a time, the chunk's direction and, after it, its coordinates of S_t.
+        self.work = torch.empty(max((_scratch_numel(slots, [mask_size(mask, s, k) for s in slots if not s.always])
+                                     for _, slots in placed), default=0), device=device)
+        # The update's coefficients of one chunk's masked rows (one per coordinate for single-coordinate rows), and
+        # the product form's second factor.
+        largest = max((_masked_rows(slots) for _, slots in placed), default=0)
+        self.coef = torch.empty(largest, device=device)
+        self.spare = torch.empty(largest if product else 0, device=device)
+        self.chunks = [self._chunk(gi, slots, device) for gi, slots in placed]
         self.adopt(state, beta3, step)
 
     @staticmethod
@@ -251,7 +229,7 @@ class Layout:
             chunks.append((gi, slots))
         return chunks
 
-    def _chunk(self, group: int, slots: list[Slot], updates: list[list[Piece]], device: torch.device) -> Chunk:
+    def _chunk(self, group: int, slots: list[Slot], device: torch.device) -> Chunk:
         start, split, end = slots[0].offset, _split(slots), slots[-1].offset + slots[-1].numel
         masked = tuple(s for s in slots if not s.always)
         spans: list[Span] = []
@@ -265,46 +243,29 @@ class Layout:
             bases.append(s.row - spans[-1].row)
         rows = (slots[0].row, masked[0].row if masked else slots[-1].row + slots[-1].rows,
                 slots[-1].row + slots[-1].rows)
-        moments = [self._group(pieces, {"m": self.exp_avg, "v": self.exp_avg_sq}, start)
-                   for pieces in _pieces(list(enumerate(slots)), self.piece_numel)]
+        ends = [s.row for s in masked[1:]] + [rows[2]] if masked else []
+
+        def column(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         return Chunk(
             group, start, split, end, tuple(slots), masked,
             one_d=torch.tensor([s.param.dim() <= 1 for s in slots], device=device),
             spans=tuple(spans), bases=tuple(bases), rows=rows,
-            directions=[s.flat(self.work, start).view_as(s.param) for s in slots], moments=tuple(moments),
-            updates=tuple(self._update_group(pieces, start) for pieces in updates))
+            always_numels=column([s.numel for s in slots if s.always]),
+            masked_at=column([at for at, s in enumerate(slots) if not s.always]),
+            row_counts=column([e - s.row for s, e in zip(masked, ends, strict=True)]),
+            exp_avgs=[self.view(self.exp_avg, s) for s in slots],
+            exp_avg_sqs=[self.view(self.exp_avg_sq, s) for s in slots],
+            directions=[s.flat(self.work, start).view_as(s.param) for s in slots],
+            direction_rows=[s.flat(self.work, start).view(-1, s.row_size) for s in masked],
+            coefs=[self.coef[s.row - rows[1]:s.row - rows[1] + s.rows].view(-1, 1) for s in masked])
 
-    def _group(self, pieces: list[Piece], buffers: dict[str, Tensor], start: int) -> ForeachGroup:
-        """A group with its pieces' views of the flat `buffers` and of the work space (whose element 0 is the
-        chunk's first, flat position `start`) as "direction"."""
-        views = {name: [piece.view(buffer, 0) for piece in pieces] for name, buffer in buffers.items()}
-        views["direction"] = [piece.view(self.work, start) for piece in pieces]
-        return ForeachGroup(tuple(pieces), *_extent(pieces), pieces[0].rows[0], pieces[-1].rows[1], views)
-
-    def _update_group(self, pieces: list[Piece], start: int) -> ForeachGroup:
-        """A group of masked pieces with "coef" (one coefficient per row, in the coefficient buffer from the
-        group's first row) and "direction", the work space's rows (pieces of a CPU layout: the update broadcasts
-        a row's coefficient over the row) or, in a GPU layout, shaped like the tensors, with "spread": the
-        coefficients spread over the coordinates by one copy per segment, then one fused foreach update (a
-        broadcasting foreach op would launch a kernel per tensor)."""
-        first, last = pieces[0].rows[0], pieces[-1].rows[1]
-        coefs = [self.coef[piece.rows[0] - first:piece.rows[1] - first].view(-1, 1) for piece in pieces]
-        if self.piece_numel is not None:
-            directions = [piece.view(self.work, start).view(-1, piece.slot.row_size) for piece in pieces]
-            return ForeachGroup(tuple(pieces), *_extent(pieces), first, last, {"direction": directions, "coef": coefs})
-        origin = _extent(pieces)[0]
-        segments: list[tuple[int, int, int, int, int]] = []
-        for piece in pieces:  # same-size rows of consecutive pieces are as far apart as their elements
-            size = piece.slot.row_size
-            a, b = piece.slot.offset + piece.a - origin, piece.slot.offset + piece.b - origin
-            row_a, row_b = piece.rows[0] - first, piece.rows[1] - first
-            if segments and segments[-1][0] == size:
-                segments[-1] = (size, segments[-1][1], b, segments[-1][3], row_b)
-            else:
-                segments.append((size, a, b, row_a, row_b))
-        views = {"direction": [piece.view(self.work, start) for piece in pieces], "coef": coefs,
-                 "spread": [piece.view(self.spread, origin) for piece in pieces]}
-        return ForeachGroup(tuple(pieces), *_extent(pieces), first, last, views, tuple(segments))
+    def per_row(self, chunk: Chunk, per_slot: Tensor) -> Tensor:
+        """A per-slot vector spread over the chunk's masked rows (padding rows take the value of the slot before
+        them): two ops, however many slots."""
+        return torch.repeat_interleave(per_slot.index_select(0, chunk.masked_at), chunk.row_counts,
+                                       output_size=chunk.rows[2] - chunk.rows[1])
 
     def adopt(self, state: dict, beta3: float, step: int) -> None:
         """Copy any loaded m, v and freshness in `state` into the flat buffers, then point `state` at them.
@@ -336,26 +297,34 @@ class Layout:
     def view(buffer: Tensor, slot: Slot) -> Tensor:
         return slot.flat(buffer).view_as(slot.param)
 
-    def selected(self, chunk: Chunk, mask: Mask) -> tuple[Tensor, Tensor]:
-        """Where the direction and the weights at the selected coordinates go: the work space after the direction."""
-        a, n = chunk.padded, sum(mask.sizes)
-        return self.work[a:a + n], self.work[a + n:a + 2 * n]
+    def scratch(self, chunk: Chunk, mask: Mask) -> Scratch:
+        """The work buffer's parts for stepping `chunk` with `mask`."""
+        a, n = chunk.split - chunk.start, sum(mask.sizes)
+        parts = self.work[:_scratch_numel(chunk.slots, mask.sizes)].split([chunk.padded, a + n, a + n, n, n])
+        return Scratch(*parts)
 
-    def gather_weights(self, chunk: Chunk, mask: Mask) -> None:
-        """The masked weights at the selected coordinates, into `selected`'s second buffer.
+    @staticmethod
+    def region(buffer: Tensor, chunk: Chunk) -> Tensor:
+        """The chunk's part of a flat buffer, padded: what its masks' rows index."""
+        return buffer[chunk.start:chunk.start + chunk.padded]
 
-        The weights are separate tensors. With whole-tensor pieces (a GPU, where each call costs host time) they
-        are copied into the chunk's work space (one foreach copy, in fp32) and gathered by one row gather per row
-        size for all the chunk's tensors. On a CPU calls are cheap and that copy, a pass over every masked
-        weight, is not (about 10 % of a BERT-base step): each tensor's rows are gathered from it directly.
+    def gather_weights(self, chunk: Chunk, mask: Mask, out: Tensor, staged: bool) -> None:
+        """out <- the masked weights at the selected coordinates (in fp32).
+
+        The weights are separate tensors. When the direction space holds them (`staged`), or where each call costs
+        host time (a GPU), they are gathered by one row gather per row size from the direction space, where they
+        are copied in fp32 by one foreach copy unless they are there already. On a CPU calls are cheap and that
+        copy, a pass over every masked weight, is not (about 10 % of a BERT-base step): unless staged, each
+        tensor's rows are gathered from it directly.
         """
         if not chunk.masked:
             return
-        out = self.selected(chunk, mask)[1]
-        if self.piece_numel is None:
-            always = len(chunk.slots) - len(chunk.masked)
-            torch._foreach_copy_(chunk.directions[always:], [s.param for s in chunk.masked])
-            mask.select(self.work[:chunk.padded], out)
+        if staged or not self.geometry.per_tensor:
+            direction = self.work[:chunk.padded]
+            if not staged:
+                always = len(chunk.slots) - len(chunk.masked)
+                torch._foreach_copy_(chunk.directions[always:], [s.param for s in chunk.masked])
+            mask.select(direction, out)
             return
         parts = out.split(mask.sizes)
         rows = mask.rows.split([size // s.row_size for s, size in zip(chunk.masked, mask.sizes, strict=True)])
@@ -376,7 +345,27 @@ class Layout:
         mask.put(self.exp_avg[chunk.start:chunk.start + chunk.padded], values[always:])
 
     def scratch_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.work, self.coef, self.spare, self.spread))
+        return sum(t.numel() * t.element_size() for t in (self.work, self.coef, self.spare))
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """One chunk's parts of the work buffer: its `direction` (padded, as its row views need); at S_t, laid out as
+    the `compact` vector of its momentum (always-synced coordinates, then the masked slots' selected rows: what
+    is all-reduced), the Adam `denominators` sqrt(v) + eps'; at the masked slots' selected rows their `weights`
+    and their `fresh` direction."""
+
+    direction: Tensor
+    compact: Tensor
+    denominators: Tensor
+    weights: Tensor
+    fresh: Tensor
+
+
+def _scratch_numel(slots: Sequence[Slot], sizes: Sequence[int]) -> int:
+    """Elements of the `Scratch` of a chunk of `slots`, `sizes` coordinates of S_t in its masked ones."""
+    always = _split(list(slots)) - slots[0].offset
+    return _aligned(slots[-1].offset + slots[-1].numel - slots[0].offset) + 2 * always + 4 * sum(sizes)
 
 
 def _split(slots: list[Slot]) -> int:
@@ -384,28 +373,10 @@ def _split(slots: list[Slot]) -> int:
     return max((s.offset + s.numel for s in slots if s.always), default=slots[0].offset)
 
 
-def _extent(pieces: list[Piece]) -> tuple[int, int]:
-    """The flat [start, end) that consecutive pieces cover."""
-    return pieces[0].slot.offset + pieces[0].a, pieces[-1].slot.offset + pieces[-1].b
-
-
-def _pieces(slots: Sequence[tuple[int, Slot]], piece_numel: int | None) -> list[list[Piece]]:
-    """(position in the chunk, slot) pairs cut into foreach groups of at most `piece_numel` elements, a larger
-    contiguous tensor into pieces of that size (a strided one stays whole); None: one group of whole tensors."""
-    if piece_numel is None:
-        return [[Piece(s, at, 0, s.numel) for at, s in slots]] if slots else []
-    groups: list[list[Piece]] = []
-    room = 0
-    for at, s in slots:
-        size = piece_numel if s.param.is_contiguous() else max(s.numel, 1)
-        for a in range(0, s.numel, size):
-            b = min(a + size, s.numel)
-            if b - a > room:
-                groups.append([])
-                room = piece_numel
-            groups[-1].append(Piece(s, at, a, b))
-            room -= b - a
-    return groups
+def _masked_rows(slots: list[Slot]) -> int:
+    """Freshness rows of a chunk's masked slots, padding rows between them included."""
+    masked = [s for s in slots if not s.always]
+    return slots[-1].row + slots[-1].rows - masked[0].row if masked else 0
 
 
 def _aligned(n: int) -> int:

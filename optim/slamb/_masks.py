@@ -26,9 +26,6 @@ if TYPE_CHECKING:
 
 MASKS = ("stratified", "bernoulli", "cyclic")
 ROW_NUMEL = 16  # coordinates per row of the stratified and cyclic masks: one 64-byte cache line of fp32
-# Rows per draw of the stratified and Bernoulli masks, by device type (absent: one draw for all chunks). On the
-# CPU a draw's passes stay in cache; on a GPU one draw takes the fewest launches.
-_DRAW_PICKS = {"cpu": 1 << 16}
 
 
 def row_size(mask: str, numel: int) -> int:
@@ -177,12 +174,13 @@ def mask_uniforms(generator: torch.Generator, count: int, device: torch.device) 
     A CUDA generator maps its random stream to elements by the device's multiprocessor count, so ranks on
     different GPU models (or MIG slices) would draw different masks: compact vectors of different lengths (a
     hang) or unrelated coordinates averaged. The CPU generator's stream is serial (independent of threads and
-    of how the draw is split). The copy goes through pinned memory, so it does not wait for the device (the
-    caching host allocator keeps the block until the copy is done).
+    of how the draw is split). To a GPU the copy goes through pinned memory, so it does not wait for the device (the
+    caching host allocator keeps the block until the copy is done); other devices (the meta device that counts a
+    step) take a plain copy.
     """
     if device.type == "cpu":
         return torch.rand(count, generator=generator)
-    host = torch.empty(count, pin_memory=True)
+    host = torch.empty(count, pin_memory=device.type == "cuda")
     torch.rand(count, generator=generator, out=host)
     return host.to(device, non_blocking=True)
 
@@ -280,21 +278,26 @@ class _Draw:
 class MaskSampler:
     """S_t chunk by chunk for one layout: a pure function of (seed, step), drawn from a private host generator.
 
-    Stratified and Bernoulli: a few draws of uniforms (consecutive chunks each; each chunk's masked slots in slot
-    order), turned into the rows of all masked slots by a few vectorised ops per draw, with constants built once.
-    Cyclic: index lists built once, per chunk and phase.
+    Stratified and Bernoulli: a few draws of uniforms (consecutive chunks of at most `draw_picks` rows each, None:
+    one draw; each chunk's masked slots in slot order), turned into the rows of all masked slots by a few
+    vectorised ops per draw, with constants built once. Cyclic: index lists built once, per chunk and phase.
     """
 
-    def __init__(self, mask: str, k: float, chunks: Sequence[Chunk], device: torch.device) -> None:
+    def __init__(self, mask: str, k: float, chunks: Sequence[Chunk], device: torch.device,
+                 draw_picks: int | None) -> None:
         self.mask, self.k, self.chunks, self.device = mask, k, chunks, device
-        self.draws = _draws(mask, chunks, k, device)
+        self.draws = _draws(mask, chunks, k, device, draw_picks)
         self.generator = torch.Generator()  # on the host whatever the device: see `mask_uniforms`
         self.cyclic: list[list[Mask]] | None = None  # per chunk, per phase
+        self._ahead: tuple[int, int, list[Mask]] | None = None  # (seed, step, masks) drawn by `draw_ahead`
 
     def masks(self, seed: int, step: int) -> list[Mask]:
         """Every chunk's mask at `step`."""
         if self.mask == "cyclic":
             return self._cyclic_masks(seed, step)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[:2] == (seed, step):
+            return ahead[2]
         self.generator.manual_seed(mask_seed(seed, step))
         masks = []
         for draw in self.draws:
@@ -307,6 +310,16 @@ class MaskSampler:
             masks += [Mask(r, sizes, runs, v)
                       for r, sizes, runs, v in zip(rows.split(draw.picks), draw.sizes, draw.runs, valids, strict=True)]
         return masks
+
+    def draw_ahead(self, seed: int, step: int) -> None:
+        """Draw the masks of `step` now, for the `masks` call that asks for them.
+
+        The host's draw (milliseconds of random numbers for a large model) and its launches then run while a GPU
+        is still busy with the step just queued, instead of delaying the next step's first kernel. Masks are pure
+        functions of (seed, step), so a draw that goes unused (a loaded state, another step) changes nothing.
+        """
+        if self.mask != "cyclic":
+            self._ahead = (seed, step, self.masks(seed, step))
 
     def _cyclic_masks(self, seed: int, step: int) -> list[Mask]:
         """Phase t mod n_c of a fixed random partition of each masked tensor into n_c = floor(1/k) near-equal parts.
@@ -341,12 +354,11 @@ class MaskSampler:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _draws(mask: str, chunks: Sequence[Chunk], k: float, device: torch.device) -> list[_Draw]:
+def _draws(mask: str, chunks: Sequence[Chunk], k: float, device: torch.device, limit: int | None) -> list[_Draw]:
     """The constants of every chunk's stratified or Bernoulli mask (none for the cyclic mask: fixed lists), for
-    consecutive chunks of at most `_DRAW_PICKS` picks per draw (a larger chunk: alone)."""
+    consecutive chunks of at most `limit` picks per draw (a larger chunk: alone; None: one draw)."""
     if mask == "cyclic":
         return []
-    limit = _DRAW_PICKS.get(device.type)
     groups: list[list[tuple[Chunk, int]]] = []  # per draw, its chunks with their picks
     total = 0
     for chunk in chunks:
@@ -396,7 +408,10 @@ def mask_fingerprint(masks: Sequence[Mask]) -> tuple[int, int]:
 
 
 def check_masks_agree(comm: Comm, masks: Sequence[Mask]) -> None:
-    """Raise on every rank if any rank drew a mask other than rank 0's (once per run: it reads the device)."""
+    """Raise on every rank if any rank drew a mask other than rank 0's (once per run: it reads the device; on the
+    meta device, which holds no values, there is nothing to compare)."""
+    if any(mask.rows.is_meta for mask in masks):
+        return
     mine = mask_fingerprint(masks)
     if comm.any(mine != comm.broadcast_object(mine)):
         raise RuntimeError(

@@ -15,13 +15,13 @@ from optim._math import (
     check_adam_hyperparameters,
     check_flags,
     closure_loss,
-    foreach_adam_moments_,
+    fused_add_adam_direction_,
     trust_ratio,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import WIRE_DTYPES, Comm, average_tensors_
 from optim.restart import load_with_current_hyperparameters, zero_step_counts
-from optim.slamb._layout import FRESHNESS_DTYPES, Chunk, ForeachGroup, Layout, Piece
+from optim.slamb._layout import FRESHNESS_DTYPES, Chunk, Layout, Scratch
 from optim.slamb._masks import MASKS, ROW_NUMEL, Mask, MaskSampler, check_masks_agree
 
 _RESCALES = ("sum_of_products", "product_of_interpolations")
@@ -123,8 +123,8 @@ class SLAMB(torch.optim.Optimizer):
             gets :math:`q = \beta_3^{-(t \bmod R)}`, and :math:`\beta_3^{t \bmod R}` is folded into the per-tensor
             coefficients of the update.
         sync_offset: dense sync when :math:`(t - \text{sync\_offset}) \bmod H = 0`; 1 as in [code].
-        bucket_mb: the compacted momentum and the dense parameter average go out in all-reduces of at most
-            this many MB (one per bucket, never one per tensor).
+        bucket_mb: each chunk's compacted momentum and the dense parameter average go out in all-reduces of at
+            most this many MB (one per bucket, never one per tensor).
         seed: seeds the masks; ranks must agree (the trainer passes the same config to every rank).
         comm: the communication layer (`optim.comm.Comm`); None builds one over the default process group,
             or a world of one when there is none.
@@ -136,21 +136,23 @@ class SLAMB(torch.optim.Optimizer):
     is needed to resume exactly (`freshness` gives r per coordinate; a state_dict of earlier versions, with the
     fp32 ``freshness`` or a per-coordinate ``scaled_freshness``, is converted on load). Moments and,
     between dense syncs, parameters differ across ranks, so checkpoints are per rank (the trainer does this for
-    ``grad_sync="self"``). Work buffers, kept between steps (`memory_bytes`): one buffer that holds the compact
-    vector (about :math:`k d`) and then, chunk by chunk, the chunk's direction with its gathered fresh direction
-    and weights; and the per-row coefficient buffers of one update group.
+    ``grad_sync="self"``). Work buffers, kept between steps (`memory_bytes`): one buffer that holds, chunk by
+    chunk, the chunk's direction and its compact vectors at S_t (momentum, denominators, weights, fresh
+    direction: about :math:`4 k` of the chunk); and the per-row coefficients of one chunk's masked rows.
 
     `optim.slamb.reference` is this step one tensor at a time, for every rank in one process; the tests hold this
     class to it. Mechanics (the terms are defined in `optim.slamb._layout`): the flat buffers are cut into chunks
-    (a GPU: 2^26 elements, a CPU: 2^20, cache-sized). Each masked tensor starts at a multiple of 16 elements (at
-    most 15 zero elements of padding per tensor, never gathered, sent or normed) and a chunk places its masked
-    tensors by row size, so one row view of a buffer over a span serves all its masked tensors of one row size: a
-    step's mask (one vectorised draw per few chunks from per-tensor constants built once), the momentum gather
-    and scatter, the freshness fill and the fresh norms (`torch._foreach_norm` over one split) cost a fixed number
-    of calls per chunk, not per tensor, and the update runs as foreach calls with per-tensor 0-d coefficients,
-    formed per row and broadcast over it. A GPU step thus dispatches a number of ops independent of the number of
-    tensors (each dispatch costs host time); on a CPU the passes go by pieces of at most 2^18 elements, which keep
-    their operands in cache.
+    (a GPU: 2^26 elements, a CPU: 2^20), each stepped whole (`_step_chunk`): torch's fused Adam kernel forms m, v
+    and the direction in one pass, the chunk's momentum at S_t is all-reduced and the direction there formed again
+    from it, then the ratios and the update. Each masked tensor starts at a multiple of 16 elements (at most 15
+    zero elements of padding per tensor, never gathered, sent or normed) and a chunk places its masked tensors by
+    row size, so one row view of a buffer over a span serves all its masked tensors of one row size: a step's mask
+    (one vectorised draw per few chunks from per-tensor constants built once), the gathers and scatters at S_t,
+    the freshness fill and the fresh norms (`torch._foreach_norm` over one split) cost a fixed number of calls per
+    chunk, not per tensor. The update's coefficients are formed per row; a CPU broadcasts them over the rows in
+    its foreach update, a GPU (`_layout.Geometry`) scales the direction's rows in place and adds it to the weights
+    in one foreach op of equal shapes. A GPU step thus dispatches a number of ops independent of the number of
+    tensors, and launches one kernel per foreach op, not one per tensor (each launch costs host time).
     """
 
     def __init__(
@@ -232,7 +234,8 @@ class SLAMB(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        """One SLAMB step: local moments, masked momentum average, rescaled LAMB update, periodic dense sync.
+        """One SLAMB step, chunk by chunk (local moments and direction, masked momentum average, rescaled LAMB
+        update), then the periodic dense sync.
 
         Nothing in it reads a tensor on the host: sizes come from the layout and the mask kind, per-tensor ratios
         stay 0-d device tensors, and choices between values are `torch.where`.
@@ -244,24 +247,16 @@ class SLAMB(torch.optim.Optimizer):
         step = glob["step"]
 
         masks = self._sampler.masks(glob["seed"], step)
-        spans = _compact_extents(layout.chunks, masks)
-        distributed = self.comm.distributed
-        if distributed and not self._masks_agreed:
+        if self.comm.distributed and not self._masks_agreed:
             check_masks_agree(self.comm, masks)
             self._masks_agreed = True
-        for chunk, mask, (a, b) in zip(layout.chunks, masks, spans, strict=True):
-            self._local_moments(layout, chunk)
-            if distributed:
-                layout.gather(chunk, mask, layout.compact[a:b])
-        if distributed and spans:
-            self._all_reduce_mean(layout.compact[:spans[-1][1]])
-            for chunk, mask, (a, b) in zip(layout.chunks, masks, spans, strict=True):
-                layout.scatter(chunk, mask, layout.compact[a:b])
-        for chunk, mask in zip(layout.chunks, masks, strict=True):  # the compact vector is free: work space
-            self._update_chunk(layout, chunk, mask, step)
-        if distributed and (step - self.sync_offset) % self.sync_interval == 0:
+        for chunk, mask in zip(layout.chunks, masks, strict=True):
+            self._step_chunk(layout, chunk, mask, step)
+        if self.comm.distributed and (step - self.sync_offset) % self.sync_interval == 0:
             # the dense fp32 average of every parameter, in tensor-aligned buckets of at most bucket_mb
             average_tensors_([slot.param for slot in layout.slots], self.comm, max(1, self.bucket_bytes // 4))
+        if layout.geometry.draw_ahead:
+            self._sampler.draw_ahead(glob["seed"], step + 1)
         return loss
 
     def replicas_agree_after(self, step: int) -> bool:
@@ -270,20 +265,114 @@ class SLAMB(torch.optim.Optimizer):
         own copy with its local v and the unsynced part of its m."""
         return step == 0 or not self.comm.distributed or (step - self.sync_offset) % self.sync_interval == 0
 
-    def _local_moments(self, layout: Layout, chunk: Chunk) -> None:
-        """m and v of the chunk's slots that have a gradient, one foreach group at a time: on a CPU groups of at
-        most `piece_numel` elements, whose three passes find m, v and g in cache (15 % faster than whole tensors)."""
+    def _step_chunk(self, layout: Layout, chunk: Chunk, mask: Mask, step: int) -> None:
+        """One chunk's step: freshness; local moments and direction in one fused pass; the momentum averaged at S_t
+        (one all-reduce of the chunk's compact vector) and the direction there formed again from it; fresh and
+        stale trust ratios; the rescaled update.
+
+        The direction buffer holds u~ up to a scalar `unit` (u~ = unit * buffer), folded into the norms and the
+        step sizes instead of costing a pass. Where the decay enters the norms, buffer = w + (scale / lambda) m /
+        (sqrt(v) + eps') with unit = lambda: the weights are copied in and torch's fused Adam kernel adds the rest
+        while it updates m and v. Elsewhere buffer = m / (sqrt(v) + eps') with unit = scale, any decay added after
+        the norms. Only slots with a gradient take the pass and the update.
+        """
+        group = self.param_groups[chunk.group]
+        beta1, beta2 = group["betas"]
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        bc1, bc2 = bias_corrections(step, beta1, beta2, enabled=self.bias_correction_form != "none")
+        scale = math.sqrt(bc2) / bc1
+        eps = group["eps"] * (math.sqrt(bc2) if self.bias_correction_form == "full" else 1.0)
+        decay_in_norms = weight_decay != 0 and self.wd_in_trust_ratio
+        factor, unit = (scale / weight_decay, weight_decay) if decay_in_norms else (1.0, scale)
+        # A chunk holds one param group's tensors, so whether they are adapted is known on the host: no sync.
+        adapt = self.always_adapt or weight_decay != 0
+        to_freshness = self._refresh(layout, chunk, mask, step)
+        scratch = layout.scratch(chunk, mask)
+
+        self._local_directions(layout, chunk, mask, scratch, factor, eps, decay_in_norms, adapt)
+        local_norms = None
+        if self.comm.distributed or (adapt and chunk.masked):
+            layout.gather(chunk, mask, scratch.compact)  # the local momentum at S_t
+            self._denominators(layout, chunk, mask, scratch, eps)
+        if adapt and chunk.masked:  # the stale norms' terms, from the local direction (see `_trust_ratios`)
+            self._fresh_direction(chunk, scratch, factor, decay_in_norms)
+            always = len(chunk.slots) - len(chunk.masked)
+            local_norms = (torch.stack(torch._foreach_norm(chunk.directions[always:])), _fresh_norms(mask, scratch))
+        if self.comm.distributed:
+            self._all_reduce_mean(scratch.compact)
+            layout.scatter(chunk, mask, scratch.compact)
+            self._average_directions(layout, chunk, mask, scratch, factor, decay_in_norms)
+        if adapt:
+            fresh, stale = self._trust_ratios(chunk, mask, scratch, unit, local_norms)
+            fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
+        else:  # NVLAMB's plain Adam step: both ratios exactly 1, never clamped (no norms taken)
+            fresh = stale = fresh_clamped = stale_clamped = torch.ones(len(chunk.slots), device=layout.work.device)
+        if weight_decay != 0 and not self.wd_in_trust_ratio:
+            torch._foreach_add_(chunk.directions, [s.param for s in chunk.slots], alpha=weight_decay / scale)
+
+        lr_fresh, lr_stale = lr * unit, lr * unit / math.sqrt(self.world_size)
+        fresh_coef = fresh_clamped * -lr_fresh  # per slot, on the device: no host read
+        if self.rescale == "sum_of_products":  # coef = -[lr_stale phi_U + r (lr_fresh phi_F - lr_stale phi_U)]
+            stale_coef = stale_clamped * -lr_stale
+            bases, slopes = stale_coef, (fresh_coef - stale_coef) * to_freshness
+        else:  # naive: coef = -clamp(phi_U + r (phi_F - phi_U)) (lr_stale + r (lr_fresh - lr_stale))
+            bases, slopes = stale, (fresh - stale) * to_freshness
+        self._update(layout, chunk, fresh_coef, bases, slopes, (lr_stale - lr_fresh) * to_freshness, lr_stale, adapt)
+
+    def _refresh(self, layout: Layout, chunk: Chunk, mask: Mask, step: int) -> float:
+        """The chunk's freshness at `step` (q = 1 / to_freshness where synced now); returns to_freshness, r / q."""
+        scaled, (first, split, end) = layout.scaled_freshness, chunk.rows
+        if step % layout.rebase_interval == 0:  # a new epoch E = t: q <- q beta3^R keeps r = beta3^(t - E) q
+            scaled[split:end].mul_(self.beta3 ** layout.rebase_interval)
+        synced = layout.synced_value(self.beta3, step)  # q at a coordinate synced now (r = 1)
+        scaled[first:split].fill_(synced)
+        mask.fill(scaled, synced)
+        return 1.0 / synced  # r = q / synced (1 to fp32 rounding where synced now), in the coefficients
+
+    def _local_directions(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, factor: float,
+                          eps: float, decay_in_norms: bool, adapt: bool) -> None:
+        """m, v and the direction buffer of the chunk's slots from the local gradients, by one call of torch's fused
+        Adam kernel; and the masked weights at S_t, which the fresh weight norms and, with the decay in the norms,
+        the fresh direction need. With the decay in the norms the weights are copied into the buffer first, which
+        serves their gather too."""
         for s in chunk.slots:
             if s.param.grad is not None and s.param.grad.is_sparse:
                 raise RuntimeError("SLAMB does not support sparse gradients")
-        beta1, beta2 = self.param_groups[chunk.group]["betas"]
-        flat_grads: dict[int, Tensor] = {}  # a split slot's fp32 gradient, flattened once
-        for group in chunk.moments:
-            active = [i for i, piece in enumerate(group.pieces) if piece.slot.param.grad is not None]
-            if active:
-                grads = [_grad_piece(group.pieces[i], flat_grads) for i in active]
-                foreach_adam_moments_([group.views["m"][i] for i in active], [group.views["v"][i] for i in active],
-                                      grads, beta1, beta2)
+        if adapt and not decay_in_norms:  # before the buffer is cleared: a GPU's gather copies the weights there
+            layout.gather_weights(chunk, mask, scratch.weights, staged=False)
+        if decay_in_norms:
+            torch._foreach_copy_(chunk.directions, [s.param for s in chunk.slots])
+            layout.gather_weights(chunk, mask, scratch.weights, staged=True)
+        else:
+            scratch.direction.zero_()
+        active = [i for i, s in enumerate(chunk.slots) if s.param.grad is not None]
+        if active:
+            beta1, beta2 = self.param_groups[chunk.group]["betas"]
+            fused_add_adam_direction_(
+                [chunk.directions[i] for i in active], [_grad(chunk.slots[i].param) for i in active],
+                [chunk.exp_avgs[i] for i in active], [chunk.exp_avg_sqs[i] for i in active],
+                scale=factor, step=0, beta1=beta1, beta2=beta2, eps=eps, bias_correction=False)
+
+    def _denominators(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, eps: float) -> None:
+        """sqrt(v) + eps' at S_t, laid out as the compact vector (the always-synced part only where it is averaged)."""
+        a = chunk.split - chunk.start
+        if a and self.comm.distributed:
+            torch.sqrt(layout.exp_avg_sq[chunk.start:chunk.split], out=scratch.denominators[:a]).add_(eps)
+        if chunk.masked:
+            masked = scratch.denominators[a:]
+            mask.select(layout.region(layout.exp_avg_sq, chunk), masked)
+            masked.sqrt_().add_(eps)
+
+    @staticmethod
+    def _fresh_direction(chunk: Chunk, scratch: Scratch, factor: float, decay_in_norms: bool) -> None:
+        """The masked slots' direction at S_t from the momentum in the compact vector, into `scratch.fresh` (the
+        fused kernel's formula, rounded apart from it by a few units in the last place)."""
+        a = chunk.split - chunk.start
+        if decay_in_norms:
+            torch.addcdiv(scratch.weights, scratch.compact[a:], scratch.denominators[a:], value=factor,
+                          out=scratch.fresh)
+        else:
+            torch.div(scratch.compact[a:], scratch.denominators[a:], out=scratch.fresh)
 
     def _all_reduce_mean(self, compact: Tensor) -> None:
         """m[S_t] <- the rank mean, in buckets of at most bucket_mb (see `comm_dtype` for the half-precision path)."""
@@ -295,100 +384,126 @@ class SLAMB(torch.optim.Optimizer):
         works = [self.comm.all_reduce(piece, async_op=True) for piece in payload.split(bucket)]
         for work in works:
             work.wait()
-        if payload is compact:
+        if payload is compact and self.world_size > 1:
             compact.div_(self.world_size)
-        else:
+        elif payload is not compact:
             compact.copy_(payload)
 
-    def _update_chunk(self, layout: Layout, chunk: Chunk, mask: Mask, step: int) -> None:
-        """Freshness, Adam direction, fresh/stale trust ratios and the rescaled update of one chunk."""
-        start, scaled, (first, split, end) = chunk.start, layout.scaled_freshness, chunk.rows
-        if step % layout.rebase_interval == 0:  # a new epoch E = t: q <- q beta3^R keeps r = beta3^(t - E) q
-            scaled[split:end].mul_(self.beta3 ** layout.rebase_interval)
-        synced = layout.synced_value(self.beta3, step)  # q at a coordinate synced now (r = 1)
-        scaled[first:split].fill_(synced)
-        mask.fill(scaled, synced)
-        to_freshness = 1.0 / synced  # r = q / synced (1 to fp32 rounding where synced now), in the coefficients
-
-        group = self.param_groups[chunk.group]
-        beta1, beta2 = group["betas"]
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        bc1, bc2 = bias_corrections(step, beta1, beta2, enabled=self.bias_correction_form != "none")
-        # The direction buffer holds u~ up to a scalar `unit` (u~ = unit * buffer), folded into the norms and the
-        # step sizes instead of costing a pass: buffer = m / (sqrt(v) + eps') + (lambda / scale) w with
-        # unit = scale, the decay added before the norms or after them (wd_in_trust_ratio). Every slot's direction
-        # is formed (the ratios are computed for the whole chunk at once); only slots with a gradient are updated.
-        scale = unit = math.sqrt(bc2) / bc1
-        eps = group["eps"] * (math.sqrt(bc2) if self.bias_correction_form == "full" else 1.0)
-        # A chunk holds one param group's tensors, so whether they are adapted is known on the host: no sync.
-        adapt = self.always_adapt or weight_decay != 0
-        if adapt:
-            layout.gather_weights(chunk, mask)  # before the direction takes the work space
-        params = [s.param for s in chunk.slots]
-        decay_in_norms = weight_decay != 0 and self.wd_in_trust_ratio
-        # On a CPU, where a step is not bound by the host: buffer = w + m / ((lambda / scale)(sqrt(v) + eps'))
-        # with unit = lambda, one addcdiv pass per piece where the foreach form takes a division and an addition
-        # (a pass more, about 8 % of the BERT-base step); group by group, so that sqrt(v) is still in cache.
-        fused = decay_in_norms and layout.piece_numel is not None
-        for group in chunk.moments:
-            direction = layout.work[group.start - start:group.end - start]
-            torch.sqrt(layout.exp_avg_sq[group.start:group.end], out=direction)
-            direction.add_(eps)
-            if fused:
-                for piece, m, u in zip(group.pieces, group.views["m"], group.views["direction"], strict=True):
-                    torch.addcdiv(piece.of(piece.slot.param), m, u, value=scale / weight_decay, out=u)
+    def _average_directions(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, factor: float,
+                            decay_in_norms: bool) -> None:
+        """The direction at S_t formed again from the averaged momentum (in `scratch.compact`), into the direction
+        buffer: over the always-synced slots whole (a few short passes), at the masked slots' selected rows from
+        the compact space (where `scratch.fresh` keeps it for the norms)."""
+        always, a = len(chunk.slots) - len(chunk.masked), chunk.split - chunk.start
+        if a:
+            direction = scratch.direction[:a]
+            if decay_in_norms:
+                torch._foreach_copy_(chunk.directions[:always], [s.param for s in chunk.slots[:always]])
+                direction.addcdiv_(scratch.compact[:a], scratch.denominators[:a], value=factor)
             else:
-                torch.div(layout.exp_avg[group.start:group.end], direction, out=direction)
-        if fused:
-            unit = weight_decay
-        elif decay_in_norms:
-            torch._foreach_add_(chunk.directions, params, alpha=weight_decay / scale)
-        if adapt:
-            fresh, stale = self._trust_ratios(layout, chunk, mask, unit)
-            fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
-        else:  # NVLAMB's plain Adam step: both ratios exactly 1, never clamped (no norms taken)
-            fresh = stale = fresh_clamped = stale_clamped = torch.ones(len(chunk.slots), device=layout.work.device)
-        if weight_decay != 0 and not self.wd_in_trust_ratio:
-            torch._foreach_add_(chunk.directions, params, alpha=weight_decay / scale)
+                torch.div(scratch.compact[:a], scratch.denominators[:a], out=direction)
+        if chunk.masked:
+            self._fresh_direction(chunk, scratch, factor, decay_in_norms)
+            mask.put(scratch.direction, scratch.fresh)
 
-        lr_fresh, lr_stale = lr * unit, lr * unit / math.sqrt(self.world_size)
-        fresh_coef = fresh_clamped * -lr_fresh  # per slot, on the device: no host read
-        always = [i for i, s in enumerate(chunk.slots) if s.always and s.param.grad is not None]
-        if always:  # r == 1 on every coordinate: plain LAMB steps with the fresh ratio
-            coefs = fresh_coef.unbind()
-            torch._foreach_addcmul_([params[i] for i in always], [chunk.directions[i] for i in always],
-                                    [coefs[i] for i in always])
-        if not chunk.masked:
-            return
-        if self.rescale == "sum_of_products":  # coef = -[lr_stale phi_U + r (lr_fresh phi_F - lr_stale phi_U)]
-            stale_coef = stale_clamped * -lr_stale
-            bases, slopes = stale_coef.unbind(), ((fresh_coef - stale_coef) * to_freshness).unbind()
-        else:  # naive: coef = -clamp(phi_U + r (phi_F - phi_U)) (lr_stale + r (lr_fresh - lr_stale))
-            bases, slopes = stale.unbind(), ((fresh - stale) * to_freshness).unbind()
-        for pieces in chunk.updates:
-            self._apply(layout, pieces, bases, slopes, (lr_stale - lr_fresh) * to_freshness, lr_stale, adapt)
+    def _trust_ratios(self, chunk: Chunk, mask: Mask, scratch: Scratch, unit: float,
+                      local_norms: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """Per slot the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
+        their fallbacks for zero norms.
 
-    def _apply(self, layout: Layout, group: ForeachGroup, bases: Sequence[Tensor], slopes: Sequence[Tensor],
-               lr_slope: float, lr_stale: float, clamp: bool) -> None:
-        """w -= coef * u over one group of masked pieces, coef per row from the rescale form, through a buffer.
-
-        The freshness, hence the coefficient, is constant over a row of the mask, so the coefficients of the whole
-        group are formed per row at once (a sixteenth of the work per coordinate): a copy of the scaled freshness
-        q, a foreach multiply and add with the per-tensor 0-d slopes and bases (a loop in C++, not in Python), and
-        for the product form three passes more. The update broadcasts each row's coefficient over the row.
-        `slopes` and `lr_slope` are per unit of q; `clamp`: the product form clamps its interpolated ratio (not where
-        the tensors are not adapted: their ratio is exactly 1).
+        Fresh norms come from the few selected coordinates, in compact buffers. The direction's stale norms are
+        differences of squares of the local direction (`local_norms`), sqrt(||u||^2 - ||u_F||^2), taken before the
+        averaged momentum arrives: then S_t holds values like the rest, so the difference cancels about k / (1 - k)
+        of the sum. After the average it would not: at S_t the rank-averaged m meets the local v, so distinct
+        gradients give u_F outliers, and ||u_F||^2 / ||u_U||^2 reached 476 and 463 at step 1 on 2 and 4 gloo
+        ranks, a factor that multiplies the fp32 rounding of the difference. The weights' stale norms are a
+        difference too: w has no such outliers.
         """
-        active = [i for i, piece in enumerate(group.pieces) if piece.slot.param.grad is not None]
-        if not active:
+        params = [s.param for s in chunk.slots]
+        w_total = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
+        if not chunk.masked:  # every coordinate is fresh: phi_U is the fallback, and is never used
+            u_total = torch.stack(torch._foreach_norm(chunk.directions)) * unit
+            return trust_ratio(w_total, u_total), torch.full_like(w_total, self.stale_ratio_fallback)
+        always = len(chunk.slots) - len(chunk.masked)  # the chunk's first slots are synced whole every step
+        local_total, local_fresh = local_norms
+        masked_fresh = _fresh_norms(mask, scratch) if self.comm.distributed else local_fresh
+        w_selected = scratch.weights
+        if mask.valid is not None:
+            w_selected = w_selected * mask.valid
+        u_fresh = [masked_fresh]
+        if always:
+            u_fresh.insert(0, torch.stack(torch._foreach_norm(chunk.directions[:always])))
+        w_fresh = torch.cat([w_total[:always], torch.stack(torch._foreach_norm(w_selected.split(mask.sizes)))])
+        u_fresh = torch.cat(u_fresh) * unit
+        u_stale = (local_total.square() - local_fresh.square()).clamp_(min=0).sqrt_()
+        u_stale = torch.cat([torch.zeros_like(w_total[:always]), u_stale]) * unit
+        w_stale = (w_total.square() - w_fresh.square()).clamp_(min=0).sqrt_()
+        fresh = trust_ratio(w_fresh, u_fresh)  # 1 when a norm is 0
+        stale = torch.where((w_stale > 0) & (u_stale > 0), w_stale / u_stale,
+                            torch.full_like(w_stale, self.stale_ratio_fallback))
+        return fresh, stale
+
+    def _update(self, layout: Layout, chunk: Chunk, fresh_coef: Tensor, bases: Tensor, slopes: Tensor,
+                lr_slope: float, lr_stale: float, clamp: bool) -> None:
+        """w -= coef * u over the chunk's slots that have a gradient: coef per slot over the always-synced ones (r
+        is 1 there: plain LAMB steps with the fresh ratio), per row over the masked ones (`_coefficients`).
+
+        Where ops per tensor are cheap (a CPU) each row's coefficient is broadcast over its row by one foreach
+        multiply-add. Elsewhere (a GPU) the direction buffer is scaled in place, by one op per span of rows and one
+        over the always-synced slots, and one foreach addition of equal shapes updates every weight.
+        """
+        always = len(chunk.slots) - len(chunk.masked)
+        per_tensor = layout.geometry.per_tensor
+        coef = self._coefficients(layout, chunk, bases, slopes, lr_slope, lr_stale, clamp) if chunk.masked else None
+        if not per_tensor:
+            direction = layout.work[:chunk.padded]
+            if always:
+                a = chunk.split - chunk.start
+                direction[:a].mul_(torch.repeat_interleave(fresh_coef[:always], chunk.always_numels, output_size=a))
+            for span in chunk.spans:
+                rows = span.of(direction)
+                first = span.row - chunk.rows[1]
+                rows.mul_(coef[first:first + rows.size(0), None])
+            active = [i for i, s in enumerate(chunk.slots) if s.param.grad is not None]
+            if active:
+                torch._foreach_add_([chunk.slots[i].param for i in active], [chunk.directions[i] for i in active])
             return
-        scaled = layout.scaled_freshness[group.first:group.last]
-        coef = layout.coef[:group.last - group.first]
-        coef.copy_(scaled)  # to fp32 first: a product with a 0-d fp32 tensor would be computed in fp16
-        coefs = [group.views["coef"][i] for i in active]
-        # twice as fast as one addcmul with 0-d operands on a CPU
-        torch._foreach_mul_(coefs, [slopes[group.pieces[i].at] for i in active])
-        torch._foreach_add_(coefs, [bases[group.pieces[i].at] for i in active])
+        if always:
+            coefs = fresh_coef.unbind()
+            active = [i for i, s in enumerate(chunk.slots[:always]) if s.param.grad is not None]
+            torch._foreach_addcmul_([chunk.slots[i].param for i in active], [chunk.directions[i] for i in active],
+                                    [coefs[i] for i in active])
+        active = [j for j, s in enumerate(chunk.masked) if s.param.grad is not None]
+        contiguous = [j for j in active if chunk.masked[j].param.is_contiguous()]
+        if contiguous:
+            torch._foreach_addcmul_([chunk.masked[j].param.view(-1, chunk.masked[j].row_size) for j in contiguous],
+                                    [chunk.direction_rows[j] for j in contiguous], [chunk.coefs[j] for j in contiguous])
+        strided = [j for j in active if not chunk.masked[j].param.is_contiguous()]
+        if strided:  # a strided parameter (channels_last) has no row view: scale the direction's rows, then add
+            torch._foreach_mul_([chunk.direction_rows[j] for j in strided], [chunk.coefs[j] for j in strided])
+            torch._foreach_add_([chunk.masked[j].param for j in strided],
+                                [chunk.directions[always + j] for j in strided])
+
+    def _coefficients(self, layout: Layout, chunk: Chunk, bases: Tensor, slopes: Tensor, lr_slope: float,
+                      lr_stale: float, clamp: bool) -> Tensor:
+        """The update's coefficient of each of the chunk's masked rows, from the rescale form.
+
+        The freshness, hence the coefficient, is constant over a row of the mask, so the coefficients are formed
+        per row (a sixteenth of the work per coordinate): q copied to fp32, times the per-slot slope and plus the
+        per-slot base, and for the product form three passes more. Where ops per tensor are cheap (a CPU) the
+        slope and base are 0-d factors of foreach ops over the slots' rows; elsewhere they are spread over the rows
+        first (`Layout.per_row`). `slopes` and `lr_slope` are per unit of q; `clamp`: the product form clamps its
+        interpolated ratio (not where the tensors are not adapted: their ratio is exactly 1).
+        """
+        scaled = layout.scaled_freshness[chunk.rows[1]:chunk.rows[2]]
+        coef = layout.coef[:scaled.numel()]
+        coef.copy_(scaled)  # to fp32 first: a product with an fp32 tensor of q's dtype would be computed in fp16
+        if layout.geometry.per_tensor:
+            always = len(chunk.slots) - len(chunk.masked)
+            torch._foreach_mul_(chunk.coefs, slopes[always:].unbind())
+            torch._foreach_add_(chunk.coefs, bases[always:].unbind())
+        else:
+            coef.mul_(layout.per_row(chunk, slopes)).add_(layout.per_row(chunk, bases))
         if self.rescale == "product_of_interpolations":  # interpolate the raw ratios, clamp, times the mixed lr
             if clamp:
                 coef.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
@@ -396,57 +511,7 @@ class SLAMB(torch.optim.Optimizer):
             spare = layout.spare[:coef.numel()]
             torch.mul(coef, -lr_stale, out=spare)
             torch.addcmul(spare, coef, scaled, value=lr_slope, out=coef)
-        pieces = [group.pieces[i] for i in active]
-        weights = [piece.of(piece.slot.param) for piece in pieces]
-        directions = [group.views["direction"][i] for i in active]
-        if group.segments:  # a GPU layout: spread the coefficients, then one fused update
-            for size, a, b, row_a, row_b in group.segments:
-                layout.spread[a:b].view(-1, size).copy_(coef[row_a:row_b, None].expand(-1, size))
-            torch._foreach_addcmul_(weights, directions, [group.views["spread"][i] for i in active])
-        elif all(w.is_contiguous() for w in weights):
-            torch._foreach_addcmul_([w.view(-1, piece.slot.row_size) for w, piece in zip(weights, pieces, strict=True)],
-                                    directions, coefs)
-        else:  # a strided parameter (channels_last) has no row view: scale the direction's rows, then add
-            torch._foreach_mul_(directions, coefs)
-            torch._foreach_add_(weights, [u.view_as(w) for u, w in zip(directions, weights, strict=True)])
-
-    def _trust_ratios(self, layout: Layout, chunk: Chunk, mask: Mask, unit: float) -> tuple[Tensor, Tensor]:
-        """Per slot the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
-        their fallbacks for zero norms.
-
-        Fresh norms come from the few selected coordinates, gathered into compact buffers (the weights by
-        `Layout.gather_weights`). The direction's stale norms are taken directly: the selected rows are zeroed for
-        the one norm pass over the chunk, then put back. A difference of squares, sqrt(||u||^2 - ||u_F||^2), would
-        spare that scatter but multiplies the norms' fp32 rounding by ||u_F||^2 / ||u_U||^2, which distinct
-        gradients drive up (at S_t the rank-averaged m meets the local v, so u_F has outliers): measured at step 1
-        on 2 and 4 gloo ranks, that factor reached 476 and 463, and those tensors' stale steps were 5.7e-4 and
-        1.0e-4 of their size from a float64 reference. The weights' stale norms stay a difference: w has no such
-        outliers.
-        """
-        params = [s.param for s in chunk.slots]
-        w_total = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
-        if not chunk.masked:  # every coordinate is fresh: phi_U is the fallback, and is never used
-            u_total = torch.stack(torch._foreach_norm(chunk.directions)) * unit
-            return trust_ratio(w_total, u_total), torch.full_like(w_total, self.stale_ratio_fallback)
-        work = layout.work[:chunk.padded]
-        u_selected, w_selected = layout.selected(chunk, mask)
-        mask.select(work, u_selected)
-        mask.put(work, torch.zeros_like(u_selected))
-        u_rest = torch.stack(torch._foreach_norm(chunk.directions))  # masked slots: over their stale coordinates
-        mask.put(work, u_selected)
-        if mask.valid is not None:  # padding duplicates a selected coordinate: count it once
-            u_selected.mul_(mask.valid)
-            w_selected.mul_(mask.valid)
-        w_parts, u_parts = w_selected.split(mask.sizes), u_selected.split(mask.sizes)
-        always = len(chunk.slots) - len(chunk.masked)  # the chunk's first slots are synced whole every step
-        w_fresh = torch.cat([w_total[:always], torch.stack(torch._foreach_norm(w_parts))])
-        u_fresh = torch.cat([u_rest[:always], torch.stack(torch._foreach_norm(u_parts))]) * unit
-        u_stale = torch.cat([torch.zeros_like(u_rest[:always]), u_rest[always:]]) * unit
-        w_stale = (w_total.square() - w_fresh.square()).clamp_(min=0).sqrt_()
-        fresh = trust_ratio(w_fresh, u_fresh)  # 1 when a norm is 0
-        stale = torch.where((w_stale > 0) & (u_stale > 0), w_stale / u_stale,
-                            torch.full_like(w_stale, self.stale_ratio_fallback))
-        return fresh, stale
+        return coef
 
     def _clamp_ratios(self, chunk: Chunk, fresh: Tensor, stale: Tensor) -> tuple[Tensor, Tensor]:
         """phi_F clamped to [c_min, c_max] and phi_U to [0, c_max] (1-D tensors left alone without clamp_1d)."""
@@ -506,28 +571,22 @@ class SLAMB(torch.optim.Optimizer):
             self._layout = Layout(self.param_groups, self.state, self.min_compress_numel, self.mask,
                                   self.compress_ratio, self.beta3, self.freshness_dtype,
                                   self.state[_GLOBAL]["step"], self.rescale == "product_of_interpolations")
-            self._sampler = MaskSampler(self.mask, self.compress_ratio, self._layout.chunks, self._layout.device)
+            self._sampler = MaskSampler(self.mask, self.compress_ratio, self._layout.chunks, self._layout.device,
+                                        self._layout.geometry.draw_picks)
         return self._layout
 
 
-def _compact_extents(chunks: list[Chunk], masks: list[Mask]) -> list[tuple[int, int]]:
-    """Per chunk its [start, end) in the compact vector, from host-side sizes only."""
-    extents, position = [], 0
-    for chunk, mask in zip(chunks, masks, strict=True):
-        size = mask.size(chunk)
-        extents.append((position, position + size))
-        position += size
-    return extents
+def _fresh_norms(mask: Mask, scratch: Scratch) -> Tensor:
+    """Per masked slot the norm of its direction at S_t (`scratch.fresh`)."""
+    fresh = scratch.fresh
+    if mask.valid is not None:  # padding duplicates a selected coordinate: count it once
+        fresh = fresh * mask.valid
+    return torch.stack(torch._foreach_norm(fresh.split(mask.sizes)))
 
 
-def _grad_piece(piece: Piece, flat_grads: dict[int, Tensor]) -> Tensor:
-    """The piece's fp32 gradient; a split slot's gradient is flattened (and cast) once per step, in `flat_grads`."""
-    grad = piece.slot.param.grad
-    if piece.whole:
-        return grad if grad.dtype == torch.float32 else grad.float()
-    if piece.slot.index not in flat_grads:
-        flat_grads[piece.slot.index] = grad.reshape(-1).float()
-    return flat_grads[piece.slot.index][piece.a:piece.b]
+def _grad(param: Tensor) -> Tensor:
+    """The parameter's gradient in fp32, laid out as its moments' views (contiguous), as the fused kernel reads it."""
+    return param.grad.float().contiguous()
 
 
 def check_slamb_options(options: dict[str, Any]) -> None:
