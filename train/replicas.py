@@ -11,26 +11,20 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from optim.comm import Comm
+from optim.comm import Comm, average_tensors_
 
 
 @torch.no_grad()
 def averaged_copy(model: nn.Module, comm: Comm) -> nn.Module:
     """A copy of `model` holding the mean of every rank's parameters (every rank calls it, and gets the same).
 
-    The all-reduce goes around the comm's byte counters: it is evaluation's traffic, not training's, like the
-    pooling of evaluation results. Buffers are copied as they are (the models here keep no trained buffers).
+    The all-reduce goes through the comm, uncounted: it is evaluation's traffic, not training's, like the pooling
+    of evaluation results. The mean is taken in fp32 whatever the parameters' dtype. Buffers are copied as they are
+    (the models here keep no trained buffers).
     """
     average = copy.deepcopy(model)
-    params = list(average.parameters())
-    for dtype in dict.fromkeys(p.dtype for p in params):  # one all-reduce per dtype
-        group = [p for p in params if p.dtype == dtype]
-        flat = parameters_to_vector(group)
-        dist.all_reduce(flat, group=comm.group)
-        vector_to_parameters(flat.div_(comm.world_size), group)
+    average_tensors_(list(average.parameters()), comm, counted=False)
     return average
 
