@@ -262,9 +262,9 @@ class Layout:
             coefs=[self.coef[s.row - rows[1]:s.row - rows[1] + s.rows].view(-1, 1) for s in masked])
 
     def per_row(self, chunk: Chunk, per_slot: Tensor) -> Tensor:
-        """A per-slot vector spread over the chunk's masked rows (padding rows take the value of the slot before
-        them): two ops, however many slots."""
-        return torch.repeat_interleave(per_slot.index_select(0, chunk.masked_at), chunk.row_counts,
+        """Per-slot values (one row of `per_slot` per slot of the chunk) spread over the chunk's masked rows
+        (padding rows take the values of the slot before them): two ops, however many slots."""
+        return torch.repeat_interleave(per_slot.index_select(0, chunk.masked_at), chunk.row_counts, dim=0,
                                        output_size=chunk.rows[2] - chunk.rows[1])
 
     def adopt(self, state: dict, beta3: float, step: int) -> None:

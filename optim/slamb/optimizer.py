@@ -489,21 +489,23 @@ class SLAMB(torch.optim.Optimizer):
         """The update's coefficient of each of the chunk's masked rows, from the rescale form.
 
         The freshness, hence the coefficient, is constant over a row of the mask, so the coefficients are formed
-        per row (a sixteenth of the work per coordinate): q copied to fp32, times the per-slot slope and plus the
-        per-slot base, and for the product form three passes more. Where ops per tensor are cheap (a CPU) the
-        slope and base are 0-d factors of foreach ops over the slots' rows; elsewhere they are spread over the rows
-        first (`Layout.per_row`). `slopes` and `lr_slope` are per unit of q; `clamp`: the product form clamps its
-        interpolated ratio (not where the tensors are not adapted: their ratio is exactly 1).
+        per row (a sixteenth of the work per coordinate): q times the per-slot slope plus the per-slot base, and for
+        the product form three passes more. Where ops per tensor are cheap (a CPU) q is copied to fp32 and the slope
+        and base are 0-d factors of foreach ops over the slots' rows; elsewhere both are spread over the rows first,
+        as the columns of one tensor (`Layout.per_row`), for one multiply-add. `slopes` and `lr_slope` are per unit
+        of q; `clamp`: the product form clamps its interpolated ratio (not where the tensors are not adapted: their
+        ratio is exactly 1).
         """
         scaled = layout.scaled_freshness[chunk.rows[1]:chunk.rows[2]]
         coef = layout.coef[:scaled.numel()]
-        coef.copy_(scaled)  # to fp32 first: a product with an fp32 tensor of q's dtype would be computed in fp16
         if layout.geometry.per_tensor:
+            coef.copy_(scaled)  # to fp32 first: a product with a 0-d fp32 tensor would be computed in q's dtype
             always = len(chunk.slots) - len(chunk.masked)
             torch._foreach_mul_(chunk.coefs, slopes[always:].unbind())
             torch._foreach_add_(chunk.coefs, bases[always:].unbind())
-        else:
-            coef.mul_(layout.per_row(chunk, slopes)).add_(layout.per_row(chunk, bases))
+        else:  # in fp32: the spread factors are not 0-d
+            spread = layout.per_row(chunk, torch.stack([slopes, bases], 1))
+            torch.addcmul(spread[:, 1], scaled, spread[:, 0], out=coef)
         if self.rescale == "product_of_interpolations":  # interpolate the raw ratios, clamp, times the mixed lr
             if clamp:
                 coef.clamp_(*self.trust_ratio_bounds)  # a masked tensor is never 1-D: clamp_1d does not apply
