@@ -191,7 +191,7 @@ class StepTraffic(TorchDispatchMode):
             value = named[argument.name]
             size = sum(t.nbytes for t in tree_leaves(value) if isinstance(t, torch.Tensor))
             mutated = argument.alias_info is not None and argument.alias_info.is_write
-            reads = not (write_only or argument.name == "out")
+            reads = not ((write_only and mutated) or argument.name == "out")  # copy_ reads its source, not self
             if schema.name in _FUSED_STEPS and argument.name == "grads" and kwargs.get("grad_scale") is None:
                 mutated = False
             if schema.name in _INDEXED and argument.name == "self":

@@ -50,18 +50,23 @@ class ToySGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                direction = p.grad.add(p, alpha=group["weight_decay"])
-                if group["momentum"]:
-                    buffer = self.state[p].get("momentum_buffer")
-                    if buffer is None:
-                        buffer = self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-                    buffer.mul_(group["momentum"]).add_(direction)
-                    direction = direction.add(buffer, alpha=group["momentum"]) if group["nesterov"] else buffer
-                p.add_(direction, alpha=-group["lr"])
+        for group in self.param_groups:  # one foreach op per list: the ops per step do not grow with the tensors
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            directions = torch._foreach_add([p.grad for p in params], params, alpha=group["weight_decay"])
+            if group["momentum"]:
+                for p in params:
+                    if "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                buffers = [self.state[p]["momentum_buffer"] for p in params]
+                torch._foreach_mul_(buffers, group["momentum"])
+                torch._foreach_add_(buffers, directions)
+                if group["nesterov"]:
+                    torch._foreach_add_(directions, buffers, alpha=group["momentum"])
+                else:
+                    directions = buffers
+            torch._foreach_add_(params, directions, alpha=-group["lr"])
 
 
 def momentum_bytes(options: dict[str, Any], world_size: int) -> float:
@@ -183,7 +188,7 @@ def _add_the_toy(root: Path) -> list[str]:
 # shipped optimizers (the toy needs no more than they do). Slower ones that also do (test_config.py's command-line
 # errors, test_reproduce.py's studies) are left out.
 REGISTRY_TESTS = ["tests/test_optim_registry.py", "tests/test_memory_estimate.py", "tests/test_help.py",
-                  "tests/test_optimizers_benchmark.py"]
+                  "tests/test_optimizers_benchmark.py", "tests/test_step_cost.py"]
 
 # A pytest plugin: deselect the parametrized cases that name none of the toy's optimizers.
 ONLY_THE_TOY = f"""
@@ -215,7 +220,8 @@ def test_adding_an_optimizer_takes_the_listed_files_only(tmp_path):
         assert {"test_each_optimizer_has_its_preset_under_its_name", "test_each_optimizer_has_a_docs_entry",
                 "test_each_config_builds_its_optimizer_and_steps", "test_each_config_passes_its_check",
                 "test_each_option_is_checked_in_the_config_and_the_constructor_alike",
-                "test_each_optimizer_constructs_over_meta_parameters"} <= ran, (name, ran)
+                "test_each_optimizer_constructs_over_meta_parameters", "test_bytes_per_step_within_the_ceiling",
+                "test_ops_per_step_do_not_grow_with_the_number_of_tensors"} <= ran, (name, ran)
         # the toy declares its bytes per parameter, the variant leaves them unknown (the field is optional)
         assert ("test_bytes_per_param_of_any_other_optimizer_matches_its_preset" in ran) == (name == NAME)
     assert {"test_a_tiny_run_steps_it", "test_help_lists_the_user_groups_with_their_options_default_first",

@@ -18,19 +18,20 @@ CEILINGS = {
     "adamw": 1.2,  # target 1.2, met: torch's fused kernel, 1.00
     "lamb": 2.05,  # target 1.6; 1.99: fused Adam kernel, norms, update (aten ops cannot fuse a norm into a pass)
     "lars": 2.45,  # no target; 2.39: norms, direction, fused SGD kernel
-    # target 2.0; 2.70: the fused Adam kernel, norms, the update (the rows' coefficients scale the direction in a
+    # target 2.0; 2.84: the fused Adam kernel, norms, the update (the rows' coefficients scale the direction in a
     # pass of its own where a GPU cannot broadcast them), the momentum and direction at S_t
-    "slamb": 2.75,
-    # target 2.0 (SLAMB's); 4.77: single-coordinate rows (a coefficient per coordinate), an fp32 freshness
-    "slamb_v2_official": 4.8,
-    "onebit_adam": 4.15,  # target 3.0; 4.07
-    "onebit_lamb": 6.15,  # target 3.0; 6.05
-    "zero_one_adam": 4.8,  # target 3.0; 4.72
+    "slamb": 2.9,
+    # target 2.0 (SLAMB's); 4.88: single-coordinate rows (a coefficient per coordinate), an fp32 freshness
+    "slamb_v2_official": 4.95,
+    "onebit_adam": 4.15,  # target 3.0; 4.08
+    "onebit_lamb": 6.35,  # target 3.0; 6.28
+    "zero_one_adam": 5.0,  # target 3.0; 4.95
     "slowmo": 1.6,  # no target; 1.54
-    # No target; 2.27. The floor counts every layer's state where the step touches the sampled layers' only, so the
+    # No target; 2.37. The floor counts every layer's state where the step touches the sampled layers' only, so the
     # ratio moves with the layers drawn.
-    "jointspar": 2.35,
+    "jointspar": 2.45,
 }
+NEW_OPTIMIZER_CEILING = 3.0  # an optimizer without a row: the loosest target the issue set (the 1-bit family's)
 # Optimizers whose ops per step still grow with the number of tensors (expected to fail until they stop).
 OPS_GROW_WITH_TENSORS = {"jointspar"}
 
@@ -46,14 +47,14 @@ def _count(name: str, layers: int) -> dict[str, object]:
         return count_step_on(name, "tiny_test", 2, torch.device("meta"))
 
 
-def test_every_counted_optimizer_has_a_ceiling():
-    assert sorted(CEILINGS) == counted_optimizers()  # apex's need CUDA tensors: nothing to count on the CPU
+def test_every_ceiling_names_a_counted_optimizer():
+    assert set(CEILINGS) <= set(counted_optimizers())  # apex's need CUDA tensors: nothing to count on the CPU
 
 
 @pytest.mark.parametrize("name", counted_optimizers())
 def test_bytes_per_step_within_the_ceiling(name):
     row = _count(name, SHALLOW)
-    assert row["x floor"] <= CEILINGS[name], row
+    assert row["x floor"] <= CEILINGS.get(name, NEW_OPTIMIZER_CEILING), row
 
 
 @pytest.mark.parametrize("name", [
@@ -81,3 +82,10 @@ def test_an_indexed_op_moves_the_slices_its_index_names():
         moved[name] = traffic.bytes
     assert moved["select"] == moved["copy"] == 2 * rows.nbytes + index.nbytes
     assert moved["repeat"] == source[:2].nbytes + index.nbytes + rows.nbytes
+
+
+def test_a_copy_reads_its_source_and_writes_its_destination():
+    source, destination = torch.randn(1000), torch.empty(1000)
+    with StepTraffic() as traffic:
+        destination.copy_(source)
+    assert traffic.bytes == 2 * source.nbytes
