@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ from torch import nn
 
 from conf.checks import ConfigError
 from data.atomic import atomic_write_json, replace_directory
-from models import create_model, export_names, init_refusal, init_summary, pretrained_state
+from models import create_model, export_names, init_refusal, init_summary, pretrained_state, quiet_transformers
 from optim import get_optimizer_spec
 from train.checkpoint import init_checkpoint, model_state, read_meta
 from train.run_dir import RunDir
@@ -175,7 +174,7 @@ def export_pretrained(
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         if is_transformers:
-            with _no_progress_bars():
+            with quiet_transformers():  # its "Writing model shards" bar would land in batch logs
                 model.save_pretrained(staging)
             _name_stock_architecture(model, staging)
         else:  # a timm model: model.safetensors + timm's config.json (timm.create_model("local-dir:<dir>"))
@@ -192,21 +191,6 @@ def export_pretrained(
         raise
     replace_directory(staging, directory)
     return directory
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """Without transformers' bars: its "Writing model shards" bar would land in batch logs; the run says in a line
-    of its own where the export went."""
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _name_stock_architecture(model: nn.Module, directory: Path) -> None:
