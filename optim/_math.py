@@ -76,15 +76,6 @@ def adam_moments_(exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, beta1: floa
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
 
 
-def foreach_adam_moments_(
-    exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Tensor], beta1: float, beta2: float
-) -> None:
-    """`adam_moments_` over lists of tensors with foreach kernels."""
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-
-
 def adam_direction(
     exp_avg: Tensor, exp_avg_sq: Tensor, bias_correction1: float, bias_correction2: float, eps: float
 ) -> Tensor:
@@ -134,7 +125,7 @@ def trust_ratio(
 def foreach_momentum_(exp_avgs: list[Tensor], grads: list[Tensor], beta1: float) -> None:
     """`m <- beta1 m + (1 - beta1) g` written as DeepSpeed's 1-bit optimizers write it (mul, then add).
 
-    `foreach_adam_moments_` uses `lerp`, which rounds differently; the 1-bit family keeps DeepSpeed's form so
+    `adam_moments_` uses `lerp`, which rounds differently; the 1-bit family keeps DeepSpeed's form so
     that its trajectories can be compared with the reference's step by step.
     """
     torch._foreach_mul_(exp_avgs, beta1)

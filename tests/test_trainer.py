@@ -406,17 +406,22 @@ def test_a_full_disk_under_the_metrics_file_is_one_line_naming_it(tmp_path, monk
                                "rerun to start over (no checkpoint was written before)")
 
 
-def test_a_data_error_mid_run_stops_with_a_record(tmp_path, monkeypatch):
+def _fail_after_steps(monkeypatch, steps: int, error: Exception) -> None:
+    """The loader raises `error` once it has handed out `steps` steps' micro-batches (2 per step in these runs)."""
     handed_out = []
     original = ResumableLoader.__next__
 
-    def corrupt_after_three_steps(self):
+    def failing(self):
         handed_out.append(1)
-        if len(handed_out) > 3 * 2:  # 2 micro-batches per step
-            raise ShardError("shard-00003.parquet fails its checksum: prepare the data again")
+        if len(handed_out) > steps * 2:
+            raise error
         return original(self)
 
-    monkeypatch.setattr(ResumableLoader, "__next__", corrupt_after_three_steps)
+    monkeypatch.setattr(ResumableLoader, "__next__", failing)
+
+
+def test_a_data_error_mid_run_stops_with_a_record(tmp_path, monkeypatch):
+    _fail_after_steps(monkeypatch, 3, ShardError("shard-00003.parquet fails its checksum: prepare the data again"))
     with pytest.raises(ShardError):
         _train(tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -447,17 +452,9 @@ def test_the_overflow_limit_lets_the_loss_scale_fall_to_one():
 
 
 def test_out_of_memory_stops_in_one_line_naming_the_micro_batch_to_lower(tmp_path, monkeypatch):
-    handed_out = []
-    original = ResumableLoader.__next__
-
-    def out_of_memory_in_step_3(self):
-        handed_out.append(1)
-        if len(handed_out) > 2 * 2:  # 2 micro-batches per step
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
-                                         "of 79.1 GiB of which 1.2 GiB is free.\nIf reserved but unallocated ...")
-        return original(self)
-
-    monkeypatch.setattr(ResumableLoader, "__next__", out_of_memory_in_step_3)
+    _fail_after_steps(monkeypatch, 2, torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB of which 1.2 GiB is "
+        "free.\nIf reserved but unallocated ..."))
     with pytest.raises(RunStopped) as info:
         _train(tmp_path)
     assert str(info.value) == (
