@@ -104,7 +104,9 @@ def test_ctrl_c_during_a_one_process_stage_saves_it_for_the_rerun(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "bert" / "lamb"
     deadline = time.monotonic() + 120
-    while not RunDir(run_dir).metrics_file.is_file():  # training has started: a step was logged
+    metrics = RunDir(run_dir).metrics_file
+    # Training has started: a step was logged (the file itself is opened at start-up, before the stop handler).
+    while not (metrics.is_file() and metrics.stat().st_size > 0):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
