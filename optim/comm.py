@@ -44,6 +44,7 @@ class Comm:
         self.control_bytes_sent = 0
         self.collectives = 0
         self.by_kind = {kind: {"collectives": 0, "bytes": 0} for kind in KINDS}
+        self.replica_average_bytes = 0  # outside the steps (`counted=False`): tallied apart, see `all_reduce`
         self._link_free_at = 0.0  # perf_counter time when the simulated link has sent everything issued so far
         self._gloo_group: dist.ProcessGroup | None = None  # host-side votes (`any_later`), made when first needed
 
@@ -73,13 +74,16 @@ class Comm:
                    counted: bool = True):
         """In-place all-reduce of algorithm data; returns the Work handle when `async_op`.
 
-        `counted=False`: traffic that is not the algorithm's (an evaluation's replica average), neither charged to
-        the step nor delayed by a simulated network.
+        `counted=False`: a replica average outside the steps (for an evaluation or an export), tallied apart in
+        `replica_average_bytes` (see `take_replica_average_bytes`): not charged to the step, nor delayed by a
+        simulated network.
         """
         if not self.distributed:
             return _completed(tensor) if async_op else None
         if counted:
             self._count(tensor, "all_reduce")
+        else:
+            self.replica_average_bytes += tensor.numel() * tensor.element_size()
         deadline = self._deadline("all_reduce", tensor) if counted else None
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         if deadline is None:
@@ -200,6 +204,11 @@ class Comm:
         self.bytes_sent = self.control_bytes_sent = self.collectives = 0
         self.by_kind = {kind: {"collectives": 0, "bytes": 0} for kind in KINDS}
         return counts
+
+    def take_replica_average_bytes(self) -> int:
+        """The bytes of the replica averages since the previous call (`counted=False` all-reduces), then reset."""
+        taken, self.replica_average_bytes = self.replica_average_bytes, 0
+        return taken
 
     def _host_group(self) -> dist.ProcessGroup:
         """A gloo group over this layer's ranks, made on first use (every rank makes it at the same call)."""
@@ -381,7 +390,8 @@ def counting_allreduce_hook(
 def average_tensors_(tensors: Sequence[torch.Tensor], comm: Comm, bucket_numel: int | None = None,
                      wire_dtype: torch.dtype = torch.float32, counted: bool = True) -> None:
     """Mean over the ranks of `tensors`, in place: the one replica average (the optimizers that synchronise
-    themselves, and the evaluation of drifted replicas with `counted=False`, see `Comm.all_reduce`).
+    themselves, and, with `counted=False`, the evaluation and export of drifted replicas: tallied on their own
+    line, see `Comm.all_reduce`).
 
     The tensors are laid end to end and travel in all-reduces of at most `bucket_numel` elements (None: one), all
     in flight at once. One contiguous fp32 tensor (a flat buffer) is reduced where it lies; other tensors go

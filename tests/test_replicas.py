@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
+
+import pytest
 import torch
 from conftest import TINY, compose
 from distributed_harness import run_on_ranks
 
 from optim.comm import Comm
 from train.config import validate
+from train.metrics import read_metrics
 from train.model_io import build_model
 from train.plan import plan_run
 from train.run_dir import RunDir
@@ -55,4 +60,12 @@ def test_between_syncs_the_run_evaluates_and_exports_the_replicas_average(tmp_pa
         for got, want in zip(model.parameters(), expected, strict=True):
             torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-7)
     log = RunDir(tmp_path).log_file.read_text()
-    assert "eval at step 3 (the average of the 2 ranks' replicas)" in log
+    averages = len(re.findall(r"eval at step \d+ \(the average of the 2 ranks' replicas, ", log))
+    assert "eval at step 3 (the average of the 2 ranks' replicas, " in log
+    # The averages' bytes (fp32, one all-reduce per evaluation) are counted on their own line, not in the steps'.
+    summary = json.loads(RunDir(tmp_path).summary_file.read_text())
+    num_params = sum(p.numel() for p in own0)
+    assert averages >= 1 and summary["replica_average_bytes_total"] == averages * 4 * num_params
+    assert summary["replica_average_bits_per_param_per_step"] == pytest.approx(32 * averages / summary["steps"])
+    records = read_metrics(tmp_path)
+    assert summary["bytes_total"] == max(r.get("comm_bytes_total", 0) for r in records)

@@ -25,6 +25,7 @@ from train.summary import best_values, final_values
 SUMMARY_FIELDS = {
     "task", "model", "optimizer", "optimizer_options", "world_size", "global_batch_size", "steps", "max_steps",
     "finished", "stopped", "num_params", "final", "best", "bits_per_param_per_step", "bytes_total",
+    "replica_average_bits_per_param_per_step", "replica_average_bytes_total",
     "collectives_per_step", "mean_step_seconds", "samples_per_second", "samples_unit", "elapsed_seconds", "device",
     "precision",
     "simulated_network", "torch_version", "validation_loss",

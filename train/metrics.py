@@ -76,6 +76,7 @@ class RunTotals:
     bytes: int = 0  # sent by this rank (rank 0's are logged) through optim.comm
     collectives: int = 0
     seconds: float = 0.0  # wall time of the training loop (evaluations and checkpoints between steps included)
+    replica_average_bytes: int = 0  # sent by this rank to average drifted replicas for evaluations and exports
 
     def add(self, counts: dict[str, int], samples: int, seconds: float) -> None:
         """One optimizer step's `Comm.take_counts()`, its samples and its seconds."""
@@ -110,13 +111,13 @@ def record_line(record: dict[str, Any], total_steps: int) -> str:
     if "tokens_per_seq" in record:  # BERT: real (non-pad) tokens, the throughput padding does not inflate
         parts.append(f"{record['seq_per_s'] * record['tokens_per_seq']:.0f} tokens/s")
     if "comm_bytes_per_step" in record:
-        parts.append(f"{_bytes(record['comm_bytes_per_step'])} sent/step")
+        parts.append(f"{format_bytes(record['comm_bytes_per_step'])} sent/step")
     minutes, seconds = divmod(round(record["elapsed"]), 60)
     parts.append(f"elapsed {minutes // 60}:{minutes % 60:02d}:{seconds:02d}")
     return " | ".join(parts)
 
 
-def _bytes(count: float) -> str:
+def format_bytes(count: float) -> str:
     """A byte count in decimal units (1.5 MB), as network and storage figures are quoted."""
     unit = "B"
     for larger in ("kB", "MB", "GB"):

@@ -20,9 +20,10 @@ from optim.comm import Comm, average_tensors_
 def averaged_copy(model: nn.Module, comm: Comm) -> nn.Module:
     """A copy of `model` holding the mean of every rank's parameters (every rank calls it, and gets the same).
 
-    The all-reduce goes through the comm, uncounted: it is evaluation's traffic, not training's, like the pooling
-    of evaluation results. The mean is taken in fp32 whatever the parameters' dtype. Buffers are copied as they are
-    (the models here keep no trained buffers).
+    The all-reduce goes through the comm with `counted=False`: its bytes are not charged to a training step but
+    tallied on their own line (the run's `replica_average_bytes`), since the run sends them only because it is
+    evaluated or exported between synchronisations. The mean is taken in fp32 whatever the parameters' dtype.
+    Buffers are copied as they are (the models here keep no trained buffers).
     """
     average = copy.deepcopy(model)
     average_tensors_(list(average.parameters()), comm, counted=False)

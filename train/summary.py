@@ -100,6 +100,11 @@ def build_summary(
         "validation_loss": final.get(VALIDATION_LOSS),
         "bits_per_param_per_step": 8 * totals.bytes / steps / num_params if steps else None,
         "bytes_total": totals.bytes,
+        # Outside the steps: averaging drifted replicas (SLAMB, SlowMo, 0/1 Adam between syncs) to evaluate and
+        # export them, on its own line; a run whose replicas always agree sends none.
+        "replica_average_bits_per_param_per_step": (8 * totals.replica_average_bytes / steps / num_params
+                                                    if steps else None),
+        "replica_average_bytes_total": totals.replica_average_bytes,
         "collectives_per_step": totals.collectives / steps if steps else None,
         "mean_step_seconds": totals.seconds / steps if steps else None,
         "samples_per_second": totals.samples / totals.seconds if totals.seconds else None,

@@ -26,7 +26,7 @@ from optim.schedule import warmup_steps_of
 from train.checkpoint import Checkpointer, read_meta, release_mapped, reseed_rng, rng_state, set_rng_state
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
-from train.metrics import MetricLogger, RunClock, RunTotals, read_metrics
+from train.metrics import MetricLogger, RunClock, RunTotals, format_bytes, read_metrics
 from train.model_io import build_model, export_pretrained
 from train.plan import RunPlan
 from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
@@ -478,8 +478,11 @@ class Trainer:
         ema = self.ema.module if self.ema is not None else None
         if not self.comm.distributed or self.spec.replicas_agree_after(self.optimizer, self.step):
             return EvalWeights(self.model, ema)
-        return EvalWeights(averaged_copy(self.model, self.comm), None if ema is None else averaged_copy(ema, self.comm),
-                           f"the average of the {self.comm.world_size} ranks' replicas")
+        model, ema = averaged_copy(self.model, self.comm), None if ema is None else averaged_copy(ema, self.comm)
+        sent = self.comm.take_replica_average_bytes()
+        self.totals.replica_average_bytes += sent  # on its own line of the summary, not in the steps' bytes
+        return EvalWeights(model, ema, f"the average of the {self.comm.world_size} ranks' replicas, "
+                                       f"{format_bytes(sent)} sent to average them")
 
     def _evaluate_model(self, model: nn.Module, shard: EvalShard) -> dict[str, float]:
         return evaluate_model(self.task, model, self.data.eval, self.run_dir, shard, self.cfg.precision.dtype,
