@@ -1,9 +1,9 @@
 """`python -m train.pipeline`: BERT phase 1, phase 2 and SQuAD fine-tuning in sequence, then F1 / EM.
 
 Each stage is an ordinary `python -m train` run in its own run directory, started from the previous
-stage: phase 2 from phase 1's run directory (its final checkpoint: weights and, with the preset's
-`trainer.init_optimizer_state=true`, LAMB's moments, as NVIDIA's recipe does), SQuAD from phase 2's exported
-weights. Rerunning the command resumes the stage that was interrupted; finished stages
+stage: phase 2 from phase 1's run directory (its final checkpoint's weights; `--phase2
+trainer.init_optimizer_state=true` continues LAMB's moments too, as NVIDIA's recipe does), SQuAD from phase 2's
+exported weights. Rerunning the command resumes the stage that was interrupted; finished stages
 report that they are complete and are skipped. Ctrl-C (or SIGTERM) is passed on to the running stage, which saves
 its stop checkpoint; the pipeline then exits 130 (143) with a line naming the stage. A stage that refuses its
 configuration (exit 2) stops the pipeline with exit 2: fix the value its error names, then rerun.
@@ -38,7 +38,7 @@ REFERENCES = (
 
 def stage_command(stage: str, prefix: str, runs_dir: Path, overrides: list[str]) -> list[str]:
     """The `python -m train` command of one stage; each stage starts from the previous one: phase 2 from its run
-    directory (weights and optimizer state), SQuAD (another model head, another optimizer) from its export."""
+    directory (its weights), SQuAD (another model head, another optimizer) from its export."""
     run_dir = runs_dir / f"{prefix}_{stage}"
     args = [f"experiment={EXPERIMENTS[stage]}", override("name", f"{prefix}_{stage}"),
             override("hydra.run.dir", run_dir)]
