@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from conf.checks import missing_nvidia_apex
+from core.apex import missing_nvidia_apex
 from optim import get_optimizer_spec, list_optimizers
 from optim.apex import APEX_OPTIMIZERS
 from optim.memory import state_bytes

@@ -5,6 +5,7 @@ Subpackages by feature: `data.text` (tokenizer, masking, NSP, shards, pretrainin
 `optim` nor `train`: plain integers go in (`DataRequest`), a `TaskData` comes out.
 """
 
+from core.atomic import atomic_write, atomic_write_json, atomic_write_text, replace_directory
 from data._registry import (
     DataKind,
     DataRequest,
@@ -14,7 +15,6 @@ from data._registry import (
     data_schemas,
     list_data_kinds,
 )
-from data.atomic import atomic_write, atomic_write_json, atomic_write_text, replace_directory
 from data.loader import ResumableLoader
 from data.sampler import ResumableDistributedSampler
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from conf.checks import ConfigError, check_non_negative, options_of
+from core.errors import ConfigError
+from core.options import check_non_negative, options_of
 
 # The packages whose kinds exist without being asked for; imported on first use so `import data` stays light.
 _BUILTIN_KIND_MODULES = ("data.text.kinds", "data.images.kinds", "data.squad.kinds")

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from conf.checks import USER_ERRORS
+from core.errors import USER_ERRORS
 from data.sampler import ResumableDistributedSampler
 
 

@@ -29,7 +29,8 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from conf.checks import compose_errors_exit, refuse_unknown_keys, user_errors_exit
+    from core.errors import compose_errors_exit, user_errors_exit
+    from core.options import refuse_unknown_keys
     from data.corpus.pipeline import prepare
 
     register_prepare_configs()
@@ -51,7 +52,7 @@ def record_config(cfg: DictConfig, overrides: list[str]) -> None:
 
     from omegaconf import OmegaConf
 
-    from data.atomic import atomic_write_text
+    from core.atomic import atomic_write_text
 
     record = Path(cfg.output_dir).expanduser() / ".hydra"
     record.mkdir(exist_ok=True)

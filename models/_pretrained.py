@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from models._registry import export_holds
 
 _INDEX = "model.safetensors.index.json"  # a sharded export's map of tensor names to files

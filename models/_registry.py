@@ -11,7 +11,8 @@ from typing import Any
 
 from torch import nn
 
-from conf.checks import ConfigError, check_kwargs, options_of
+from core.errors import ConfigError
+from core.options import check_kwargs, options_of
 
 
 @dataclass(frozen=True)

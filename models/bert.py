@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from conf.checks import NVIDIA_APEX_HINT, InvalidOption, missing_nvidia_apex
+from core.apex import NVIDIA_APEX_HINT, missing_nvidia_apex
+from core.options import InvalidOption
 from models._registry import register_model
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conf.checks import InvalidOption
+from core.options import InvalidOption
 from models._registry import register_model
 
 

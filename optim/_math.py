@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conf.checks import check_non_negative, require
+from core.options import check_non_negative, require
 
 # Elements per foreach call, by device type (absent: the whole list). On the CPU, whole-group temporaries
 # (grads / divisor, denominators, updates) miss every cache and are page-faulted in afresh each step;

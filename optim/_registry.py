@@ -19,7 +19,8 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import nn
 
-from conf.checks import ConfigError, InvalidOption, check_kwargs, options_of
+from core.errors import ConfigError
+from core.options import InvalidOption, check_kwargs, options_of
 from optim.param_groups import param_groups_weight_decay
 from optim.restart import restart_optimizer
 
@@ -39,7 +40,7 @@ class OptimSpec:
     """What the trainer needs to know about an optimizer besides its keyword arguments.
 
     `check` validates a complete set of the class's keyword arguments (every option of its signature but
-    `params` and `comm`) and raises `conf.checks.InvalidOption` naming the bare option (`lr`); the class's
+    `params` and `comm`) and raises `core.options.InvalidOption` naming the bare option (`lr`); the class's
     constructor runs the same function, so the config and a direct call agree on what is valid.
 
     `defaults` are keyword arguments this entry fixes for its class, applied under the config's values:

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from conf.checks import NVIDIA_APEX_HINT, InvalidOption, missing_nvidia_apex
+from core.apex import NVIDIA_APEX_HINT, missing_nvidia_apex
+from core.options import InvalidOption
 from optim._math import check_adam_hyperparameters
 from optim._registry import OptimSpec, register_optimizer
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from conf.checks import InvalidOption, check_choice, check_kwargs, check_non_negative, require
+from core.options import InvalidOption, check_choice, check_kwargs, check_non_negative, require
 from optim._math import check_flags
 from optim._registry import OptimSpec, _options, _plain, get_optimizer_spec
 

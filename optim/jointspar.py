@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conf.checks import check_choice, check_non_negative, require
+from core.options import check_choice, check_non_negative, require
 from optim._math import closure_loss, mask_seed
 from optim._registry import OptimSpec, named_by, register_optimizer, run_check
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options

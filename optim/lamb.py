@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conf.checks import require
+from core.options import require
 from optim._math import (
     adam_direction,
     adam_moments_,

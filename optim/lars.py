@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conf.checks import check_non_negative, check_positive, require
+from core.options import check_non_negative, check_positive, require
 from optim._math import check_flags, closure_loss, foreach_chunks
 from optim._registry import OptimSpec, register_optimizer, run_check
 

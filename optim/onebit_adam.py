@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conf.checks import check_choice, require
+from core.options import check_choice, require
 from optim._math import (
     check_adam_hyperparameters,
     check_flags,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conf.checks import check_non_negative, check_positive, require
+from core.options import check_non_negative, check_positive, require
 from optim._math import (
     clamped_trust_ratio,
     foreach_adam_update,

@@ -17,7 +17,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from conf.checks import ConfigError, InvalidOption, check_kwargs, check_range, require
+from core.errors import ConfigError
+from core.options import InvalidOption, check_kwargs, check_range, require
 
 
 @dataclass

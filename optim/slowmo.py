@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conf.checks import check_non_negative, check_positive, require
+from core.options import check_non_negative, check_positive, require
 from optim._math import FOREACH_CHUNK_NUMEL, check_flags, closure_loss
 from optim._registry import OptimSpec, get_optimizer_spec, list_optimizers, register_optimizer, run_check
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options

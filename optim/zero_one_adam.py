@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-from conf.checks import require
+from core.options import require
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
 from optim.memory import onebit_family_bytes

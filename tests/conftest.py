@@ -93,7 +93,7 @@ def optim_preset(name: str) -> dict:
 def runnable_optimizers() -> list[str]:
     """Every registered optimizer this machine can build: NVIDIA apex's need apex and a GPU (elsewhere their
     one-line refusal is what is tested)."""
-    from conf.checks import missing_nvidia_apex
+    from core.apex import missing_nvidia_apex
     from optim import list_optimizers
     from optim.apex import APEX_OPTIMIZERS
 

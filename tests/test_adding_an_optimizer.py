@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from conf.checks import check_non_negative, require
+from core.options import check_non_negative, require
 from optim._registry import OptimSpec, register_optimizer, run_check
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, compose
 from omegaconf import OmegaConf
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from data import DataRequest, build_data, check_data, data_schemas, list_data_kinds
 
 REQUEST = DataRequest(rank=0, world_size=1, micro_batch_size=4, seed=0)

@@ -9,7 +9,7 @@ import pytest
 from test_export import _cli, swin_run  # noqa: F401 - the module's run fixture
 from test_init_from import BERT
 
-from conf.checks import ConfigError, UserError
+from core.errors import ConfigError, UserError
 from models import create_model, quiet_transformers
 from train.evaluate import evaluate
 from train.metrics import read_metrics

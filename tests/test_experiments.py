@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO, compose
 
-from conf.checks import options_of
+from core.options import options_of
 from data import DataRequest, build_data
 from data.text.shards import (
     FORMAT_NAME,

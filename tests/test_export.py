@@ -16,7 +16,7 @@ import torch
 from conftest import REPO, compose
 from test_swin import _tiny_run
 
-from conf.checks import UserError
+from core.errors import UserError
 from data.images.digits import write_digits_imagefolder
 from train.checkpoint import model_state
 from train.export import export

@@ -12,7 +12,7 @@ from conftest import TINY, compose, optim_preset
 from distributed_harness import run_on_ranks
 from test_optim_registry import RUNNABLE_HERE, _tiny_bert
 
-from conf.checks import missing_nvidia_apex
+from core.apex import missing_nvidia_apex
 from optim import build_optimizer, get_optimizer_spec
 from optim.apex import APEX_OPTIMIZERS
 from optim.comm import Comm

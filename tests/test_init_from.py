@@ -18,7 +18,7 @@ from conftest import REPO, TINY, run_train
 from safetensors.torch import load_file, save_file
 from transformers import BertModel
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from models import create_model, export_names, export_timm_model, pretrained_state, quiet_transformers
 from optim.comm import Comm
 from train.checkpoint import Checkpointer

@@ -11,7 +11,7 @@ import torch
 from conftest import TINY, compose, run_train
 from omegaconf import OmegaConf
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from optim import build_optimizer
 from optim.comm import Comm
 from train.checkpoint import load_torch

@@ -17,7 +17,7 @@ from distributed_harness import run_on_ranks
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from optim import LAMB, LARS, JointSpar, check_optimizer_config
 from optim._math import mask_seed
 from optim.comm import Comm

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY, compose, run_train
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from optim import build_optimizer
 from optim._math import mask_seed
 from optim.jointspar import systematic_sample

@@ -20,7 +20,7 @@ from conftest import REPO, TINY, compose
 
 import train.distributed
 import train.run
-from conf.checks import ConfigError, ReportedError
+from core.errors import ConfigError, ReportedError
 from train.config import launch_world_size
 from train.distributed import (
     WorkerDied,

@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY, run_train
 from omegaconf import OmegaConf
 
-from conf.checks import UserError
+from core.errors import UserError
 from train.metrics import MetricLogger, read_metrics, record_line, wandb_run_id
 from train.run_dir import RunDir
 

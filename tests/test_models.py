@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import BertForPreTraining
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from models import BERT_SIZES, build_bert_config, check_model_config, create_model, list_models, pad_vocab_size
 
 SHAPE = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)

@@ -16,7 +16,7 @@ from conftest import REPO, optim_preset, runnable_optimizers
 from torch import nn
 from transformers import BertConfig, BertModel
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from optim import (
     LAMB,
     OptimSpec,

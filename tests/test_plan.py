@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY, compose
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from optim import _registry, get_optimizer_spec
 from optim.comm import Comm, MirrorComm
 from train.plan import plan_run

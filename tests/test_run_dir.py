@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from test_squad import QA_TINY
 
 import train.run_dir
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from train.run import run
 from train.run_dir import RunDir, check_run_name
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import compose, run_train
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from optim.network import LINKS, Cluster, collective_seconds, parse_cluster, ring_all_reduce_seconds
 from train.config import validate
 

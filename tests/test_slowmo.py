@@ -15,7 +15,7 @@ from distributed_harness import run_on_ranks
 from host_reads import count_host_reads
 from torch import nn
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from optim import LAMB, LARS, SlowMo, build_optimizer, check_optimizer_config
 from optim.comm import Comm
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, TINY, compose
 from torchmetrics.text import SQuAD
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from data.squad.features import SquadExample, SquadFormatError, build_features, load_squad, postprocess_predictions
 from data.squad.metric import f1_score, normalize_answer, squad_scores
 from data.text.tokenizer import load_tokenizer

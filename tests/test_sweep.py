@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import TINY, run_train
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from train.sweep import JobOutcome, run_job, sweep_table
 
 

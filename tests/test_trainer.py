@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, BertForPreTraining
 
 import train.checkpoint
 import train.metrics
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from data.loader import ResumableLoader
 from data.text.shards import ShardError
 from optim.comm import Comm

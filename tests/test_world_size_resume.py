@@ -10,7 +10,7 @@ import torch
 from conftest import TINY, compose, run_train
 from distributed_harness import run_on_ranks
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from train.metrics import read_metrics
 from train.run import run
 

@@ -9,7 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from conf.checks import compose_errors_exit, user_errors_exit
+from core.errors import compose_errors_exit, user_errors_exit
 from train.config import register_configs
 from train.run import run
 from train.sweep import JobOutcome, run_job

@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from conf.checks import ConfigError, UserError
-from data.atomic import atomic_write, atomic_write_json, replace_directory
+from core.atomic import atomic_write, atomic_write_json, replace_directory
+from core.errors import ConfigError, UserError
 from optim.comm import Comm
 from train.run_dir import RunDir
 

@@ -17,8 +17,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from conf.checks import (
-    ConfigError,
+from core.errors import ConfigError
+from core.options import (
     InvalidOption,
     check_choice,
     check_non_negative,

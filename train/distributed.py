@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conf.checks import USER_ERRORS, ConfigError, ReportedError, user_error_line
+from core.errors import USER_ERRORS, ConfigError, ReportedError, user_error_line
 from optim.comm import Comm
 from optim.network import parse_cluster
 from train.stop import RunStopped

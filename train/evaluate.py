@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from conf.checks import UserError, user_errors_exit
+from core.errors import UserError, user_errors_exit
 from data import atomic_write_json
 from models import export_names, init_summary
 from train.restore import find_weights, rebuild, weights_config

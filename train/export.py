@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from conf.checks import UserError, user_errors_exit
+from core.errors import UserError, user_errors_exit
 from train.model_io import EXPORT_MARKER, export_pretrained, is_export
 from train.restore import find_weights, rebuild, weights_config
 

@@ -22,8 +22,8 @@ from typing import Any
 from omegaconf import MISSING
 from tqdm import tqdm
 
-from conf.checks import UserError
-from data.atomic import atomic_write_text
+from core.atomic import atomic_write_text
+from core.errors import UserError
 from train.run_dir import RunDir
 from train.stop import writing
 

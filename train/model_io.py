@@ -11,8 +11,8 @@ from typing import Any
 
 from torch import nn
 
-from conf.checks import ConfigError
-from data.atomic import atomic_write_json, replace_directory
+from core.atomic import atomic_write_json, replace_directory
+from core.errors import ConfigError
 from models import create_model, export_names, init_refusal, init_summary, pretrained_state, quiet_transformers
 from optim import get_optimizer_spec
 from train.checkpoint import init_checkpoint, model_state, read_meta

@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from conf.checks import UserError, user_errors_exit
+from core.errors import UserError, user_errors_exit
 from train.metrics import read_metrics
 from train.run_dir import RunDir
 from train.subprocess_stage import override, run_stage, stage_stops_exit

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from data import DataRequest
 from train.config import BatchGeometry, validate
 from train.model_io import check_init_from, optimizer_checkpoint

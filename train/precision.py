@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import MISSING, DictConfig
 
-from conf.checks import check_choice, check_positive, require
+from core.options import check_choice, check_positive, require
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")

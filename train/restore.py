@@ -10,7 +10,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from conf.checks import ConfigError, UserError, apply_overrides, config_error
+from core.errors import ConfigError, UserError, config_error
+from core.options import apply_overrides
 from data import DataRequest, TaskData, build_data
 from train.checkpoint import SHARED_FILE, best_checkpoint, complete_checkpoints
 from train.config import register_configs, validate

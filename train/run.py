@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from conf.checks import UserError
+from core.errors import UserError
 from data import build_data
 from models import model_options_in_use
 from train.checkpoint import RunDirectoryError, check_world_size, newest_checkpoint_meta

@@ -41,7 +41,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from conf.checks import ConfigError, user_errors_exit
+from core.errors import ConfigError, user_errors_exit
 
 _RECORDED_CONFIG_DIR = ".hydra"  # Hydra's name, so tools that know Hydra's outputs find the config
 MAX_NAME_CHARACTERS = 200  # runs/<name>/<its files> stays well within the file systems' path limits
@@ -136,7 +136,7 @@ class RunDir:
         """Write the run's resolved config, its command-line overrides and its config group choices (Hydra's
         `runtime.choices`, less Hydra's own `hydra/` groups) beside its checkpoints, atomically: the resolved
         config alone does not say which preset a value came from."""
-        from data.atomic import atomic_write_text  # here: the data package imports torch
+        from core.atomic import atomic_write_text  # here: the data package imports torch
 
         self.config_file.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.config_file, OmegaConf.to_yaml(cfg, resolve=True))

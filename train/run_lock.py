@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from conf.checks import UserError
-from data.atomic import atomic_write_text
+from core.atomic import atomic_write_text
+from core.errors import UserError
 from train.run_dir import RunDir
 from train.stop import writing
 

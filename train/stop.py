@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-from conf.checks import UserError
+from core.errors import UserError
 from optim.comm import Comm, PendingVote
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

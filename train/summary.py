@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.atomic import atomic_write_json
+from core.atomic import atomic_write_json
 from train.metrics import RunTotals, log_line
 from train.run_dir import RunDir
 from train.stop import writing

@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from conf.checks import user_error_text
+from core.errors import user_error_text
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def run_job(job: Callable[[], None]) -> JobOutcome:
             traceback.print_exc()
             return JobOutcome(1, _first_line(err))
         print(line, file=sys.stderr)
-        return JobOutcome(getattr(err, "exit_code", 2), line)  # the code a single run exits with (conf.checks)
+        return JobOutcome(getattr(err, "exit_code", 2), line)  # the code a single run exits with (core.errors)
     return JobOutcome()
 
 

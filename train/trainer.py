@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from conf.checks import UserError
+from core.errors import UserError
 from data import atomic_write_json, build_data
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm

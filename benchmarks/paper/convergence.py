@@ -36,8 +36,8 @@ from typing import Any
 
 from benchmarks.common import csv_table, markdown_table, runnable_optimizers
 from benchmarks.paper import stages
-from conf.checks import UserError, user_errors_exit
-from data.atomic import atomic_write_text
+from core.atomic import atomic_write_text
+from core.errors import UserError, user_errors_exit
 from train.metrics import read_metrics
 from train.run_dir import RunDir
 from train.subprocess_stage import override, stage_stops_exit

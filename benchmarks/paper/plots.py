@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # after the backend is chosen
 from matplotlib.axes import Axes
 
-from data.atomic import atomic_write
+from core.atomic import atomic_write
 
 
 class PlottedRun(Protocol):

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import csv_table, markdown_table
-from conf.checks import UserError, user_errors_exit
-from data.atomic import atomic_write_text
+from core.atomic import atomic_write_text
+from core.errors import UserError, user_errors_exit
 from train.metrics import read_metrics
 from train.run_dir import RunDir
 from train.summary import VALIDATION_LOSS, best_values, config_fields, final_values, higher_is_better

@@ -43,8 +43,8 @@ from benchmarks.paper.stages import (
     squad_overrides,
     train,
 )
-from conf.checks import UserError, user_errors_exit
-from data.atomic import atomic_write_text
+from core.atomic import atomic_write_text
+from core.errors import UserError, user_errors_exit
 from train.run_dir import RunDir
 from train.subprocess_stage import override, run_stage, stage_stops_exit
 

@@ -52,8 +52,8 @@ from benchmarks.common import (
     runnable_optimizers,
     stage_kinds,
 )
-from conf.checks import UserError, user_errors_exit
-from data.atomic import atomic_write_text
+from core.atomic import atomic_write_text
+from core.errors import UserError, user_errors_exit
 from optim import build_optimizer, get_optimizer_spec
 from optim.comm import WIRE_DTYPES, MirrorComm
 from optim.network import LINKS, NETWORKS, NVLINKS, Cluster, collective_seconds

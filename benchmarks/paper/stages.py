@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from benchmarks.common import REPO
-from conf.checks import UserError
+from core.errors import UserError
 from train.run_dir import RunDir
 from train.subprocess_stage import StageStopped, override, run_stage
 

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from data.corpus.sources import (
     SENTENCE_SPLITTER,
     CorpusError,
@@ -259,7 +259,7 @@ def train_vocab(sources: list[CorpusSource], path: Path, vocab_size: int, min_fr
     """Train a lower-cased WordPiece vocab on the corpus text and write ``vocab.txt`` atomically."""
     from tokenizers import BertWordPieceTokenizer
 
-    from data.atomic import atomic_write_text
+    from core.atomic import atomic_write_text
 
     tokenizer = BertWordPieceTokenizer(lowercase=True)
     texts = (doc.text for source in sources for doc in source.documents())
@@ -288,7 +288,7 @@ def _check_state(out: Path, state: dict[str, Any]) -> None:
     """Refuse to resume into ``out`` when it was started with another config or other inputs, naming the key."""
     path = out / STATE_NAME
     if not path.is_file():
-        from data.atomic import atomic_write_json
+        from core.atomic import atomic_write_json
 
         atomic_write_json(path, state, indent=1, sort_keys=True)
         return

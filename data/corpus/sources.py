@@ -41,7 +41,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from conf.checks import UserError
+from core.errors import UserError
 from data.text.demo_corpus import split_sentences
 
 DocFormat = Literal["prose", "lines", "rst"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.atomic import replace_directory, temporary_sibling
+from core.atomic import replace_directory, temporary_sibling
 
 COMPLETE_MARKER = ".complete"
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
-from conf.checks import ConfigError, check_choice, check_positive, check_range, options_of, require
+from core.errors import ConfigError
+from core.options import check_choice, check_positive, check_range, options_of, require
 from data._registry import DataKind, DataRequest, TaskData, register_data_kind, require_file
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from conf.checks import UserError
+from core.errors import UserError
 
 # torchvision's ImageFolder extensions (lower case).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

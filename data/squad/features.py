@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from conf.checks import UserError
+from core.errors import UserError
 
 
 class SquadFormatError(UserError, ValueError):

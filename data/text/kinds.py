@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING, DictConfig
 
-from conf.checks import check_choice, check_non_negative, check_positive, check_range, options_of, require
+from core.options import check_choice, check_non_negative, check_positive, check_range, options_of, require
 from data._registry import DataKind, DataRequest, TaskData, register_data_kind, require_file
 
 

@@ -46,8 +46,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from conf.checks import UserError
-from data.atomic import atomic_write, atomic_write_json
+from core.atomic import atomic_write, atomic_write_json
+from core.errors import UserError
 from data.text.masking import IGNORE_INDEX
 from data.text.nsp import RANDOM_SENTENCE, PretrainingInstance
 

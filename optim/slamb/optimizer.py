@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conf.checks import check_choice, check_non_negative, check_positive, check_range, require
+from core.options import check_choice, check_non_negative, check_positive, check_range, require
 from optim._math import (
     bias_corrections,
     check_adam_hyperparameters,

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from omegaconf import MISSING
 from torch import nn
 
-from conf.checks import ConfigError
+from core.errors import ConfigError
 from train.run_dir import RunDir
 
 StepFn = Callable[[nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]

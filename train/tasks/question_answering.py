@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data.atomic import atomic_write_json
+from core.atomic import atomic_write_json
 from data.squad.features import SquadDataset, SquadEvalData, postprocess_predictions
 from data.squad.metric import squad_scores
 from train.run_dir import RunDir
