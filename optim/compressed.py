@@ -44,14 +44,23 @@ def pack_signs(x: Tensor) -> Tensor:
 
     `x.numel()` must be a multiple of 8; returns `numel / 8` uint8 bytes. The sign bit decides, so -0.0
     would pack as -1; the compression never produces -0.0 (see `compress_`), where both zeros count as +1.
-
-    How: the 8 sign flags (one byte each, 0 or 1) of a group are one little-endian int64 word; multiplying
-    by sum_k 2**(63 - 9k) moves flag k to bit 63 - k of the product without carries (all partial products
-    have distinct exponents), so the top byte, read in place, is the packed byte (of the negative flags: one
-    `not` of the bytes makes it the sign bits). Two passes over the flags, no loop.
     """
-    negative = torch.signbit(x.reshape(-1)).view(torch.int64).mul_(_PACK_MULTIPLIER)
-    return negative.view(torch.uint8)[_TOP_BYTE::8].bitwise_not()
+    packed = torch.empty(x.numel() // 8, dtype=torch.uint8, device=x.device)
+    _pack_negative_(torch.signbit(x.reshape(-1)), packed)
+    return packed
+
+
+def _pack_negative_(negative: Tensor, out: Tensor) -> None:
+    """Pack the flags `negative` (bool, a multiple of 8 of them) into `out` as `pack_signs` packs their signs;
+    the flags are overwritten.
+
+    How: the 8 flags (one byte each, 0 or 1) of a group are one little-endian int64 word; multiplying by
+    sum_k 2**(63 - 9k) moves flag k to bit 63 - k of the product without carries (all partial products have
+    distinct exponents), so the top byte, read in place, is the packed byte of the negative flags: one `not`
+    makes it the sign bits. Two passes over the flags, no loop.
+    """
+    words = negative.view(torch.int64).mul_(_PACK_MULTIPLIER)
+    torch.bitwise_not(words.view(torch.uint8)[_TOP_BYTE::8], out=out)
 
 
 def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -99,61 +108,83 @@ def _decode_sum(packed: Tensor, tables: Tensor) -> Tensor:
     return torch.nn.functional.embedding_bag(rows, tables, mode="sum").reshape(-1)
 
 
-def compress_(z: Tensor, error: Tensor) -> Tensor:
+def compress_(z: Tensor, error: Tensor, packed: Tensor | None = None) -> Tensor:
     """1-bit compression of `z` with error feedback: returns the RMS scale `||z|| / sqrt(numel)` (shape (1,)).
 
-    `error` is overwritten with `z - scale * sign(z)`, sign(0) = +1. Why the sign bit suffices for that
-    rule: `z` is always a sum `x + error` with an error buffer that starts at +0.0, and IEEE addition gives
-    -0.0 only for -0.0 + -0.0, so neither `z` nor any later error is ever -0.0. `error` first holds
-    `copysign(scale, z)` (exactly `scale * sign(z)`), so no temporary is allocated.
+    `error` (it may be `z` itself) is overwritten with `z - scale * sign(z)`, sign(0) = +1, and `packed` (if given)
+    receives `pack_signs(z)`. Why the sign bit suffices for that rule: `z` is always a sum `x + error` with an error
+    buffer that starts at +0.0, and IEEE addition gives -0.0 only for -0.0 + -0.0, so neither `z` nor any later
+    error is ever -0.0.
+
+    After the norm, one pass over `z` takes its sign bits, which serve twice: packed, and as +-1 in int8 (a
+    quarter of a float's bytes) for one multiply-add `z - scale * sign`, exactly the rounding of the subtraction.
+    Both work a block of the device's foreach chunk at a time, so their temporaries stay bounded.
     """
     scale = torch.linalg.vector_norm(z).div_(math.sqrt(z.numel())).reshape(1)
-    torch.copysign(scale, z, out=error)  # broadcast: the scale is read once, not as a vector
-    torch.sub(z, error, out=error)
+    block = _block_numel(z)
+    for a in range(0, z.numel(), block):
+        negative = torch.signbit(z[a:a + block])
+        signs = torch.rsub(negative.view(torch.int8), 1, alpha=2)  # 1 - 2 negative: +1 or -1
+        if packed is not None:
+            _pack_negative_(negative, packed[a // 8:(a + block) // 8])
+        torch.addcmul(z[a:a + block], signs, scale, value=-1, out=error[a:a + block])
     return scale
 
 
-def _with_scale(packed: Tensor, scale: Tensor) -> Tensor:
-    """Rows of packed signs, each followed by the 4 bytes of the float32 scale: one collective carries both."""
-    scale_bytes = scale.to(torch.float32).reshape(1).view(torch.uint8)
-    return torch.cat([packed, scale_bytes.expand(packed.shape[0], _SCALE_BYTES)], dim=1)
+def _block_numel(buffer: Tensor) -> int:
+    """Elements per block of the compression's passes: the device's foreach chunk, a multiple of 8 (whole bytes)."""
+    return max(8, (FOREACH_CHUNK_NUMEL.get(buffer.device.type) or buffer.numel()) // 8 * 8)
+
+
+def _put_scale(rows: Tensor, scale: Tensor) -> None:
+    """Write the 4 bytes of the float32 `scale` at the end of each row of packed signs: one collective carries
+    both."""
+    rows[:, -_SCALE_BYTES:].copy_(scale.to(torch.float32).reshape(1).view(torch.uint8).expand(rows.shape[0], -1))
 
 
 def _split_scale(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """(packed signs, float32 scales of shape (rows, 1)) from rows built by `_with_scale`."""
+    """(packed signs, float32 scales of shape (rows, 1)) from rows built by `_put_scale`."""
     scales = rows[:, -_SCALE_BYTES:].contiguous().view(torch.float32)
     return rows[:, :-_SCALE_BYTES].contiguous(), scales
 
 
-def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm) -> Tensor:
+def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm, *,
+                          fed_back: bool = False, divisor: float | None = None) -> Tensor:
     """Replace the padded flat `buffer` (N' elements) by the 1-bit compressed mean over ranks, in place.
 
     `worker_error` (N') and `server_error` (N'/W) are this rank's persistent error buffers. The result is
     identical on every rank. Collectives: one all-to-all of N'/8 + 4W bytes and one all-gather of
     N'/(8W) + 4 bytes per rank. With one rank it is the identity (no compression: nothing is sent).
+
+    `fed_back`: the caller has already added its vector to `worker_error` (its last pass wrote `x + error` there
+    rather than `x`, one pass fewer), and `buffer` only receives the result. `divisor`: the result divided by it,
+    folded into the decoding table (exactly `result / divisor`: the table holds `+-scale / divisor`).
     """
     world = comm.world_size
     if not comm.distributed or buffer.numel() == 0:
+        if fed_back:  # the errors of one rank stay 0: worker_error holds the vector itself
+            buffer.copy_(worker_error)
+            worker_error.zero_()
         if buffer.numel() == 0:  # DeepSpeed >= 0.18.5: empty tensors return at once, with the errors zeroed
             worker_error.zero_()
             server_error.zero_()
-        return buffer
+        return buffer if divisor is None else buffer.div_(divisor)
     chunk = buffer.numel() // world
     if buffer.numel() % (8 * world) or worker_error.numel() != buffer.numel() or server_error.numel() != chunk:
         raise ValueError(
             f"compressed_allreduce_: buffer of {buffer.numel()} elements is not padded for {world} ranks "
             f"(use padded_numel) or its error buffers do not match ({worker_error.numel()}, {server_error.numel()})"
         )
-    # Temporaries are of at most `block` elements (the device's foreach chunk), not of the buffer's size: at
-    # BERT-XL's 2.9B parameters a decoded copy of the buffer would be 11.6 GB.
-    block = FOREACH_CHUNK_NUMEL.get(buffer.device.type) or buffer.numel()
+    # Temporaries are of at most a block (the device's foreach chunk), not of the buffer's size: at BERT-XL's
+    # 2.9B parameters a decoded copy of the buffer would be 11.6 GB.
+    block = _block_numel(buffer)
     # Phase 1: worker compression, chunk j of the signs (and this rank's scale) to rank j.
-    z = buffer.add_(worker_error)
-    worker_scale = compress_(z, worker_error)
+    z = worker_error if fed_back else buffer.add_(worker_error)
+    send = torch.empty(world, chunk // 8 + _SCALE_BYTES, dtype=torch.uint8, device=buffer.device)
     packed = torch.empty(buffer.numel() // 8, dtype=torch.uint8, device=buffer.device)
-    for a in range(0, buffer.numel(), block):
-        packed[a // 8:(a + block) // 8] = pack_signs(z[a:a + block])
-    send = _with_scale(packed.view(world, chunk // 8), worker_scale)
+    worker_scale = compress_(z, worker_error, packed)
+    send[:, :chunk // 8].copy_(packed.view(world, chunk // 8))
+    _put_scale(send, worker_scale)
     del packed
     received = torch.empty_like(send)
     comm.all_to_all_single(received, send)
@@ -164,17 +195,18 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     weights = scales.to(buffer.dtype) * (1.0 / world)  # DeepSpeed multiplies by 1/W rather than dividing
     tables = _weighted_tables(weights, buffer.dtype)
     server = buffer[:chunk]  # the buffer is free until phase 2 decodes into it: the server's vector lives there
-    columns = max(8, block // 8 * 8)
-    for a in range(0, chunk, columns):
-        torch.add(_decode_sum(signs[:, a // 8:(a + columns) // 8], tables), server_error[a:a + columns],
-                  out=server[a:a + columns])
-    server_scale = compress_(server, server_error)
+    for a in range(0, chunk, block):
+        torch.add(_decode_sum(signs[:, a // 8:(a + block) // 8], tables), server_error[a:a + block],
+                  out=server[a:a + block])
+    mine = torch.empty(1, chunk // 8 + _SCALE_BYTES, dtype=torch.uint8, device=buffer.device)
+    server_scale = compress_(server, server_error, mine[0, :chunk // 8])
+    _put_scale(mine, server_scale)
     # Phase 2: every rank gets every compressed chunk and decodes the same bytes, straight into the buffer.
-    mine = _with_scale(pack_signs(server).reshape(1, chunk // 8), server_scale)
     gathered = torch.empty(world, mine.shape[1], dtype=torch.uint8, device=buffer.device)
     comm.all_gather_into_tensor(gathered, mine)
     signs, scales = _split_scale(gathered)
-    _decode_into(buffer.view(world, chunk), signs, scales.to(buffer.dtype))
+    scales = scales.to(buffer.dtype)
+    _decode_into(buffer.view(world, chunk), signs, scales if divisor is None else scales / divisor)
     return buffer
 
 
