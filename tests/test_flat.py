@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim.flat import FlatLayout, FlatState, Slot, pop_flat_entries
+from optim.flat import FlatLayout, FlatState, Slot, pop_flat_entries, runs
 
 SHAPES = [torch.Size((3, 5)), torch.Size((7,)), torch.Size((2, 2)), torch.Size((6,))]
 GROUPS = [0, 0, 1, 0]  # tensor 2 is of group 1: it splits group 0's run
@@ -101,3 +101,40 @@ def test_a_layout_of_given_slots_keeps_their_gaps():
     layout = FlatLayout([Slot(0, torch.Size((3,)), 0), Slot(8, torch.Size((2, 2)), 0)])
     assert layout.numel == 12 and layout.segments == [(0, 0, 3), (0, 8, 12)]
     assert [(c.start, c.stop) for c in layout.chunks(None)] == [(0, 3), (8, 12)]
+
+
+def test_runs_cut_whole_tensors_by_group_and_limit_with_alignment():
+    numels, groups = [5, 3, 20, 4, 4, 9], [0, 0, 0, 0, 1, 1]
+    # tensor 1 starts at 8 (aligned to 8): 5 + gap 3 + 3 = 11 > 10 cuts; 20 > 10 is a run of its own
+    align = [1, 8, 1, 1, 1, 1]
+    assert runs(range(6), numels, groups, 10, align) == [[0], [1], [2], [3], [4], [5]]
+    assert runs(range(6), numels, groups, 11, align) == [[0, 1], [2], [3], [4], [5]]
+    assert runs([1, 0, 2, 3, 4, 5], numels, groups, None) == [[1, 0, 2, 3], [4, 5]]  # a whole group per run
+
+
+def test_packed_alignment_members_and_rows_share_a_row_index():
+    """Aligned slots leave gaps; per-row state keeps the elements' spacing inside a run of one kind and row size,
+    so one index relative to the run addresses a row of elements and its row value alike."""
+    shapes = [torch.Size((3,)), torch.Size((4, 4)), torch.Size((2, 8)), torch.Size((12,))]
+    layout = FlatLayout.packed(shapes, [0, 0, 0, 0], [[0, 1, 2], [3]], padded=lambda n: -(-n // 8) * 8,
+                               align=[1, 8, 8, 1])
+    assert [s.offset for s in layout.slots] == [0, 8, 24, 40]
+    assert layout.members() == [[0, 1, 2], [3]]
+    rows = layout.rows([1, 4, 4, 4], ["always", "masked", "masked", "always"])
+    # tensor 0: 3 rows of 1 at 0; tensors 1, 2: a run of rows of 4 from row 3 (element 8), tensor 2's first row
+    # 16 elements later (4 rows); tensor 3: its bucket's rows follow with no gap
+    assert [(s.offset, s.numel) for s in rows.slots] == [(0, 3), (3, 4), (7, 4), (11, 3)]
+    assert [(b.start, b.end) for b in rows.buckets] == [(0, 11), (11, 14)]
+
+
+def test_a_buffer_with_a_fill_loads_it_where_nothing_was_saved():
+    layout = FlatLayout.packed([torch.Size((2,)), torch.Size((3,))], [0, 0])
+    params = [torch.zeros(2), torch.zeros(3)]
+    state = {p: {} for p in params}
+    flat = FlatState(layout, torch.device("cpu"), torch.float16)
+    assert flat.add("freshness", params, state, fill=1.0).eq(1).all()
+    flat.load_("freshness", [torch.full((2,), 0.5), None])
+    assert flat["freshness"].tolist() == [0.5, 0.5, 1.0, 1.0, 1.0]
+    state = {p: {} for p in params}  # as torch's loader leaves it
+    flat.expose("freshness", params, state)
+    assert state[params[1]]["freshness"].data_ptr() == flat["freshness"].data_ptr() + 2 * 2

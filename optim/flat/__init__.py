@@ -1,8 +1,9 @@
 """The engine the optimizers that communicate by themselves share: flat state and the passes over it.
 
 - `FlatLayout` (`_layout`): where each parameter's per-element state sits in one flat vector (slots, in
-  parameter order), cut into buckets (sent as one vector, padded), segments (one param group each: one op per
-  segment, not per tensor) and chunks (bounded runs, their tensors cut into pieces). Built once.
+  parameter order), cut into buckets (sent or stepped as one vector, padded; `runs` cuts tensors into buckets of
+  whole tensors), segments (one param group each: one op per segment, not per tensor) and chunks (bounded runs,
+  their tensors cut into pieces); `rows` lays out per-row state beside it. Built once.
 - `FlatState` (`_state`): named buffers over a layout on one device, each parameter's view in the optimizer's
   `state` (so `state_dict()` saves views, no copy), loaded in place chunk by chunk (`load_`, with
   `pop_flat_entries` to keep torch's loader from copying them first), and their bytes (`nbytes`).
@@ -12,7 +13,8 @@ An optimizer places its slots (`FlatLayout.packed`, or its own placement), adds 
 as ops over segments, chunks and per-tensor lists of views.
 """
 
-from optim.flat._layout import Bucket, Chunk, FlatLayout, Piece, Slot
+from optim.flat._layout import Bucket, Chunk, FlatLayout, Piece, Slot, runs
 from optim.flat._state import FlatState, copy_in_chunks_, pop_flat_entries
 
-__all__ = ["Bucket", "Chunk", "FlatLayout", "FlatState", "Piece", "Slot", "copy_in_chunks_", "pop_flat_entries"]
+__all__ = ["Bucket", "Chunk", "FlatLayout", "FlatState", "Piece", "Slot", "copy_in_chunks_", "pop_flat_entries",
+           "runs"]

@@ -1,17 +1,21 @@
 """Where tensors sit in one flat vector: slots, buckets, segments and chunks, computed once, read by every step.
 
 - slot: one tensor's place (offset, shape, param group), listed in parameter order.
-- bucket: elements [start, end) that travel as one vector; slots fill [start, stop), [stop, end) is padding
-  (the 1-bit all-reduce pads each bucket to whole bytes per rank).
+- bucket: elements [start, end) that travel (or are stepped) as one vector; slots fill [start, stop), [stop, end)
+  is padding (the 1-bit all-reduce pads each bucket to whole bytes per rank). `runs` cuts a list of tensors into
+  buckets of whole tensors.
 - segment: a maximal run of adjacent slots of one param group inside one bucket: math with a group's
   hyper-parameters runs as one op per segment, however many tensors it holds.
 - chunk: at most `limit` elements of one segment, its slots cut where they cross its ends (pieces): passes that
   need a temporary, or that should stay in a CPU cache, run chunk by chunk.
+- rows (`FlatLayout.rows`): a second layout with one element per row of consecutive elements of each slot, for
+  state that a row shares (SLAMB's freshness), placed so that one row index addresses both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import bisect
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,15 +96,17 @@ class FlatLayout:
 
     @classmethod
     def packed(cls, shapes: Sequence[torch.Size], groups: Sequence[int], buckets: Sequence[Sequence[int]] | None = None,
-               padded: Callable[[int], int] | None = None) -> FlatLayout:
-        """Tensors end to end, bucket by bucket: `buckets` lists the tensor indices of each (default: all in one),
-        and each bucket of `size` elements takes `padded(size)` (default: `size`)."""
+               padded: Callable[[int], int] | None = None, align: Sequence[int] | None = None) -> FlatLayout:
+        """Tensors end to end, bucket by bucket: `buckets` lists the tensor indices of each in the order they are
+        placed (default: all in one), each bucket of `size` elements takes `padded(size)` (default: `size`), and
+        tensor i starts at a multiple of `align[i]` elements (default: 1, no gap)."""
         indices = [list(b) for b in buckets] if buckets is not None else [list(range(len(shapes)))]
         slots: list[Slot | None] = [None] * len(shapes)
         placed, offset = [], 0
         for members in indices:
             start = offset
             for i in members:
+                offset = _round_up(offset, align[i]) if align is not None else offset
                 slots[i] = Slot(offset, torch.Size(shapes[i]), groups[i])
                 offset += slots[i].numel
             end = start + (padded(offset - start) if padded is not None else offset - start)
@@ -109,6 +115,29 @@ class FlatLayout:
         if any(s is None for s in slots):
             raise ValueError("FlatLayout.packed: every tensor must be in one bucket")
         return cls(slots, placed)  # type: ignore[arg-type]
+
+    def rows(self, row_sizes: Sequence[int], kinds: Sequence[Hashable]) -> FlatLayout:
+        """A layout with one element per row of each slot (`row_sizes[i]` consecutive elements of slot i, which
+        its size and, in a run, its offset from the run's first must be multiples of): state that a row shares.
+
+        Inside a run (consecutive slots of one kind and one row size inside one bucket) rows keep the elements'
+        spacing, so that a row index relative to the run addresses a row of elements and its value alike (an
+        alignment gap becomes padding rows); runs follow each other with no gap. Slots keep their param groups;
+        each bucket becomes the rows of its slots.
+        """
+        slots: list[Slot | None] = [None] * len(self.slots)
+        buckets, row = [], 0
+        for members in self.members():
+            start, run = row, None
+            for i in members:
+                slot, size = self.slots[i], row_sizes[i]
+                if run is None or run[:2] != (kinds[i], size):
+                    run = (kinds[i], size, slot.offset, row)
+                first = run[3] + (slot.offset - run[2]) // size
+                slots[i] = Slot(first, torch.Size((slot.numel // size,)), slot.group)
+                row = first + slot.numel // size
+            buckets.append((start, row))
+        return FlatLayout(slots, [Bucket(a, b, b) for a, b in buckets])  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------------------------------------- views
     def views(self, flat: Tensor) -> list[Tensor]:
@@ -122,6 +151,14 @@ class FlatLayout:
     def bucket_views(self, flat: Tensor) -> list[Tensor]:
         """Per bucket, its padded 1-D view of `flat`."""
         return [flat[b.start:b.end] for b in self.buckets]
+
+    def members(self) -> list[list[int]]:
+        """Per bucket, its slots (indices) in offset order: for a pass that steps a bucket of whole tensors."""
+        starts = [b.start for b in self.buckets]
+        members: list[list[int]] = [[] for _ in self.buckets]
+        for i in self._by_offset:
+            members[bisect.bisect_right(starts, self.slots[i].offset) - 1].append(i)
+        return members
 
     # ---------------------------------------------------------------------------------------------- chunks
     def chunks(self, limit: int | None) -> list[Chunk]:
@@ -145,6 +182,27 @@ class FlatLayout:
                     pieces.append(Piece(i, lo, hi, lo == 0 and hi == slot.numel))
             chunks.append(Chunk(group, a, b, tuple(pieces)))
         return chunks
+
+
+def runs(order: Sequence[int], numels: Sequence[int], groups: Sequence[int], limit: int | None,
+         align: Sequence[int] | None = None) -> list[list[int]]:
+    """`order` (tensor indices) cut into consecutive runs of one param group whose extent, packed as
+    `FlatLayout.packed` places them (tensor i at a multiple of `align[i]`), is at most `limit` elements (None: a
+    whole group; a larger tensor: a run of its own): buckets of whole tensors, to step one after the other."""
+    cut: list[list[int]] = []
+    extent = 0
+    for i in order:
+        grown = (_round_up(extent, align[i]) if align is not None else extent) + numels[i]
+        if not cut or groups[cut[-1][-1]] != groups[i] or (limit is not None and grown > limit):
+            cut.append([])
+            grown = numels[i]
+        cut[-1].append(i)
+        extent = grown
+    return cut
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _segments(slots: list[Slot], by_offset: list[int], buckets: list[Bucket]) -> list[tuple[int, int, int]]:

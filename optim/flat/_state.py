@@ -26,6 +26,7 @@ class FlatState:
     def __init__(self, layout: FlatLayout, device: torch.device, dtype: torch.dtype) -> None:
         self.layout, self.device, self.dtype = layout, device, dtype
         self.buffers: dict[str, Tensor] = {}
+        self._fills: dict[str, float] = {}  # each buffer's value where nothing is saved
         self._views: dict[str, list[Tensor]] = {}
         self._segments: dict[str, list[tuple[int, Tensor]]] = {}
         self._pieces: dict[tuple[str, int | None], list[list[Tensor]]] = {}  # per chunk, its pieces' views
@@ -33,15 +34,20 @@ class FlatState:
         self._slot_index: dict[int | None, Tensor] = {}  # per piece, its slot (on the device)
 
     def add(self, key: str, params: Sequence[Tensor] | None = None, state: Mapping[Tensor, dict] | None = None,
-            dtype: torch.dtype | None = None) -> Tensor:
-        """A zeroed buffer `key`; with `params` (in slot order) and the optimizer's `state`, each parameter's
-        view goes into `state[param][key]`."""
-        buffer = torch.zeros(self.layout.numel, dtype=dtype or self.dtype, device=self.device)
-        self.buffers[key] = buffer
+            dtype: torch.dtype | None = None, fill: float = 0.0) -> Tensor:
+        """A buffer `key` of `fill` (its fresh value); with `params` (in slot order) and the optimizer's `state`,
+        each parameter's view goes into `state[param][key]` (`expose`)."""
+        buffer = torch.full((self.layout.numel,), fill, dtype=dtype or self.dtype, device=self.device)
+        self.buffers[key], self._fills[key] = buffer, fill
         if params is not None and state is not None:
-            for p, view in zip(params, self.views(key), strict=True):
-                state[p][key] = view
+            self.expose(key, params, state)
         return buffer
+
+    def expose(self, key: str, params: Sequence[Tensor], state: Mapping[Tensor, dict]) -> None:
+        """Each parameter's view of buffer `key` into `state[param][key]` (again after torch's loader replaced
+        the optimizer's `state`)."""
+        for p, view in zip(params, self.views(key), strict=True):
+            state[p][key] = view
 
     def __getitem__(self, key: str) -> Tensor:
         return self.buffers[key]
@@ -97,11 +103,11 @@ class FlatState:
         return out.scatter_reduce_(0, self._slot_index[limit], stacked, reduce, include_self=False)
 
     def load_(self, key: str, saved: Sequence[Tensor | None]) -> None:
-        """Copy each slot's saved tensor (None: none saved, zeros as in a fresh buffer) into buffer `key`, in place,
+        """Copy each slot's saved tensor (None: none saved, the buffer's fresh value) into buffer `key`, in place,
         wherever the saved tensors are (a host checkpoint, another dtype): no second copy of the buffer is made."""
         for view, value in zip(self.views(key), saved, strict=True):
             if value is None:
-                view.zero_()
+                view.fill_(self._fills[key])
                 continue
             if value.shape != view.shape:
                 raise ValueError(f"saved '{key}' of shape {tuple(value.shape)} where this parameter's is "

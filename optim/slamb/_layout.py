@@ -1,13 +1,17 @@
-"""SLAMB's flat buffers: m, v and the freshness of every parameter in three flat tensors, and the views a step uses.
+"""SLAMB's placement on the flat engine (`optim.flat`): where m, v and the freshness of every parameter sit, and
+the views a step uses.
 
 A step's cost on a GPU is its number of dispatched ops, so every per-tensor quantity a step needs is laid out
-once here, and a step works on a few large slices instead of one tensor at a time. Terms:
+once here, and a step works on a few large slices instead of one tensor at a time. Terms (the engine's slot,
+bucket and row, with what SLAMB adds):
 
-- slot: one parameter's place in the flat buffers (offset, size, row size, first freshness row).
+- slot: one parameter's place in the flat buffers (offset, size, row size, first freshness row), and whether it
+  is masked or synced every step.
 - row: `row_size` consecutive coordinates of a masked tensor (up to 16, see `_masks.row_size`), which the
-  mask selects together; they share one freshness value, so the freshness buffer holds one value per row.
-- chunk: consecutive slots of one param group, at most `Geometry.chunk_numel` elements, stepped one after the other:
-  always-synced slots first, then the masked ones grouped by row size.
+  mask selects together; they share one freshness value, so the freshness buffer (`FlatLayout.rows`) holds one
+  value per row.
+- chunk: a bucket of the layout: consecutive whole slots of one param group, at most `Geometry.chunk_numel`
+  elements, stepped one after the other: always-synced slots first, then the masked ones grouped by row size.
 - span: a chunk's masked slots of one row size, consecutive in the buffers, so that one row view of a buffer
   (and of the freshness) serves all of them.
 """
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from optim.flat import FlatLayout, FlatState, runs
 from optim.slamb._masks import ROW_NUMEL, Mask, mask_size, row_size
 
 
@@ -146,90 +151,69 @@ class Chunk:
 
 
 class Layout:
-    """Flat buffers for m, v (fp32) and the scaled freshness, each parameter's state a view into them; work buffers.
+    """SLAMB's placement over the shared flat engine (`optim.flat`): m and v (fp32) in one `FlatState`, the scaled
+    freshness (one value per row) in another over the rows of the same layout, each parameter's state a view into
+    them; the work buffers; and every view a step needs (per tensor), built once.
 
-    Order: param group by param group, always-synced tensors first, so that each chunk's always-synced
-    coordinates are one slice and its masked ones another; chunks and masked tensors start at multiples of
-    `_ALIGN` elements. Every view a step needs of these buffers (per tensor) is built here, once.
+    Order: param group by param group, always-synced tensors first, cut into chunks of whole tensors (`flat.runs`:
+    the layout's buckets, stepped one after the other); inside a chunk the always-synced tensors, then the masked
+    ones by row size, so that each chunk's always-synced coordinates are one slice and its masked ones another;
+    chunks and masked tensors start at multiples of `_ALIGN` elements.
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], state: dict, min_compress_numel: int, mask: str,
-                 k: float, beta3: float, freshness_dtype: torch.dtype, step: int, product: bool) -> None:
+                 k: float, beta3: float, freshness_dtype: torch.dtype, product: bool) -> None:
         params = [p for g in param_groups for p in g["params"]]
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"SLAMB needs all parameters on one device, got {sorted(map(str, devices))}")
         self.device = device = devices.pop()
         self.geometry = geometry_of(device)
-        placed = self._place(param_groups, min_compress_numel, mask, self.geometry.chunk_numel)
-        self.slots: list[Slot] = [s for _, slots in placed for s in slots]
-        by_param = {id(s.param): s for s in self.slots}
-        self.slots_in_group_order = [by_param[id(p)] for p in params]
-        self.numel = _aligned(max((s.offset + s.numel for s in self.slots), default=0))
+        self.params = params
+        groups = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
+        always = [_always(p, min_compress_numel) for p in params]
+        sizes = [row_size(mask, p.numel()) for p in params]
+        # Always-synced tensors first in each group (stable): the order chunks are cut in, and each tensor's index.
+        order = sorted(range(len(params)), key=lambda i: (groups[i], not always[i]))
+        align = [1 if a else _ALIGN for a in always]
+        chunks = [sorted(run, key=lambda i: (not always[i], 0 if always[i] else sizes[i]))  # masked by row size
+                  for run in runs(order, [p.numel() for p in params], groups, self.geometry.chunk_numel, align)]
+        self.flat_layout = FlatLayout.packed([p.shape for p in params], groups, chunks, _aligned, align)
+        rows = self.flat_layout.rows(sizes, always)
+        index = {i: position for position, i in enumerate(order)}
+        self.slots_in_group_order = [
+            Slot(p, placed.offset, p.numel(), always[i], index[i], sizes[i], row.offset)
+            for i, (p, placed, row) in enumerate(zip(params, self.flat_layout.slots, rows.slots, strict=True))]
+        self.numel = self.flat_layout.numel
 
-        self.exp_avg = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.moments = FlatState(self.flat_layout, device, torch.float32)
+        self.exp_avg = self.moments.add("exp_avg", params, state)
+        self.exp_avg_sq = self.moments.add("exp_avg_sq", params, state)
         # r = beta3^(t mod R) q: q is rescaled once every R steps instead of r decaying every step (one pass
         # saved), and q is exact to fp16's 2^-11 at each write, with no error carried from step to step.
         self.rebase_interval = rebase_interval(beta3)
-        rows = max((s.row + s.rows for s in self.slots), default=0)  # one per row of the masks
-        self.scaled_freshness = torch.ones(rows, dtype=freshness_dtype, device=device)
+        self.rows = FlatState(rows, device, freshness_dtype)
+        self.scaled_freshness = self.rows.add("scaled_freshness", params, state, fill=1.0)
+        members = [[i for i in bucket if params[i].numel()] for bucket in self.flat_layout.members()]
+        members = [bucket for bucket in members if bucket]  # an empty tensor needs no step
+        placed = [[self.slots_in_group_order[i] for i in bucket] for bucket in members]
+        self.slots = [s for slots in placed for s in slots]
         # The work buffer, kept between steps (a fresh allocation would be page-faulted in again every step): one
         # chunk's `Scratch` at a time, the chunk's direction and, after it, its coordinates of S_t.
         self.work = torch.empty(max((_scratch_numel(slots, [mask_size(mask, s, k) for s in slots if not s.always])
-                                     for _, slots in placed), default=0), device=device)
+                                     for slots in placed), default=0), device=device)
         # The update's coefficients of one chunk's masked rows (one per coordinate for single-coordinate rows), and
         # the product form's second factor.
-        largest = max((_masked_rows(slots) for _, slots in placed), default=0)
+        largest = max((_masked_rows(slots) for slots in placed), default=0)
         self.coef = torch.empty(largest, device=device)
         self.spare = torch.empty(largest if product else 0, device=device)
-        self.chunks = [self._chunk(gi, slots, device) for gi, slots in placed]
-        self.adopt(state, beta3, step)
+        exp_avgs, exp_avg_sqs = self.moments.views("exp_avg"), self.moments.views("exp_avg_sq")
+        self.chunks = [self._chunk(groups[bucket[0]], slots, [exp_avgs[i] for i in bucket],
+                                   [exp_avg_sqs[i] for i in bucket], device)
+                       for bucket, slots in zip(members, placed, strict=True)]
 
-    @staticmethod
-    def _place(param_groups: list[dict[str, Any]], min_compress_numel: int, mask: str,
-               limit: int | None) -> list[tuple[int, list[Slot]]]:
-        """The slots, cut into chunks of at most `limit` elements: (param group, slots) per chunk.
-
-        A chunk holds its always-synced slots, then its masked ones by row size (stable), each masked one at a
-        multiple of `_ALIGN`. The freshness buffer holds the slots' rows in the same order, a masked slot's first
-        row as far (in rows) from its span's as its first element (so one span-relative row index serves both).
-        """
-        members: list[tuple[int, list[tuple[Tensor, int]]]] = []  # (param group, [(param, index)]) per chunk
-        index = 0
-        for gi, group in enumerate(param_groups):
-            current: list[tuple[Tensor, int]] = []
-            size = 0
-            for p in sorted(group["params"], key=lambda p: not _always(p, min_compress_numel)):  # stable
-                grown = (size if _always(p, min_compress_numel) else _aligned(size)) + p.numel()
-                if current and limit is not None and grown > limit:
-                    members.append((gi, current))
-                    current, grown = [], p.numel()
-                current.append((p, index))
-                size, index = grown, index + 1
-            if current:
-                members.append((gi, current))
-        chunks: list[tuple[int, list[Slot]]] = []
-        offset, row = 0, 0
-        for gi, current in members:
-            offset, slots = _aligned(offset), []
-            for p, i in current:
-                if _always(p, min_compress_numel):
-                    slots.append(Slot(p, offset, p.numel(), True, i, row_size(mask, p.numel()), row))
-                    offset, row = offset + p.numel(), row + slots[-1].rows
-            masked = sorted(((p, i) for p, i in current if not _always(p, min_compress_numel)),
-                            key=lambda pair: row_size(mask, pair[0].numel()))
-            for p, i in masked:
-                size, offset = row_size(mask, p.numel()), _aligned(offset)
-                if not slots or slots[-1].always or slots[-1].row_size != size:  # a new span: its first row
-                    span_offset, span_row = offset, row
-                slots.append(Slot(p, offset, p.numel(), False, i, size, span_row + (offset - span_offset) // size))
-                offset = offset + p.numel()
-                row = span_row + (offset - span_offset) // size
-            chunks.append((gi, slots))
-        return chunks
-
-    def _chunk(self, group: int, slots: list[Slot], device: torch.device) -> Chunk:
+    def _chunk(self, group: int, slots: list[Slot], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+               device: torch.device) -> Chunk:
         start, split, end = slots[0].offset, _split(slots), slots[-1].offset + slots[-1].numel
         masked = tuple(s for s in slots if not s.always)
         spans: list[Span] = []
@@ -255,8 +239,7 @@ class Layout:
             always_numels=column([s.numel for s in slots if s.always]),
             masked_at=column([at for at, s in enumerate(slots) if not s.always]),
             row_counts=column([e - s.row for s, e in zip(masked, ends, strict=True)]),
-            exp_avgs=[self.view(self.exp_avg, s) for s in slots],
-            exp_avg_sqs=[self.view(self.exp_avg_sq, s) for s in slots],
+            exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
             directions=[s.flat(self.work, start).view_as(s.param) for s in slots],
             direction_rows=[s.flat(self.work, start).view(-1, s.row_size) for s in masked],
             coefs=[self.coef[s.row - rows[1]:s.row - rows[1] + s.rows].view(-1, 1) for s in masked])
@@ -267,35 +250,33 @@ class Layout:
         return torch.repeat_interleave(per_slot.index_select(0, chunk.masked_at), chunk.row_counts, dim=0,
                                        output_size=chunk.rows[2] - chunk.rows[1])
 
-    def adopt(self, state: dict, beta3: float, step: int) -> None:
-        """Copy any loaded m, v and freshness in `state` into the flat buffers, then point `state` at them.
+    def load_(self, state: dict, saved: dict[str, list], beta3: float, step: int) -> None:
+        """Copy saved m, v and freshness (`flat.pop_flat_entries`' lists, by parameter) into the flat buffers in
+        place, chunk by chunk (`FlatState.load_`), and point `state` at them again.
 
-        Freshness written per coordinate (before it was kept per row; constant over each row) is read row by row.
+        Freshness written by earlier versions is converted first, one tensor at a time: fp32 r ("freshness",
+        before q) is q / synced_value, and q written per coordinate (constant over each row) is read row by row.
         """
-        for slot in self.slots:
-            entry = state[slot.param]
-            if "freshness" in entry:  # written before q: fp32 r = q / synced_value
-                entry["scaled_freshness"] = entry.pop("freshness") * self.synced_value(beta3, step)
-            if "scaled_freshness" in entry and entry["scaled_freshness"].numel() == slot.numel != slot.rows:
-                entry["scaled_freshness"] = entry["scaled_freshness"].reshape(-1)[::slot.row_size]
-            views = {"exp_avg": self.view(self.exp_avg, slot), "exp_avg_sq": self.view(self.exp_avg_sq, slot),
-                     "scaled_freshness": self.scaled_freshness[slot.row:slot.row + slot.rows]}
-            for key, view in views.items():
-                if key in entry:
-                    if entry[key].shape != view.shape:
-                        raise ValueError(f"SLAMB: loaded {key} of shape {tuple(entry[key].shape)} where this "
-                                         f"parameter's is {tuple(view.shape)}")
-                    view.copy_(entry[key])
-                entry[key] = view
+        scaled = list(saved["scaled_freshness"])
+        for i, (slot, r) in enumerate(zip(self.slots_in_group_order, saved["freshness"], strict=True)):
+            if r is not None:
+                scaled[i] = r * self.synced_value(beta3, step)
+            if scaled[i] is not None and scaled[i].numel() == slot.numel != slot.rows:
+                scaled[i] = scaled[i].reshape(-1)[::slot.row_size]
+        for buffers, key, values in ((self.moments, "exp_avg", saved["exp_avg"]),
+                                     (self.moments, "exp_avg_sq", saved["exp_avg_sq"]),
+                                     (self.rows, "scaled_freshness", scaled)):
+            buffers.load_(key, values)
+            buffers.expose(key, self.params, state)
 
     def synced_value(self, beta3: float, step: int) -> float:
         """q of a coordinate synced at `step`: beta3^-(step mod R) as stored (rounded to the buffer's dtype)."""
         code = _STRUCT_CODES[self.scaled_freshness.dtype]
         return struct.unpack(code, struct.pack(code, beta3 ** -(step % self.rebase_interval)))[0]
 
-    @staticmethod
-    def view(buffer: Tensor, slot: Slot) -> Tensor:
-        return slot.flat(buffer).view_as(slot.param)
+    def state_bytes(self) -> int:
+        """Bytes of m, v and the freshness."""
+        return self.moments.nbytes() + self.rows.nbytes()
 
     def scratch(self, chunk: Chunk, mask: Mask) -> Scratch:
         """The work buffer's parts for stepping `chunk` with `mask`."""

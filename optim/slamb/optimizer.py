@@ -20,6 +20,7 @@ from optim._math import (
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import WIRE_DTYPES, Comm, average_tensors_
+from optim.flat import pop_flat_entries
 from optim.restart import load_with_current_hyperparameters, zero_step_counts
 from optim.slamb._layout import FRESHNESS_DTYPES, Chunk, Layout, Scratch
 from optim.slamb._masks import MASKS, ROW_NUMEL, Mask, MaskSampler, check_masks_agree
@@ -212,24 +213,19 @@ class SLAMB(torch.optim.Optimizer):
         self._masks_agreed = False  # checked once per process, at its first multi-rank step
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load m, v and the freshness straight into the flat buffers, one tensor at a time.
+        """Load m, v and the freshness straight into the flat buffers, in place, chunk by chunk.
 
         Torch's loader would first copy every state tensor to the parameters' device (and the fp16 freshness
         to fp32) while the buffers are alive: twice the state at once, which a 2.9B-parameter model cannot
         afford. Here only the small entries go through it; the buffers are built once (if not yet) and filled
-        in place from the given tensors, wherever they are.
+        in place from the given tensors, wherever they are (`Layout.load_`).
         """
         if _GLOBAL not in state_dict["state"]:
             raise ValueError("SLAMB.load_state_dict: no 'slamb' entry (step, seed); not a SLAMB state_dict")
         layout = self._ensure_layout()
-        saved = state_dict["state"]
-        small = {key: {k: v for k, v in entry.items() if k not in _BUFFERED} for key, entry in saved.items()}
-        super().load_state_dict({**state_dict, "state": small})
-        indices = [i for group in state_dict["param_groups"] for i in group["params"]]
-        for index, slot in zip(indices, layout.slots_in_group_order, strict=True):
-            entry = self.state[slot.param]
-            entry.update({k: v for k, v in saved.get(index, {}).items() if k in _BUFFERED})
-        layout.adopt(self.state, self.beta3, self.state[_GLOBAL]["step"])
+        small, saved = pop_flat_entries(state_dict, _BUFFERED)
+        super().load_state_dict(small)
+        layout.load_(self.state, saved, self.beta3, self.state[_GLOBAL]["step"])
 
     # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()
@@ -563,16 +559,14 @@ class SLAMB(torch.optim.Optimizer):
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the optimizer's persistent tensors: `state` (m, v, freshness) and `scratch` (work buffers)."""
         layout = self._ensure_layout()
-        state = sum(t.numel() * t.element_size()
-                    for t in (layout.exp_avg, layout.exp_avg_sq, layout.scaled_freshness))
-        return {"state": state, "scratch": layout.scratch_bytes() + self._sampler.scratch_bytes()}
+        return {"state": layout.state_bytes(), "scratch": layout.scratch_bytes() + self._sampler.scratch_bytes()}
 
     # ------------------------------------------------------------------------------------------ layout
     def _ensure_layout(self) -> Layout:
         if self._layout is None:
             self._layout = Layout(self.param_groups, self.state, self.min_compress_numel, self.mask,
                                   self.compress_ratio, self.beta3, self.freshness_dtype,
-                                  self.state[_GLOBAL]["step"], self.rescale == "product_of_interpolations")
+                                  self.rescale == "product_of_interpolations")
             self._sampler = MaskSampler(self.mask, self.compress_ratio, self._layout.chunks, self._layout.device,
                                         self._layout.geometry.draw_picks)
         return self._layout
