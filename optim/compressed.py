@@ -249,17 +249,27 @@ class CompressedBuckets:
                                         dtype=dtype)
         shares = [(b.end - b.start) // world for b in layout.buckets]
         self._workers = layout.bucket_views(self.worker_error)
+        self.worker_views = layout.views(self.worker_error)  # per slot, shaped like its tensor
         self._servers = list(self.server_error.split(shares)) if shares else []
 
-    def allreduce_(self, flat: Tensor) -> None:
-        """Replace each bucket of `flat` (a buffer with the layout) by its compressed mean over ranks, in place."""
-        if not self.comm.distributed:
+    def allreduce_(self, flat: Tensor, fed_back: bool = False, divisors: Sequence[float] | None = None) -> None:
+        """Replace each bucket of `flat` (a buffer with the layout) by its compressed mean over ranks, in place.
+
+        `fed_back`: the caller has added its vector to the worker error through `worker_views` (each slot's
+        `x + error`), so `flat` only receives the result; the padded tails are fed back here. `divisors`: per
+        bucket, what its result is divided by (`compressed_allreduce_`).
+        """
+        if not self.comm.distributed and not fed_back and divisors is None:
             return
-        for bucket, buffer, worker, server in zip(self.layout.buckets, self.layout.bucket_views(flat), self._workers,
-                                                  self._servers, strict=True):
-            if not self.keep_tail:
+        for index, (bucket, buffer, worker, server) in enumerate(zip(
+                self.layout.buckets, self.layout.bucket_views(flat), self._workers, self._servers, strict=True)):
+            if fed_back:
+                if self.keep_tail:
+                    worker[bucket.size:].add_(buffer[bucket.size:])
+            elif not self.keep_tail:
                 buffer[bucket.size:].zero_()
-            compressed_allreduce_(buffer, worker, server, self.comm)
+            compressed_allreduce_(buffer, worker, server, self.comm, fed_back=fed_back,
+                                  divisor=None if divisors is None else divisors[index])
 
     def bytes_per_call(self) -> int:
         """What one `allreduce_` costs this rank in Comm's bytes, all buckets together."""

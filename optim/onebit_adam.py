@@ -116,9 +116,10 @@ class OneBitFamily(torch.optim.Optimizer):
                              f"lives in flat buffers); got {sorted({(str(p.device), str(p.dtype)) for p in params})}")
         device, dtype = params[0].device, params[0].dtype
         groups = [index for index, group in enumerate(self.param_groups) for _ in group["params"]]
-        layout = FlatLayout.packed([p.shape for p in params], groups,
-                                   bucket_layout([len(g["params"]) for g in self.param_groups], bucketing),
+        buckets = bucket_layout([len(g["params"]) for g in self.param_groups], bucketing)
+        layout = FlatLayout.packed([p.shape for p in params], groups, buckets,
                                    padded=lambda size: padded_numel(size, self.comm.world_size))
+        self.bucket_groups = [groups[members[0]] for members in buckets]  # one group each, but with flat_scaled
         self.flat = FlatState(layout, device, dtype)
         self._state_keys = ("exp_avg", *flat_keys)
         for key in self._state_keys:
