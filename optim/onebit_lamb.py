@@ -161,18 +161,29 @@ class OneBitLAMB(OneBitFamily):
         """Momentum update, one fused compressed call, then the frozen-coefficient update, on flat buffers.
 
         DeepSpeed keeps a clone of every momentum for the reconstructed gradient. Here the dead gradients hold the
-        old momentum instead (swapped in through the bounded work buffer, a chunk at a time), while the flat buffer
-        takes the new one; they then serve as scratch for the reconstructed gradient and the update direction.
-        The buffer's padded tail, last step's output, feeds this compression as in DeepSpeed. Every op runs over a
-        segment, a chunk or a list: the number of ops does not grow with the number of tensors.
+        old momentum instead, while the flat buffer takes the new one; they then serve as scratch for the
+        reconstructed gradient and the update direction. With DeepSpeed's roundings the old momentum is swapped
+        in through the bounded work buffer, a chunk at a time; with the fused ones a gradient becomes
+        `g - m / (1 - beta1) = -beta1 m_old / (1 - beta1)` in one pass, and the scaled momentum goes straight into
+        the worker error (`fed_back`: the compression's own addition is that pass). The buffer's padded tail,
+        last step's output, feeds this compression as in DeepSpeed. Every op runs over a segment, a chunk or a
+        list: the number of ops does not grow with the number of tensors.
         """
         params, grads = self._params(), self._grads()
         if "scaling_coeff" not in self.state[params[0]]:
             self._init_scaling_coeffs(params)
         scaling, momenta = self._per_param("scaling_coeff"), self._states("exp_avg")
-        self._swap_in_momenta_(grads)
-        torch._foreach_mul_(momenta, scaling)
-        self.buckets.allreduce_(self.flat["exp_avg"])
+        if self.deepspeed_roundings:
+            self._swap_in_momenta_(grads)
+            torch._foreach_mul_(momenta, scaling)
+            self.buckets.allreduce_(self.flat["exp_avg"])
+        else:
+            for slice_, group in self._groups():
+                beta1 = group["betas"][0]
+                torch._foreach_lerp_(momenta[slice_], grads[slice_], 1.0 - beta1)
+                torch._foreach_add_(grads[slice_], momenta[slice_], alpha=-1.0 / (1.0 - beta1))
+            torch._foreach_addcmul_(self.buckets.worker_views, momenta, scaling)  # error + m s
+            self.buckets.allreduce_(self.flat["exp_avg"], fed_back=True)
         torch._foreach_div_(momenta, scaling)
         self._mask_("exp_avg")
         fresh = self._states("exp_avg_sq_fresh")
@@ -192,8 +203,8 @@ class OneBitLAMB(OneBitFamily):
             self._lamb_coeffs.extend(coeffs.unbind())
 
     def _swap_in_momenta_(self, grads: list[Tensor]) -> None:
-        """`m <- beta1 m + (1 - beta1) g` in the flat buffer while the gradients' storage takes the old momentum
-        (`beta1 m_old` with DeepSpeed's roundings, `m_old` otherwise), a chunk at a time through the work buffer."""
+        """`m <- beta1 m + (1 - beta1) g` in the flat buffer, with DeepSpeed's roundings, while the gradients'
+        storage takes `beta1 m_old`, a chunk at a time through the work buffer."""
         work = self._work()
         momenta = self.flat.pieces("exp_avg", self._chunk_numel)
         flat_momenta = self.flat.chunk_views("exp_avg", self._chunk_numel)
@@ -201,13 +212,9 @@ class OneBitLAMB(OneBitFamily):
                                                 strict=True):
             beta1 = self.param_groups[chunk.group]["betas"][0]
             g = [piece.of(grads[piece.slot]) for piece in chunk.pieces]
-            if self.deepspeed_roundings:
-                torch.mul(flat_m, beta1, out=flat_w)
-                flat_m.copy_(flat_w)
-                torch._foreach_add_(m, g, alpha=1.0 - beta1)
-            else:
-                flat_w.copy_(flat_m)
-                torch._foreach_lerp_(m, g, 1.0 - beta1)
+            torch.mul(flat_m, beta1, out=flat_w)
+            flat_m.copy_(flat_w)
+            torch._foreach_add_(m, g, alpha=1.0 - beta1)
             torch._foreach_copy_(g, w)
 
     def _ratio_maxima(self) -> Tensor:
@@ -285,8 +292,8 @@ def refresh_variance_(work: list[Tensor], exp_avgs: list[Tensor], fresh: list[Te
                       deepspeed_roundings: bool) -> None:
     """`v_fresh <- beta2 v_fresh + (1 - beta2) g^2` with the reconstructed gradient `g = (m - beta1 m_old) /
     (1 - beta1)`, which `work` takes. `work` holds `beta1 m_old` with DeepSpeed's roundings (then two ops as its,
-    negating numerator and denominator: exact), `m_old` otherwise (one extrapolating `lerp`, and the square
-    blended in by a second)."""
+    negating numerator and denominator: exact), `-beta1 m_old / (1 - beta1)` otherwise (one add of
+    `m / (1 - beta1)`, and the square blended in by a second op)."""
     beta1, beta2 = betas
     if deepspeed_roundings:
         torch._foreach_sub_(work, exp_avgs)
@@ -294,7 +301,7 @@ def refresh_variance_(work: list[Tensor], exp_avgs: list[Tensor], fresh: list[Te
         torch._foreach_mul_(fresh, beta2)
         torch._foreach_addcmul_(fresh, work, work, value=1 - beta2)
         return
-    torch._foreach_lerp_(work, exp_avgs, 1.0 / (1.0 - beta1))
+    torch._foreach_add_(work, exp_avgs, alpha=1.0 / (1.0 - beta1))
     torch._foreach_pow_(work, 2.0)
     torch._foreach_lerp_(fresh, work, 1.0 - beta2)
 
