@@ -8,11 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from core.errors import ConfigError
 from core.options import check_non_negative, options_of
-
-# The packages whose kinds exist without being asked for; imported on first use so `import data` stays light.
-_BUILTIN_KIND_MODULES = ("data.text.kinds", "data.images.kinds", "data.squad.kinds")
+from core.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -48,29 +45,19 @@ class DataKind:
     build: Callable[[DictConfig, DataRequest, bool], TaskData | None]  # dry=True: check the files, return None
 
 
-_KINDS: dict[str, DataKind] = {}
-_loaded = False
+# Filled by the `kinds` module of each package of `data/` (data.text.kinds, ...), which it imports on its first
+# lookup: so `import data` stays light, and a new kind is named nowhere else.
+KINDS: Registry[DataKind] = Registry("data kind", "data.name", "data", module="kinds")
 
 
 def register_data_kind(kind: DataKind) -> None:
-    """Make `kind` selectable as `data.name=<kind.name>`; registering a name again replaces it."""
-    _KINDS[kind.name] = kind
-
-
-def _kinds() -> dict[str, DataKind]:
-    global _loaded
-    if not _loaded:
-        import importlib
-
-        for module in _BUILTIN_KIND_MODULES:
-            importlib.import_module(module)
-        _loaded = True
-    return _KINDS
+    """Make `kind` selectable as `data.name=<kind.name>`; a second kind with the same name is an error."""
+    KINDS.register(kind.name, kind)
 
 
 def list_data_kinds() -> list[str]:
     """The names `data.name` may take, sorted."""
-    return sorted(_kinds())
+    return KINDS.names()
 
 
 def schema_name(schema: type) -> str:
@@ -81,15 +68,12 @@ def schema_name(schema: type) -> str:
 
 def data_schemas() -> dict[str, type]:
     """Every data schema by the name the `conf/data/*.yaml` defaults lists use, for registration with Hydra."""
-    return {schema_name(kind.schema): kind.schema for kind in sorted(_kinds().values(), key=lambda k: k.name)}
+    return {schema_name(kind.schema): kind.schema for kind in KINDS}
 
 
 def get_data_kind(name: Any) -> DataKind:
     """The kind `data.name` selects; an unknown name is a ConfigError listing the known ones."""
-    kinds = _kinds()
-    if name not in kinds:
-        raise ConfigError(f"data.name={name} must be one of {', '.join(sorted(kinds))}")
-    return kinds[name]
+    return KINDS.get(name)
 
 
 def check_data(data_cfg: DictConfig, micro_batch_size: int) -> None:

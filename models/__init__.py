@@ -1,7 +1,9 @@
 """Model builders keyed by config name (`conf/model/*.yaml` -> `create_model`).
 
-Importing this package loads no model library (transformers, timm): the builders do, so a process that only
-checks a config stays light. The BERT module class is `models.bert_heads.BertForPreTrainingMaskedLM`.
+A model's module registers its builder (`@register_model`), and the registry imports every public module here on
+its first lookup, so a new model is named nowhere else. Importing them loads no model library (transformers,
+timm): the builders do, so a process that only checks a config stays light. The BERT module class,
+`models._bert_heads.BertForPreTrainingMaskedLM`, is private for that reason: only a builder imports it.
 """
 
 from models._pretrained import export_names, init_summary, pretrained_state, quiet_transformers

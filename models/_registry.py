@@ -11,8 +11,8 @@ from typing import Any
 
 from torch import nn
 
-from core.errors import ConfigError
 from core.options import check_kwargs, options_of
+from core.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class ModelSpec:
     export_refusal: Callable[[Mapping[str, Any], Mapping[str, Any], Path], str | None] | None = None
 
 
-_MODELS: dict[str, ModelSpec] = {}
+# Filled by the model modules of `models/`, which it imports on its first lookup.
+MODELS: Registry[ModelSpec] = Registry("model", "model.name", "models")
 
 
 def register_model(*, family: str, check: Callable[..., None] | None = None,
@@ -46,30 +47,23 @@ def register_model(*, family: str, check: Callable[..., None] | None = None,
     """
 
     def add(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        if builder.__name__ in _MODELS:
-            raise ValueError(f"model '{builder.__name__}' is registered twice")
-        _MODELS[builder.__name__] = ModelSpec(builder.__name__, builder, family, check, in_use, export_refusal)
+        MODELS.register(builder.__name__, ModelSpec(builder.__name__, builder, family, check, in_use, export_refusal))
         return builder
 
     return add
 
 
 def list_models() -> list[str]:
-    return sorted(_MODELS)
+    return MODELS.names()
 
 
 def _spec(name: str) -> ModelSpec:
-    try:
-        return _MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model '{name}'; known models: {', '.join(list_models())}") from None
+    return MODELS.get(name)
 
 
 def check_model_config(name: str, kwargs: Mapping[str, Any]) -> None:
     """Compose-time check of `model.name` and its options; errors name the key (`model.num_attention_heads=...`)."""
-    if name not in _MODELS:
-        raise ConfigError(f"model.name={name} is not a registered model; known models: {', '.join(list_models())}")
-    spec = _MODELS[name]
+    spec = MODELS.get(name)
     with options_of("model"):
         check_kwargs(spec.build, kwargs, owner=f"model '{name}'")
         if spec.check is not None:
@@ -108,7 +102,7 @@ def init_refusal(name: str, options: Mapping[str, Any], directory: Path, run_mod
     its checkpoints' weights are its model's, `run_model` (None: not known, the tensors are checked instead)."""
     spec = _spec(name)
     if run_model is not None:
-        family = _spec(run_model).family if run_model in _MODELS else run_model
+        family = _spec(run_model).family if run_model in MODELS else run_model
         holds = f"a run of model.name={run_model}"
     elif (Path(directory) / EXPORT_CONFIG).is_file():
         family, holds = export_holds(directory)

@@ -22,7 +22,7 @@ from models._registry import register_model
 if TYPE_CHECKING:
     from transformers import BertConfig, BertForQuestionAnswering
 
-    from models.bert_heads import BertForPreTrainingMaskedLM
+    from models._bert_heads import BertForPreTrainingMaskedLM
 
 # hidden size, layers, attention heads, feed-forward size. "xl" is the SLAMB paper's 2.8B-parameter scale:
 # 36 x 12 x 2560^2 ≈ 2.83B in the encoder [derived from the paper's parameter count; the exact shape is
@@ -152,7 +152,7 @@ _FAMILY = dict(family="bert", check=check_bert_options, in_use=bert_options_in_u
 def bert_pretraining(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
                      **config_kwargs) -> BertForPreTrainingMaskedLM:
     """BERT with MLM + NSP heads; the other keyword arguments are those of `build_bert_config`."""
-    from models.bert_heads import BertForPreTrainingMaskedLM  # the modeling stack: only where a model is built
+    from models._bert_heads import BertForPreTrainingMaskedLM  # the modeling stack: only where a model is built
 
     model = BertForPreTrainingMaskedLM(build_bert_config(**config_kwargs))
     # Exports name the stock class so any transformers install can load them.

@@ -21,6 +21,7 @@ from torch import nn
 
 from core.errors import ConfigError
 from core.options import InvalidOption, check_kwargs, options_of
+from core.registry import Registry
 from optim.param_groups import param_groups_weight_decay
 from optim.restart import restart_optimizer
 
@@ -94,31 +95,26 @@ class OptimSpec:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))  # frozen all the way
 
 
-_OPTIMIZERS: dict[str, OptimSpec] = {}
+# Filled by the optimizer modules of `optim/`, which it imports on its first lookup.
+OPTIMIZERS: Registry[OptimSpec] = Registry("optimizer", "optim.name", "optim")
 
 
 def register_optimizer(spec: OptimSpec) -> OptimSpec:
     """Add `spec` under `spec.name`; a second spec with the same name is an error."""
-    if spec.name in _OPTIMIZERS:
-        raise ValueError(f"optimizer '{spec.name}' is registered twice")
     if spec.grad_sync not in ("ddp", "self"):
         raise ValueError(f"optimizer '{spec.name}': grad_sync={spec.grad_sync!r} must be 'ddp' or 'self'")
     check_kwargs(spec.cls, spec.defaults, owner=f"optimizer '{spec.name}' (in its registry defaults)",
                  reserved=_RESERVED)
-    _OPTIMIZERS[spec.name] = spec
-    return spec
+    return OPTIMIZERS.register(spec.name, spec)
 
 
 def list_optimizers() -> list[str]:
-    return sorted(_OPTIMIZERS)
+    return OPTIMIZERS.names()
 
 
 def get_optimizer_spec(name: str) -> OptimSpec:
-    try:
-        return _OPTIMIZERS[name]
-    except KeyError:
-        known = ", ".join(list_optimizers())
-        raise ValueError(f"unknown optimizer '{name}'; known optimizers: {known}") from None
+    """The entry `optim.name` selects; an unknown name is a ConfigError listing the known ones."""
+    return OPTIMIZERS.get(name)
 
 
 def run_check(owner: str, check: Callable[[dict[str, Any]], None], options: dict[str, Any]) -> None:
@@ -148,10 +144,7 @@ def check_optimizer_config(name: str, kwargs: Mapping[str, Any]) -> dict[str, An
     Raises `ConfigError` with one line naming the key as the user writes it: `optim.lr=-1 must be >= 0`,
     `optim.momentum is not an option of optimizer 'lamb'; options: ...`, `optim.name=sgdx ...`.
     """
-    if name not in _OPTIMIZERS:
-        raise ConfigError(f"optim.name={name} is not a registered optimizer; known optimizers: "
-                          f"{', '.join(list_optimizers())}")
-    spec = _OPTIMIZERS[name]
+    spec = OPTIMIZERS.get(name)
     with options_of("optim"):
         check_kwargs(spec.cls, kwargs, owner=f"optimizer '{name}'", reserved=_RESERVED)
         options = {**_options(spec.cls), **spec.defaults, **_plain(kwargs)}

@@ -16,8 +16,9 @@ from optim.comm import Comm
 from train.config import validate
 from train.model_io import build_model
 from train.run_dir import RunDir
-from train.tasks import EvalShard, evaluate_bert_pretraining
+from train.tasks import EvalShard
 from train.tasks._registry import evaluate_model, get_task
+from train.tasks.bert_pretraining import evaluate_bert_pretraining
 
 
 def _model_and_heldout(batch_size: int):

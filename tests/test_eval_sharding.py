@@ -17,7 +17,9 @@ from data.images.transforms import EvalImages
 from data.squad.features import SquadEvalData, build_features, load_squad
 from data.text.tokenizer import load_tokenizer
 from train.run_dir import RunDir
-from train.tasks import EvalShard, evaluate_image_classification, evaluate_squad
+from train.tasks import EvalShard
+from train.tasks.image_classification import evaluate_image_classification
+from train.tasks.question_answering import evaluate_squad
 
 
 class _Images(torch.utils.data.Dataset):

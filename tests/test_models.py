@@ -29,7 +29,7 @@ def _batch(batch=3, length=16, predictions=4, vocab=1000):
 
 def test_registry_lists_bert():
     assert "bert_pretraining" in list_models()
-    with pytest.raises(ValueError, match=r"known models: .*bert_pretraining"):
+    with pytest.raises(ValueError, match=r"^model\.name=no_such_model must be one of .*bert_pretraining"):
         create_model("no_such_model")
 
 

@@ -95,8 +95,8 @@ def test_lamb_config_leaves_clipping_to_the_trainer():
 def test_unknown_name_lists_known_ones():
     with pytest.raises(ValueError) as info:
         get_optimizer_spec("sgdx")
-    assert str(info.value) == f"unknown optimizer 'sgdx'; known optimizers: {', '.join(list_optimizers())}"
-    with pytest.raises(ValueError, match="known optimizers"):
+    assert str(info.value) == f"optim.name=sgdx must be one of {', '.join(list_optimizers())}"
+    with pytest.raises(ValueError, match="must be one of adamw, "):
         build_optimizer(_tiny_bert(), "nope", {})
 
 
@@ -119,7 +119,7 @@ class _SelfSyncing(torch.optim.SGD):
 
 def test_self_syncing_optimizers_get_comm(monkeypatch):
     spec = OptimSpec("self_sync_test", _SelfSyncing, "self", "test only", check=lambda options: None)
-    monkeypatch.setitem(_registry._OPTIMIZERS, spec.name, spec)  # removed again after the test
+    monkeypatch.setitem(_registry.OPTIMIZERS.entries, spec.name, spec)  # removed again after the test
     comm = object()
     assert build_optimizer(_tiny_bert(), spec.name, {"lr": 0.5}, comm=comm).comm is comm
     assert not hasattr(build_optimizer(_tiny_bert(), "adamw", {}, comm=comm), "comm")
@@ -236,8 +236,7 @@ def test_options_of_a_sibling_optimizer_fail_at_check_time(name, overrides, star
 def test_unknown_name_fails_at_check_time():
     with pytest.raises(ConfigError) as info:
         check_optimizer_config("sgdx", {})
-    assert str(info.value).startswith("optim.name=sgdx ")
-    assert str(info.value).endswith(f"; known optimizers: {', '.join(list_optimizers())}")
+    assert str(info.value) == f"optim.name=sgdx must be one of {', '.join(list_optimizers())}"
 
 
 def test_compose_time_validation_names_the_optimizer_key():
@@ -259,7 +258,7 @@ def test_compose_time_validation_names_the_optimizer_key():
 
 # ------------------------------------------------------------------------------------------ entry defaults
 def test_entry_defaults_apply_under_the_config(monkeypatch):
-    monkeypatch.setattr(_registry, "_OPTIMIZERS", dict(_registry._OPTIMIZERS))  # restored after the test
+    monkeypatch.setattr(_registry.OPTIMIZERS, "_entries", dict(_registry.OPTIMIZERS.entries))  # restored after
     seen = []
     register_optimizer(OptimSpec("lambc_test", LAMB, "ddp", "LAMB with a clipped trust ratio", check=seen.append,
                                  defaults={"trust_clip": True, "eps": 1e-8}))

@@ -55,7 +55,7 @@ CHECKS = {
 def test_a_config_value_is_checked_once_from_run_to_the_optimizer(optimizer, monkeypatch, tmp_path: Path):
     """The launching process checks the options; the worker's `build_optimizer` and constructor do not again."""
     calls: dict[str, int] = {}
-    monkeypatch.setattr(_registry, "_OPTIMIZERS", dict(_registry._OPTIMIZERS))  # restored after the test
+    monkeypatch.setattr(_registry.OPTIMIZERS, "_entries", dict(_registry.OPTIMIZERS.entries))  # restored after
     for name, module, function in CHECKS[optimizer]:
         check = getattr(importlib.import_module(module), function)
 
@@ -63,7 +63,8 @@ def test_a_config_value_is_checked_once_from_run_to_the_optimizer(optimizer, mon
             calls[name] = calls.get(name, 0) + 1
             check(options)
 
-        monkeypatch.setitem(_registry._OPTIMIZERS, name, dataclasses.replace(get_optimizer_spec(name), check=counted))
+        spec = dataclasses.replace(get_optimizer_spec(name), check=counted)
+        monkeypatch.setitem(_registry.OPTIMIZERS.entries, name, spec)
         monkeypatch.setattr(importlib.import_module(module), function, counted)
     run(compose([*TINY, f"optim={optimizer}", "trainer.max_steps=1", "trainer.nproc_per_node=1"]), tmp_path)
     assert calls == {name: 1 for name, _, _ in CHECKS[optimizer]}

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from omegaconf import MISSING
 from torch import nn
 
-from core.errors import ConfigError
+from core.registry import Registry
 from train.run_dir import RunDir
 
 StepFn = Callable[[nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -64,25 +64,21 @@ class Task:
     sample_unit: str = "seq"  # what one training sample is, for throughput (seq/s, img/s)
 
 
-_TASKS: dict[str, Task] = {}
+# Filled by the task modules of `train/tasks/`, which it imports on its first lookup.
+TASKS: Registry[Task] = Registry("task", "task.name", "train.tasks")
 
 
 def register_task(task: Task) -> Task:
-    if task.name in _TASKS:
-        raise ValueError(f"task '{task.name}' is registered twice")
-    _TASKS[task.name] = task
-    return task
+    return TASKS.register(task.name, task)
 
 
 def list_tasks() -> list[str]:
-    return sorted(_TASKS)
+    return TASKS.names()
 
 
 def get_task(name: str) -> Task:
-    try:
-        return _TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown task '{name}'; known tasks: {', '.join(list_tasks())}") from None
+    """The task `task.name` selects; an unknown name is a ConfigError listing the known ones."""
+    return TASKS.get(name)
 
 
 def evaluate_model(task: Task, model: nn.Module, eval_data: Any, run_dir: RunDir, shard: EvalShard, precision: str,
@@ -101,5 +97,4 @@ def evaluate_model(task: Task, model: nn.Module, eval_data: Any, run_dir: RunDir
 
 def check_task_config(name: str) -> None:
     """Compose-time check of `task.name`."""
-    if name not in _TASKS:
-        raise ConfigError(f"task.name={name} is not a registered task; known tasks: {', '.join(list_tasks())}")
+    TASKS.get(name)
