@@ -21,7 +21,8 @@ LAYOUT = {  # the module names the docs use
     "benchmarks.throughput.training", "benchmarks.throughput.swin_builder",
     "benchmarks.data.loader", "benchmarks.data.prepare", "benchmarks.data.padding", "benchmarks.gpu",
     "benchmarks.paper.reproduce", "benchmarks.paper.convergence", "benchmarks.paper.report", "benchmarks.paper.plots",
-    "benchmarks.paper.scaling", "benchmarks.paper.stages",
+    "benchmarks.paper.scaling", "benchmarks.paper.stages", "benchmarks.paper.paired",
+    "benchmarks.paper.convergence_data", "benchmarks.paper.convergence_page",
 }
 
 
@@ -133,7 +134,8 @@ def test_every_script_prints_its_help():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     helps = json.loads(result.stdout)
-    libraries = {COMMON, "benchmarks.paper.plots", "benchmarks.paper.stages"}  # no --help
+    libraries = {COMMON, "benchmarks.paper.plots", "benchmarks.paper.stages", "benchmarks.paper.paired",
+                 "benchmarks.paper.convergence_data", "benchmarks.paper.convergence_page"}  # no --help
     assert set(SCRIPTS) == LAYOUT - libraries
     for name in SCRIPTS:
         code, text = helps[name]

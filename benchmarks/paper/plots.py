@@ -1,10 +1,12 @@
-"""The report's figures, one function per figure, each drawing every run on one Axes.
+"""The report's figures, one function per figure, each drawing every run on one Axes; the studies' figures, drawn
+from `Line`s (the convergence study's) or rows (the scaling model's).
 
-A new figure is a function `draw(ax, runs)` and a line in `PLOTS`. A run keeps its colour in every figure.
+A new report figure is a function `draw(ax, runs)` and a line in `PLOTS`. A run keeps its colour in every figure.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -192,3 +194,64 @@ def _same_line(drawn: list[tuple[int, float]], points: list[tuple[int, float]], 
     """Whether two efficiency curves would be drawn over each other (same GPU counts, within `tolerance`)."""
     return len(drawn) == len(points) and all(
         g == h and abs(a - b) <= tolerance for (g, a), (h, b) in zip(drawn, points, strict=True))
+
+
+@dataclass(frozen=True)
+class Line:
+    """One curve of a study figure: a mean, optionally the range it is the mean of (shaded) and single values
+    (each seed's) as dots."""
+
+    label: str
+    xs: list[float]
+    ys: list[float]
+    low: list[float] | None = None
+    high: list[float] | None = None
+    dots: list[tuple[float, float]] = field(default_factory=list)
+
+
+def _style(index: int) -> dict[str, Any]:
+    """A look per line that no other of the first 40 shares: colour, line style and marker together."""
+    return {"color": _colour(index), "linestyle": _LINE_STYLES[index // 10 % len(_LINE_STYLES)],
+            "marker": _MARKERS[index % len(_MARKERS)], "markersize": 4}
+
+
+def write_lines(lines: list[Line], path: Path, xlabel: str, ylabel: str, title: str, *, log_x: bool = False) -> Path:
+    """Every line on one Axes, each in its own style, the legend beside it."""
+    fig, ax = plt.subplots(figsize=(9.0, 5.0))
+    for index, line in enumerate(lines):
+        style = _style(index)
+        ax.plot(line.xs, line.ys, label=line.label, **style)
+        if line.low is not None and line.high is not None:
+            ax.fill_between(line.xs, line.low, line.high, color=style["color"], alpha=0.12)
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return save_figure(fig, path)
+
+
+def write_panels(lines: list[Line], path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """One small panel per line, each on its own y scale with 0 marked, so that a gap of a few hundredths is as
+    visible as one of a whole unit; each line's dots (its seeds) beside its mean."""
+    columns = min(5, len(lines))
+    rows = -(-len(lines) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.4 * rows), squeeze=False, sharex=True)
+    for index, (ax, line) in enumerate(zip(axes.flat, lines, strict=False)):
+        style = _style(index)
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.plot(line.xs, line.ys, **style)
+        if line.dots:
+            ax.plot(*zip(*line.dots, strict=True), linestyle="none", marker=".", color=style["color"], alpha=0.5)
+        ax.set_title(line.label, fontsize="small")
+        ax.tick_params(labelsize="x-small")
+    for ax in axes.flat[len(lines):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel(xlabel, fontsize="small")
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel, fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return save_figure(fig, path)
