@@ -163,11 +163,12 @@ class OneBitLAMB(OneBitFamily):
         DeepSpeed keeps a clone of every momentum for the reconstructed gradient. Here the dead gradients hold the
         old momentum instead, while the flat buffer takes the new one; they then serve as scratch for the
         reconstructed gradient and the update direction. With DeepSpeed's roundings the old momentum is swapped
-        in through the bounded work buffer, a chunk at a time; with the fused ones a gradient becomes
-        `g - m / (1 - beta1) = -beta1 m_old / (1 - beta1)` in one pass, and the scaled momentum goes straight into
-        the worker error (`fed_back`: the compression's own addition is that pass). The buffer's padded tail,
-        last step's output, feeds this compression as in DeepSpeed. Every op runs over a segment, a chunk or a
-        list: the number of ops does not grow with the number of tensors.
+        in through the bounded work buffer, a chunk at a time. With the fused ones the new momentum is formed in
+        the gradients' storage, goes scaled straight into the worker error (`fed_back`: the compression's own
+        addition is that pass) and the old one is copied over it: 8 passes of N where the swap, the scaling and
+        the addition take 12. The buffer's padded tail, last step's output, feeds this compression as in
+        DeepSpeed. Every op runs over a segment, a chunk or a list: the number of ops does not grow with the
+        number of tensors.
         """
         params, grads = self._params(), self._grads()
         if "scaling_coeff" not in self.state[params[0]]:
@@ -178,11 +179,10 @@ class OneBitLAMB(OneBitFamily):
             torch._foreach_mul_(momenta, scaling)
             self.buckets.allreduce_(self.flat["exp_avg"])
         else:
-            for slice_, group in self._groups():
-                beta1 = group["betas"][0]
-                torch._foreach_lerp_(momenta[slice_], grads[slice_], 1.0 - beta1)
-                torch._foreach_add_(grads[slice_], momenta[slice_], alpha=-1.0 / (1.0 - beta1))
-            torch._foreach_addcmul_(self.buckets.worker_views, momenta, scaling)  # error + m s
+            for slice_, group in self._groups():  # the new momentum in the gradients' storage, for a moment
+                torch._foreach_lerp_(grads[slice_], momenta[slice_], group["betas"][0])
+            torch._foreach_addcmul_(self.buckets.worker_views, grads, scaling)  # error + m s
+            torch._foreach_copy_(grads, momenta)  # the old momentum, exactly: every rank reconstructs alike
             self.buckets.allreduce_(self.flat["exp_avg"], fed_back=True)
         torch._foreach_div_(momenta, scaling)
         self._mask_("exp_avg")
@@ -292,8 +292,8 @@ def refresh_variance_(work: list[Tensor], exp_avgs: list[Tensor], fresh: list[Te
                       deepspeed_roundings: bool) -> None:
     """`v_fresh <- beta2 v_fresh + (1 - beta2) g^2` with the reconstructed gradient `g = (m - beta1 m_old) /
     (1 - beta1)`, which `work` takes. `work` holds `beta1 m_old` with DeepSpeed's roundings (then two ops as its,
-    negating numerator and denominator: exact), `-beta1 m_old / (1 - beta1)` otherwise (one add of
-    `m / (1 - beta1)`, and the square blended in by a second op)."""
+    negating numerator and denominator: exact), `m_old` otherwise (one extrapolating `lerp`, and the square
+    blended in by a second)."""
     beta1, beta2 = betas
     if deepspeed_roundings:
         torch._foreach_sub_(work, exp_avgs)
@@ -301,7 +301,7 @@ def refresh_variance_(work: list[Tensor], exp_avgs: list[Tensor], fresh: list[Te
         torch._foreach_mul_(fresh, beta2)
         torch._foreach_addcmul_(fresh, work, work, value=1 - beta2)
         return
-    torch._foreach_add_(work, exp_avgs, alpha=1.0 / (1.0 - beta1))
+    torch._foreach_lerp_(work, exp_avgs, 1.0 / (1.0 - beta1))
     torch._foreach_pow_(work, 2.0)
     torch._foreach_lerp_(fresh, work, 1.0 - beta2)
 

@@ -34,7 +34,7 @@ from optim.comm import WIRE_DTYPES
 from optim.network import parse_cluster
 from optim.schedule import ScheduleConfig, check_schedule_config
 from train.distributed import environment_world_size
-from train.help import group_options
+from train.help import experiment_list, group_options
 from train.metrics import LoggerConfig
 from train.precision import PrecisionConfig, check_precision_config
 from train.run_dir import check_run_name
@@ -103,6 +103,8 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("package_path", _package_path)
     if not OmegaConf.has_resolver("help_groups"):  # --help's group options (conf/hydra/help/slamb.yaml)
         OmegaConf.register_new_resolver("help_groups", group_options)
+    if not OmegaConf.has_resolver("help_experiments"):  # --help's experiments (conf/hydra/help/slamb.yaml)
+        OmegaConf.register_new_resolver("help_experiments", experiment_list)
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     for name, node in data_schemas().items():
