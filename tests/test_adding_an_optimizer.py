@@ -4,10 +4,8 @@ registry's tests, the `--help` text, the step benchmark and a tiny run must take
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import re
-import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from repo_copy import copy_sources, listed_files
 
 NAME, VARIANT = "toy_sgd", "toy_sgd_nesterov"
 PAGE = "lars-slowmo-jointspar"  # the docs page of its family (momentum SGD)
@@ -127,34 +126,6 @@ def test_a_tiny_run_steps_it(tmp_path):
 '''
 
 
-def _listed_files() -> list[str]:
-    """The numbered list of files in docs/development.md's "Adding an optimizer" section, placeholders kept."""
-    text = (REPO / "docs" / "development.md").read_text()
-    section = text.split("\n## Adding an optimizer\n")[1].split("\n## ")[0]
-    return re.findall(r"^\d+\. `([^`]+)`", section, re.MULTILINE)
-
-
-def _git_ignored(root: Path) -> tuple[set[Path], list[str]]:
-    """The repository's `.gitignore`: anchored paths (`/runs/`) and name patterns (`__pycache__/`, `*.pyc`)."""
-    anchored, names = set(), []
-    for line in (root / ".gitignore").read_text().splitlines():
-        line = line.strip().rstrip("/")
-        if line and not line.startswith(("#", "!")):
-            (anchored.add(root / line.lstrip("/")) if line.startswith("/") else names.append(line))
-    return anchored, names
-
-
-def _copy_sources(destination: Path) -> None:
-    """The working tree as git would see it (tracked and untracked files, no ignored outputs or .git)."""
-    anchored, names = _git_ignored(REPO)
-
-    def ignore(directory: str, entries: list[str]) -> list[str]:
-        return [entry for entry in entries if entry == ".git" or Path(directory, entry) in anchored
-                or any(fnmatch.fnmatch(entry, pattern) for pattern in names)]
-
-    shutil.copytree(REPO, destination, ignore=ignore)
-
-
 # What the toy adds, by the docs' list: (name, text) per file; the variant's registration is in the class's module.
 TOY_FILES = {
     "optim/<name>.py": [(NAME, MODULE)],
@@ -165,7 +136,7 @@ TOY_FILES = {
 
 
 def test_the_toy_is_added_by_the_docs_list():
-    assert _listed_files() == list(TOY_FILES)
+    assert listed_files("Adding an optimizer") == list(TOY_FILES)
 
 
 def _add_the_toy(root: Path) -> list[str]:
@@ -203,7 +174,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.mark.slow
 def test_adding_an_optimizer_takes_the_listed_files_only(tmp_path):
     root = tmp_path / "repo"
-    _copy_sources(root)
+    copy_sources(root)
     _add_the_toy(root)
     (tmp_path / "only_the_toy.py").write_text(ONLY_THE_TOY)
     report = tmp_path / "report.xml"
