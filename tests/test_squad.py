@@ -323,7 +323,7 @@ def test_init_from_a_different_architecture_fails_clearly(tmp_path, pretrained):
 def test_pipeline_commands_chain_the_stages(tmp_path):
     phase2 = stage_command("phase2", "p", tmp_path, ["trainer.max_steps=3"])
     assert "experiment=bert_large_phase2" in phase2
-    assert f"trainer.init_from={tmp_path / 'p_phase1'}" in phase2  # weights and LAMB moments
+    assert f"trainer.init_from={tmp_path / 'p_phase1'}" in phase2  # its final checkpoint's weights
     assert phase2[-1] == "trainer.max_steps=3"
     squad = stage_command("squad", "p", tmp_path, [])
     assert f"trainer.init_from={tmp_path / 'p_phase2' / 'hf_model'}" in squad
