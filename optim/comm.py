@@ -13,7 +13,8 @@ the rest after the real collective. Collectives share one simulated link, so one
 before and after each collective (host syncs): a simulated run measures what a network costs, not peak speed.
 """
 
-# No `from __future__ import annotations`: DDP inspects the hook's annotations as real types.
+from __future__ import annotations
+
 import time
 from collections.abc import Sequence
 
@@ -79,7 +80,7 @@ class Comm:
         simulated network.
         """
         if not self.distributed:
-            return _completed(tensor) if async_op else None
+            return completed(tensor) if async_op else None
         if counted:
             self._count(tensor, "all_reduce")
         else:
@@ -135,7 +136,7 @@ class Comm:
             return flag
         return bool(self.any_on_device(torch.tensor(flag, device=self._control_device())).item())
 
-    def any_later(self, flag: bool) -> "PendingVote":
+    def any_later(self, flag: bool) -> PendingVote:
         """Start agreeing on whether `flag` is true on any rank; the returned vote's `result()` says.
 
         The vote travels over a host-side (gloo) group of the same ranks, so neither posting nor reading it
@@ -274,8 +275,8 @@ class _DelayedWork:
         return future.value()
 
 
-def _completed(tensor: torch.Tensor):
-    """A finished Work-like handle for the single-process case, so callers can `.wait()` uniformly."""
+def completed(tensor: torch.Tensor):
+    """A finished Work-like handle (one process, or a mirrored rank), so callers can `.wait()` uniformly."""
     future: torch.futures.Future = torch.futures.Future()
     future.set_result([tensor])
     return _DoneWork(future)
@@ -294,97 +295,7 @@ class _DoneWork:
         return self._future
 
 
-class MirrorComm(Comm):
-    """`world_size` ranks in one process that all hold this rank's tensors, for tests and benchmarks.
-
-    Every collective returns at once with what identical ranks would receive (a sum all-reduce multiplies by the
-    world size, so an average is the identity; an all-gather repeats the input), so an optimizer takes its whole
-    multi-rank code path deterministically, with nothing to wait for. Bytes are counted as a real rank's, and
-    each algorithm collective is also recorded in `calls` as (kind, bytes this rank put in).
-    """
-
-    def __init__(self, world_size: int = 1) -> None:
-        super().__init__(None)
-        self.world_size = world_size
-        self.calls: list[tuple[str, int]] = []
-
-    @property
-    def distributed(self) -> bool:
-        return True  # even one mirrored rank takes the multi-rank path
-
-    def _count(self, tensor: torch.Tensor, kind: str = "all_reduce") -> None:
-        super()._count(tensor, kind)
-        self.calls.append((kind, tensor.numel() * tensor.element_size()))
-
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
-                   counted: bool = True):
-        if counted:
-            self._count(tensor, "all_reduce")
-        if op == dist.ReduceOp.SUM and self.world_size > 1:
-            tensor.mul_(self.world_size)
-        return _completed(tensor) if async_op else None
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        if self.rank == src:
-            self._count(tensor, "broadcast")
-
-    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._count(tensor, "all_gather")
-        output.view(self.world_size, -1).copy_(tensor.reshape(1, -1).expand(self.world_size, -1))
-
-    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._count(tensor, "all_to_all")
-        output.copy_(tensor.reshape(output.shape))
-
-    def any(self, flag: bool) -> bool:
-        return flag
-
-    def any_later(self, flag: bool) -> "PendingVote":
-        return PendingVote(None, torch.tensor([int(flag)], dtype=torch.int32))
-
-    def any_on_device(self, flag: torch.Tensor) -> torch.Tensor:
-        return flag
-
-    def average_control(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def broadcast_object(self, obj: object, src: int = 0) -> object:
-        return obj
-
-    def all_gather_object(self, obj: object) -> list[object]:
-        return [obj] * self.world_size
-
-    def barrier(self) -> None:
-        pass
-
-
 WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class AllReduceHookState:
-    """What `counting_allreduce_hook` needs: the comm layer that counts, and the dtype gradients travel in."""
-
-    def __init__(self, comm: Comm, wire_dtype: str = "fp32") -> None:
-        self.comm, self.wire_dtype = comm, WIRE_DTYPES[wire_dtype]
-
-
-def counting_allreduce_hook(
-    state: AllReduceHookState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: the mean all-reduce of default DDP, in the state's wire dtype, with its bytes counted.
-
-    Register with `ddp_model.register_comm_hook(AllReduceHookState(comm, "fp16"), counting_allreduce_hook)`.
-    In fp32 it matches DDP with no hook bit for bit (divide by the world size, then sum). In fp16 or bf16 it
-    sends half the bytes, like NVIDIA's BERT (`allreduce_post_accumulation_fp16`): the division happens in fp32
-    before the cast, so small gradients do not underflow, and the sum is taken in the wire dtype.
-    """
-    comm = state.comm
-    buffer = bucket.buffer().div_(comm.world_size)
-    if state.wire_dtype == buffer.dtype:
-        return comm.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
-    payload = buffer.to(state.wire_dtype)
-    work = comm.all_reduce(payload, async_op=True)
-    return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0]))
 
 
 def average_tensors_(tensors: Sequence[torch.Tensor], comm: Comm, bucket_numel: int | None = None,

@@ -10,7 +10,8 @@ from distributed_harness import run_on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from optim.comm import AllReduceHookState, Comm, average_tensors_, counting_allreduce_hook
+from optim.comm import Comm, average_tensors_
+from train.allreduce_hook import AllReduceHookState, counting_allreduce_hook
 
 
 def test_single_process_is_identity_and_counts_nothing():

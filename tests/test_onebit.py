@@ -18,7 +18,8 @@ from torch import nn
 
 from benchmarks.optim.deepspeed_reference import compare_on_rank, deepspeed_available
 from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, get_optimizer_spec, param_groups_weight_decay
-from optim.comm import Comm, MirrorComm, average_tensors_
+from optim.comm import Comm, average_tensors_
+from optim.mirror_comm import MirrorComm
 from optim.zero_one_adam import zero_one_adam_step_kinds
 from train.metrics import read_metrics
 

@@ -17,8 +17,9 @@ from torch.utils._pytree import tree_flatten
 
 from optim import LAMB, LARS, SLAMB, OneBitLAMB, SlowMo
 from optim._math import FOREACH_CHUNK_NUMEL
-from optim.comm import Comm, MirrorComm
+from optim.comm import Comm
 from optim.compressed import compressed_allreduce_
+from optim.mirror_comm import MirrorComm
 
 
 class _NewStorageBytes(TorchDispatchMode):

@@ -12,7 +12,8 @@ from conftest import TINY, compose
 
 from core.errors import ConfigError
 from optim import _registry, get_optimizer_spec
-from optim.comm import Comm, MirrorComm
+from optim.comm import Comm
+from optim.mirror_comm import MirrorComm
 from train.plan import plan_run
 from train.run import run
 from train.trainer import Trainer

@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from optim import LAMB, SLAMB, build_optimizer, get_optimizer_spec, param_groups_weight_decay
-from optim.comm import Comm, MirrorComm
+from optim.comm import Comm
+from optim.mirror_comm import MirrorComm
 from optim.slamb import _layout, _masks
 from optim.slamb._masks import mask_uniforms
 from train.config import validate

@@ -15,7 +15,8 @@ from test_slamb import BETA3, MIN_NUMEL, N_STEPS, SHAPES, H, K, _grad, _initial_
 from torch import nn
 
 from optim import SLAMB
-from optim.comm import Comm, MirrorComm
+from optim.comm import Comm
+from optim.mirror_comm import MirrorComm
 from optim.slamb import reference
 
 CONF_OPTIM = REPO / "conf" / "optim"

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from optim.comm import AllReduceHookState, Comm, counting_allreduce_hook
+from optim.comm import Comm
+from train.allreduce_hook import AllReduceHookState, counting_allreduce_hook
 
 # State of the learner (model, optimizer, EMA): identical on every rank under DDP, per rank otherwise.
 LEARNER_KEYS = ("model", "optimizer", "ema")

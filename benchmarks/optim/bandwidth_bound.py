@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.common import SIZES, bert_parameters, bytes_touched, chosen_device, config_kwargs, device_label
 from optim import build_optimizer
-from optim.comm import MirrorComm
+from optim.mirror_comm import MirrorComm
 
 OPTIMIZERS = ["lamb", "slamb", "onebit_lamb", "zero_one_adam", "adamw"]
 COMPRESSED_FROM = {"onebit_lamb": {"freeze_step": 2}, "zero_one_adam": {"var_freeze_step": 2}}

@@ -27,8 +27,8 @@ import torch
 
 from benchmarks.common import SIZES, bert_parameters, chosen_device, config_kwargs, device_label, step_times
 from optim import build_optimizer
-from optim.comm import MirrorComm
 from optim.memory import state_bytes
+from optim.mirror_comm import MirrorComm
 
 VARIANTS = {  # label -> (registry name, overrides of its conf/optim YAML)
     "SLAMB (conf/optim/slamb.yaml)": ("slamb", {}),

@@ -40,7 +40,7 @@ from benchmarks.common import (
 from optim import build_optimizer, get_optimizer_spec
 from optim._math import FOREACH_CHUNK_NUMEL
 from optim.apex import APEX_OPTIMIZERS
-from optim.comm import MirrorComm
+from optim.mirror_comm import MirrorComm
 
 # Steps taken before the counted one: past the 1-bit warm-up (freeze at step 2) and past every first-step setup.
 COMPRESSED_FROM = {"onebit_lamb": {"freeze_step": 2}, "onebit_adam": {"freeze_step": 2},

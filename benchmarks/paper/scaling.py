@@ -55,7 +55,8 @@ from benchmarks.common import (
 from core.atomic import atomic_write_text
 from core.errors import UserError, user_errors_exit
 from optim import build_optimizer, get_optimizer_spec
-from optim.comm import WIRE_DTYPES, MirrorComm
+from optim.comm import WIRE_DTYPES
+from optim.mirror_comm import MirrorComm
 from optim.network import LINKS, NETWORKS, NVLINKS, Cluster, collective_seconds
 from train.run_dir import RunDir
 
