@@ -18,18 +18,16 @@ import torch
 from torch import Tensor
 
 from core.options import check_choice, check_non_negative, require
-from optim._math import closure_loss, mask_seed
+from optim._jointspar_bases import Sampled, lamb_, lars_, sgd_, uses_state
+from optim._math import closure_loss, grad_prenorm_divisor, mask_seed
 from optim._registry import OptimSpec, named_by, register_optimizer, run_check
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options
 from optim.comm import Comm, average_tensors_
+from optim.flat import FlatLayout, FlatState, pop_flat_entries
 from optim.memory import wrapper_bytes
 
 _GLOBAL = "jointspar"  # key of the optimizer-wide entry of `self.state`
 BASES = ("sgd", "lars", "lamb")
-# What 1/p multiplies, per base, in a sampled layer's param group. A factor on the gradient would cancel in a trust
-# ratio, so LARS scales its direction where it enters the momentum buffer (its paper's per-layer LR, Algorithm 1)
-# and LAMB its step; SGD scales its whole direction, the gradient (in `step`) and the L2 term.
-_RESCALED = {"sgd": "weight_decay", "lars": "direction_scale", "lamb": "lr"}
 GRANULARITIES = ("block", "tensor")
 UNSAMPLED_POLICIES = ("freeze", "decay")
 
@@ -155,8 +153,9 @@ class JointSpar(BaseWrapper):
        the buffer); LAMB, whose moments are normalised, takes its step with the layer's LR :math:`\gamma / p^d`.
        Either way the expected direction is the base's. (Scaling LARS's step after its momentum instead
        amplified rare large steps: on an MLP it diverged at an LR where LARS trains.)
-    4. The base steps the sampled layers. Unsampled ones, with ``unsampled="freeze"``, keep weights and state
-       (their gradient is None, which the bases skip); with ``"decay"`` their state sees a zero gradient (momenta
+    4. The base's update steps the sampled layers, all of them in the same multi-tensor ops with a per-tensor
+       1/p (`optim._jointspar_bases`: ops per step independent of the number of layers). Unsampled ones, with
+       ``unsampled="freeze"``, keep weights and state; with ``"decay"`` their state sees a zero gradient (momenta
        decay) while their weights do not move (LR and weight decay 0 for that step).
     5. `bandit_update` turns the sampled layers' norms into :math:`p_{t+1}` (floor ``p_min``, sum
        :math:`k`), learning :math:`p \propto \lVert g^d \rVert`, the least-variance choice; the norms are the
@@ -185,8 +184,17 @@ class JointSpar(BaseWrapper):
     :math:`D` layer norms, since the next layer set (and with it the autograd graph) depends on them.
 
     State (all in `state_dict()`, under ``"jointspar"``, as host numbers): the step, the seed, the
-    probabilities and the bandit's scale :math:`N`; under ``"base"``, the base optimizer's. No
-    hyper-parameter value is known from the paper; the defaults are this project's.
+    probabilities and the bandit's scale :math:`N`; under ``"base"``, the base's param groups (one per given group
+    and layer; LAMB's hold its step count) and its per-element state (SGD's and LARS's ``momentum_buffer``,
+    LAMB's ``exp_avg`` and ``exp_avg_sq``), views of one flat buffer per key (`optim.flat`, loaded in place). A
+    tensor's state appears at its first step, as the base makes it. No hyper-parameter value is known from the
+    paper; the defaults are this project's.
+
+    Rounding: with the SGD base the direction is formed as :math:`(g + \lambda x) \cdot (1/p)` and stepped in
+    torch's fused SGD kernel, a few units in the last place from ``torch.optim.SGD``; with LAMB, a tensor without
+    the trust ratio (no weight decay) takes its layer's LR after the fused Adam direction instead of inside it, a
+    unit in the last place per step from LAMB's own step. The trust-ratio tensors of LAMB and every LARS tensor
+    step bit for bit as their base does.
     """
 
     def __init__(
@@ -208,7 +216,7 @@ class JointSpar(BaseWrapper):
                        sample_ratio=sample_ratio, p_min=p_min, eta_p=eta_p, granularity=granularity,
                        unsampled=unsampled, seed=seed)
         run_check("JointSpar", check_jointspar_options, options)
-        self.layers, base_groups, self._group_layer = _layers_and_groups(params, granularity)
+        self.layers, base_groups, group_layer, group_given = _layers_and_groups(params, granularity)
         self.budget = max(1, round(sample_ratio * len(self.layers)))
         with named_by("JointSpar"):  # the model's layers: no config check sees them, so this always runs
             _check_budget(dict(p_min=p_min, layers=len(self.layers), budget=self.budget))
@@ -221,6 +229,12 @@ class JointSpar(BaseWrapper):
             "probabilities": [self.budget / len(self.layers)] * len(self.layers),  # host floats: no device state
         }
         self._sampled: Tensor | None = None  # this step's layer set, from `begin_step` to the end of `step`
+        # Every parameter in the base's order (its param groups', the state_dict's): (layer, given group).
+        self._params = [p for group in self.param_groups for p in group["params"]]
+        self._places = [(layer, given) for group, layer, given in zip(self.param_groups, group_layer, group_given,
+                                                                      strict=True) for _ in group["params"]]
+        self._group_given = group_given
+        self.flat = _flat_state(self._params, self.param_groups, uses_state(base, self.base.defaults))
 
     @property
     def probabilities(self) -> Tensor:
@@ -256,47 +270,41 @@ class JointSpar(BaseWrapper):
                              f"{len(self.layers)} layers; not a JointSpar state_dict of this model")
         self._sampled = None
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `state_dict()`, the base's per-element state straight into the flat buffers (torch's loader would
+        first copy it to the parameters' device)."""
+        base, flat = pop_flat_entries(state_dict["base"], self.flat.buffers)
+        super().load_state_dict({**state_dict, "base": base})
+        for key, saved in flat.items():
+            self.flat.load_(key, saved)
+            for p, view, value in zip(self._params, self.flat.views(key), saved, strict=True):
+                if value is not None:  # state the base made (at the tensor's first step), as saved
+                    self.base.state[p][key] = view
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Average the sampled layers' gradients, rescale, step the base, and learn the next probabilities."""
+        """Average the sampled layers' gradients, step the base with each layer's 1/p, learn the next
+        probabilities."""
         loss = closure_loss(closure)
         sampled = self.sampled_layers()
         glob = self.state[_GLOBAL]
         probabilities = self.probabilities
-        on = [i for i, s in enumerate(sampled) if s]
-        off = [i for i, s in enumerate(sampled) if not s]
-        if any(p.grad is not None for i in off for p in self.layers[i].params):
+        if any(p.grad is not None for layer, on in zip(self.layers, sampled, strict=True) if not on
+               for p in layer.params):
             raise RuntimeError("JointSpar: unsampled layers have gradients; call begin_step() after zero_grad() "
                                "and before the forward pass")
+        on = [i for i, s in enumerate(sampled) if s]
         owner = [i for i in on for _ in self.layers[i].params]  # the layer of each sampled parameter
         params = [p for i in on for p in self.layers[i].params]
-        for p in params:
-            if p.grad is None:  # not used by this loss: a zero, so that every rank sends the same layout
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        average_tensors_(grads, self.comm)  # one fp32 all-reduce of the sampled gradients
-        norms = self._layer_norms(owner, grads)  # the step's one host read
-
-        inverse = (1.0 / probabilities).tolist()
-        if self.base_name == "sgd":  # its direction is (g + lambda x) / p: the gradient here, lambda in the group
-            torch._foreach_mul_(grads, [inverse[i] for i in owner])
-        if self.unsampled == "decay":
-            for i in off:
-                for p in self.layers[i].params:
-                    p.grad = torch.zeros_like(p)
-        saved = [(group["lr"], group["weight_decay"]) for group in self.param_groups]  # what the loop may change
-        for group, index in zip(self.param_groups, self._group_layer, strict=True):
-            if sampled[index]:
-                key = _RESCALED[self.base_name]
-                group[key] = group.get(key, 1.0) * inverse[index]
-            elif self.unsampled == "decay":
-                group["lr"] = group["weight_decay"] = 0.0
-        try:
-            self.base.step()
-        finally:
-            for group, (lr, weight_decay) in zip(self.param_groups, saved, strict=True):
-                group["lr"], group["weight_decay"] = lr, weight_decay
-                group.pop("direction_scale", None)
+        unused = [p for p in params if p.grad is None]
+        for p, zero in zip(unused, _zeros_like_each(unused), strict=True):
+            p.grad = zero  # not used by this loss: a zero, so that every rank sends the same layout
+        grads = _averaged([p.grad for p in params], self.comm)
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+        grad_norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
+        norms = self._layer_norms(owner, grad_norms)  # the step's one host read
+        self._step_base((1.0 / probabilities).tolist(), dict(zip(map(id, params), grad_norms, strict=True)))
 
         glob["gain_scale"] = max(glob["gain_scale"], cost_estimate(probabilities, self._sampled, norms))
         glob["probabilities"] = bandit_update(probabilities, self._sampled, norms, glob["gain_scale"],
@@ -306,13 +314,63 @@ class JointSpar(BaseWrapper):
         self._all_layers_on()
         return loss
 
-    def _layer_norms(self, owner: list[int], grads: list[Tensor]) -> Tensor:
-        """Every layer's gradient L2 norm (0 for unsampled ones) as float64 on the host; `owner[j]` is the layer
-        of `grads[j]`."""
+    def _step_base(self, inverse: list[float], grad_norms: dict[int, Tensor]) -> None:
+        """The base's step over the sampled layers, each tensor with its layer's 1/p, one set of multi-tensor ops
+        per given param group (`optim._jointspar_bases`); with ``unsampled="decay"`` the others' state sees zero
+        gradients. `grad_norms` (by parameter id) are the sampled gradients' norms, LAMB's global norm's too."""
+        sampled = self._sampled.tolist()
+        decaying = [p for p, (layer, _) in zip(self._params, self._places, strict=True)
+                    if not sampled[layer]] if self.unsampled == "decay" and self.flat.buffers else []
+        zeros = dict(zip(map(id, decaying), _zeros_like_each(decaying), strict=True))
+        grad_divisor = None
+        if self.base_name == "lamb":
+            for group in self.param_groups:
+                group["step"] = group.get("step", 0) + 1  # LAMB's: once per call, for every group
+            max_grad_norm = self.base.defaults["max_grad_norm"]
+            if max_grad_norm is not None and grad_norms:  # NVLAMB's norm over the gradients the base sees, in its order
+                zero = torch.zeros((), device=self.flat.device)
+                listed = [grad_norms.get(id(p), zero) for p in self._params if id(p) in grad_norms or id(p) in zeros]
+                grad_divisor = grad_prenorm_divisor(torch.linalg.vector_norm(torch.stack(listed)), max_grad_norm)
+        first_group: dict[int, dict[str, Any]] = {}  # given group -> its first base group: its layers' options
+        for group, given in zip(self.param_groups, self._group_given, strict=True):
+            first_group.setdefault(given, group)
+        for given, group in first_group.items():
+            for decay_step, scales in ((False, inverse), (True, None)):
+                batch = self._batch(given, scales, zeros if decay_step else None)
+                if not batch.params:
+                    continue
+                for chunk in batch.chunks():
+                    if self.base_name == "lamb":
+                        lamb_(chunk, group, None if decay_step else grad_divisor, decay_step)
+                    else:
+                        (sgd_ if self.base_name == "sgd" else lars_)(chunk, group, decay_step)
+
+    def _batch(self, given: int, inverse: list[float] | None, zeros: dict[int, Tensor] | None) -> Sampled:
+        """Given group `given`'s tensors the step moves, in the base's order, their state made where new: the
+        sampled ones with their gradients and 1/p (`inverse`), or the decaying ones with their `zeros`."""
+        sampled = self._sampled.tolist()
+        keys = list(self.flat.buffers)
+        batch = Sampled([], [], {key: [] for key in keys}, [], [])
+        for index, (p, (layer, group)) in enumerate(zip(self._params, self._places, strict=True)):
+            moves = sampled[layer] if zeros is None else id(p) in zeros
+            if group != given or not moves:
+                continue
+            state = self.base.state[p]
+            batch.fresh.append(bool(keys) and keys[0] not in state)
+            for key in keys:
+                batch.state[key].append(state.setdefault(key, self.flat.views(key)[index]))
+            batch.params.append(p)
+            batch.grads.append(p.grad if zeros is None else zeros[id(p)])
+            batch.scales.append(inverse[layer] if inverse is not None else 0.0)
+        return batch
+
+    def _layer_norms(self, owner: list[int], grad_norms: list[Tensor]) -> Tensor:
+        """Every layer's gradient L2 norm (0 for unsampled ones) as float64 on the host, from its tensors' norms;
+        `owner[j]` is the layer of `grad_norms[j]`."""
         norms = torch.zeros(len(self.layers), dtype=torch.float64)
-        if not grads:
+        if not grad_norms:
             return norms
-        squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().square().cpu()
+        squares = torch.stack(grad_norms).double().square().cpu()
         return norms.index_add_(0, torch.tensor(owner), squares).sqrt_()
 
     def _all_layers_on(self) -> None:
@@ -321,8 +379,41 @@ class JointSpar(BaseWrapper):
                 p.requires_grad_(True)
 
 
-def _layers_and_groups(params: Any, granularity: str) -> tuple[list[Layer], list[dict[str, Any]], list[int]]:
-    """The model's layers, and the base's param groups: each given group split by layer, with each split's layer.
+def _flat_state(params: list[Tensor], groups: list[dict[str, Any]], keys: tuple[str, ...]) -> FlatState:
+    """The base's per-element state as flat buffers (`optim.flat`), one per key, in the base's parameter order;
+    a tensor's views join the base's `state` at its first step, where the base would make its state."""
+    if len({(p.device, p.dtype) for p in params}) > 1:
+        raise ValueError("JointSpar keeps its base's state in flat buffers: all parameters must share one device "
+                         "and dtype")
+    slot_groups = [index for index, group in enumerate(groups) for _ in group["params"]]
+    flat = FlatState(FlatLayout.packed([p.shape for p in params], slot_groups), params[0].device, params[0].dtype)
+    for key in keys:
+        flat.add(key)
+    return flat
+
+
+def _averaged(grads: list[Tensor], comm: Comm) -> list[Tensor]:
+    """`grads` averaged over the ranks in one fp32 all-reduce (`average_tensors_`), as views of the one vector it
+    averages: they stay there, not copied back."""
+    if not comm.distributed or not grads:
+        return grads
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    average_tensors_([flat], comm)
+    return [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
+
+
+def _zeros_like_each(tensors: list[Tensor]) -> list[Tensor]:
+    """A zero tensor like each of `tensors` (one device and dtype), views of one buffer: one op, not one each."""
+    if not tensors:
+        return []
+    buffer = torch.zeros(sum(t.numel() for t in tensors), device=tensors[0].device, dtype=tensors[0].dtype)
+    return [piece.view_as(t) for piece, t in zip(buffer.split([t.numel() for t in tensors]), tensors, strict=True)]
+
+
+def _layers_and_groups(params: Any, granularity: str
+                       ) -> tuple[list[Layer], list[dict[str, Any]], list[int], list[int]]:
+    """The model's layers, and the base's param groups: each given group split by layer, with each split's layer and
+    given group.
 
     One param group per (given group, layer) lets the step set a per-layer LR (the 1/p of LARS and LAMB) in
     the way every torch optimizer honours, while weight decay stays the given group's.
@@ -353,15 +444,16 @@ def _layers_and_groups(params: Any, granularity: str) -> tuple[list[Layer], list
     layers = [Layer(name, tuple(ps)) for name, ps in members.items()]
     index = {name: i for i, name in enumerate(members)}
 
-    base_groups, group_layer = [], []
-    for options, pairs in named_groups:
+    base_groups, group_layer, group_given = [], [], []
+    for given, (options, pairs) in enumerate(named_groups):
         by_layer: dict[int, list[Tensor]] = {}
         for name, p in pairs:
             by_layer.setdefault(index[layer_name(name, granularity)], []).append(p)
         for layer_index, ps in by_layer.items():
             base_groups.append({**options, "params": ps})
             group_layer.append(layer_index)
-    return layers, base_groups, group_layer
+            group_given.append(given)
+    return layers, base_groups, group_layer, group_given
 
 
 def _check_budget(options: dict[str, Any]) -> None:

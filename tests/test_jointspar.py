@@ -17,6 +17,7 @@ from distributed_harness import run_on_ranks
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.common import StepTraffic
 from core.errors import ConfigError
 from optim import LAMB, LARS, JointSpar, check_optimizer_config
 from optim._math import mask_seed
@@ -128,6 +129,9 @@ def test_bandit_leaves_uniform_probabilities_alone_at_eta_zero_and_learns_norm_p
 @pytest.mark.parametrize(("base", "base_options", "reference"), [
     ("sgd", {"momentum": 0.9, "nesterov": True}, lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9,
                                                                                  nesterov=True)),
+    # A tensor's first momentum buffer is its direction, undamped, as SGD makes it.
+    ("sgd", {"momentum": 0.9, "dampening": 0.5}, lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9,
+                                                                                 dampening=0.5)),
     ("lars", {"trust_coefficient": 0.02}, lambda groups: LARS(groups, lr=0.1, trust_coefficient=0.02)),
     ("lamb", {"max_grad_norm": 1.0}, lambda groups: LAMB(groups, lr=0.1, max_grad_norm=1.0)),
 ])
@@ -297,11 +301,12 @@ def test_a_step_without_begin_step_or_with_stray_gradients_is_refused():
         optimizer.step()
 
 
-def test_resume_from_a_state_dict_is_exact():
+@pytest.mark.parametrize(("base", "base_options"), [("lamb", {}), ("lars", {}), ("sgd", {"momentum": 0.9})])
+def test_resume_from_a_state_dict_is_exact(base, base_options):
     model = _mlp()
-    optimizer = _jointspar(model, base="lamb", base_options={}, lr=0.01)
+    optimizer = _jointspar(model, base=base, base_options=base_options, lr=0.01)
     reference = copy.deepcopy(model)
-    reference_optimizer = _jointspar(reference, base="lamb", base_options={}, lr=0.01)
+    reference_optimizer = _jointspar(reference, base=base, base_options=base_options, lr=0.01)
     for step in range(4):
         _train_step(model, optimizer, 0, step)
         _train_step(reference, reference_optimizer, 0, step)
@@ -309,7 +314,7 @@ def test_resume_from_a_state_dict_is_exact():
     assert saved_optimizer["state"]["jointspar"]["step"] == 4
     resumed = _mlp(seed=1)
     resumed.load_state_dict(saved_model)
-    resumed_optimizer = _jointspar(resumed, base="lamb", base_options={}, lr=0.01)
+    resumed_optimizer = _jointspar(resumed, base=base, base_options=base_options, lr=0.01)
     resumed_optimizer.load_state_dict(saved_optimizer)
     assert resumed_optimizer.probabilities.tolist() == reference_optimizer.probabilities.tolist() != [0.4] * 7
     for step in range(4, 8):
@@ -318,6 +323,58 @@ def test_resume_from_a_state_dict_is_exact():
         assert resumed_optimizer.state["jointspar"] == reference_optimizer.state["jointspar"]
     for a, b in zip(resumed.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("base", "keys"), [("lamb", ("exp_avg", "exp_avg_sq")), ("lars", ("momentum_buffer",))])
+def test_the_bases_state_is_views_of_flat_buffers_loaded_in_place(base, keys):
+    """Every state tensor is a view of its key's one flat buffer, made at the tensor's first step as the base would
+    make it; loading a state_dict (here from copies) writes the saved values into those buffers, no new tensors."""
+    model = _mlp()
+    optimizer = _jointspar(model, base=base, base_options={}, lr=0.01)
+    for step in range(3):
+        _train_step(model, optimizer, 0, step)
+    state = optimizer.base.state
+    for key in keys:
+        buffer = optimizer.flat[key]
+        assert buffer.numel() == sum(p.numel() for p in model.parameters())
+        views = [state[p][key] for p in model.parameters() if key in state.get(p, {})]
+        assert views and all(v.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for v in views)
+    saved = copy.deepcopy(optimizer.state_dict())
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # the state_dict's order
+    stepped = [p in state for p in params]
+    for buffer in optimizer.flat.buffers.values():
+        buffer.fill_(7.0)
+    addresses = {key: optimizer.flat[key].data_ptr() for key in keys}
+    optimizer.load_state_dict(saved)
+    assert [p in optimizer.base.state for p in params] == stepped
+    for key in keys:
+        assert optimizer.flat[key].data_ptr() == addresses[key]
+        for index, (p, view) in enumerate(zip(params, optimizer.flat.views(key), strict=True)):
+            if stepped[index]:
+                assert optimizer.base.state[p][key] is view
+                assert torch.equal(view, saved["base"]["state"][index][key])
+            else:
+                assert not view.any()  # never stepped: zeros, as a fresh buffer
+
+
+@pytest.mark.parametrize(("base", "base_options"), [("sgd", {"momentum": 0.9}), ("lars", {}), ("lamb", {})])
+@pytest.mark.parametrize("unsampled", ["freeze", "decay"])
+def test_the_ops_per_step_do_not_grow_with_the_layers(base, base_options, unsampled):
+    """The base steps every sampled layer in the same multi-tensor ops, each tensor with its layer's 1/p."""
+    def ops(depth: int) -> int:
+        model = _mlp(depth=depth)
+        optimizer = _jointspar(model, base=base, base_options=base_options, unsampled=unsampled)
+        for step in range(3):
+            _train_step(model, optimizer, 0, step)
+        optimizer.zero_grad()
+        optimizer.begin_step()
+        x, y = _batch(0, 3)
+        F.cross_entropy(model(x), y).backward()
+        with StepTraffic() as traffic:
+            optimizer.step()
+        return traffic.ops
+
+    assert ops(4) == ops(9)
 
 
 # ------------------------------------------------------------------------------------------ several ranks

@@ -1,0 +1,145 @@
+"""JointSpar's base optimizers (SGD, LARS, LAMB) stepped over every sampled layer at once, each tensor with its
+layer's 1/p: a fixed number of multi-tensor ops per param group and chunk, however many layers are sampled.
+
+A base steps its own param groups one by one, with one LR (LAMB) or direction scale (SGD, LARS) per group; JointSpar
+gives every layer its own 1/p, so with the base's step its ops grew with the layers. Here the per-layer factor is a
+per-tensor scalar of one foreach op instead, over the views of the engine's flat state (`optim.flat`). The math is
+the base's (`torch.optim.SGD`, `optim.lars.LARS`, `optim.lamb.LAMB`; see `optim.jointspar.JointSpar` for where 1/p
+enters each); `Sampled` is what one param group hands in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from optim._math import foreach_chunks, fused_add_adam_direction_, trust_ratio
+
+# Per-element state of each base, flat buffers named as the base names its state.
+STATE_KEYS = {"sgd": ("momentum_buffer",), "lars": ("momentum_buffer",), "lamb": ("exp_avg", "exp_avg_sq")}
+
+
+@dataclass
+class Sampled:
+    """The tensors of one param group that a step moves, in the base's order, with their per-tensor scalars.
+
+    `state[key][i]` is tensor i's view of flat buffer `key`; `scales[i]` its layer's 1/p (0 with `decaying`: an
+    unsampled layer whose state sees a zero gradient while its weights stay); `fresh[i]`: its state is new this step.
+    """
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    state: dict[str, list[Tensor]]
+    scales: list[float]
+    fresh: list[bool]
+
+    def chunks(self) -> list[Sampled]:
+        """The same, in runs of the device's `FOREACH_CHUNK_NUMEL` elements: temporaries stay one chunk's."""
+        return [Sampled(self.params[c], self.grads[c], {k: v[c] for k, v in self.state.items()}, self.scales[c],
+                        self.fresh[c]) for c in foreach_chunks(self.params)]
+
+
+def uses_state(base: str, options: Mapping[str, Any]) -> tuple[str, ...]:
+    """The flat buffers base `base` keeps under its options (SGD and LARS: none without momentum)."""
+    return STATE_KEYS[base] if base == "lamb" or options["momentum"] != 0 else ()
+
+
+def sgd_(batch: Sampled, group: Mapping[str, Any], decaying: bool = False) -> None:
+    """`torch.optim.SGD` with the direction `(g + lambda x) / p`: written into the gradients, then momentum and step
+    in torch's fused SGD kernel (a tensor's first buffer is its direction, as `SGD` makes it)."""
+    if not decaying:
+        if group["weight_decay"] != 0:
+            torch._foreach_add_(batch.grads, batch.params, alpha=group["weight_decay"])
+        torch._foreach_mul_(batch.grads, batch.scales)
+    _momentum_step_(batch, batch.grads, group, 0.0 if decaying else group["lr"], group["dampening"],
+                    group["maximize"])
+
+
+def lars_(batch: Sampled, group: Mapping[str, Any], decaying: bool = False) -> None:
+    """`optim.lars.lars` with each tensor's direction times its 1/p before the momentum: the trust ratios, or the
+    gradients of the tensors that take none (`exclude_1d`), carry the factor."""
+    if decaying:
+        _momentum_step_(batch, batch.grads, group, 0.0, 0.0, False)
+        return
+    # The fused kernel pairs elements by their place in memory: a gradient laid out otherwise is copied first.
+    grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+             for p, g in zip(batch.params, batch.grads, strict=True)]
+    adapted = [i for i, p in enumerate(batch.params) if p.dim() > 1 or not group["exclude_1d"]]
+    plain = [i for i in range(len(grads)) if i not in set(adapted)]
+    directions = list(grads)
+    if plain:
+        for i, direction in zip(plain, torch._foreach_mul(_pick(grads, plain), _pick(batch.scales, plain)),
+                                strict=True):
+            directions[i] = direction
+    if adapted:
+        for i, direction in zip(adapted, _trust_ratio_directions(_pick(batch.params, adapted), _pick(grads, adapted),
+                                                                 _pick(batch.scales, adapted), group), strict=True):
+            directions[i] = direction
+    _momentum_step_(batch, directions, group, group["lr"], 0.0, False)
+
+
+def _pick(items: list, indices: list[int]) -> list:
+    return [items[i] for i in indices]
+
+
+def _trust_ratio_directions(params: list[Tensor], grads: list[Tensor], scales: list[float],
+                            group: Mapping[str, Any]) -> list[Tensor]:
+    """`scale * r * (g + lambda w)` per tensor, new tensors, the ratios kept on the device (`optim.lars`)."""
+    weight_decay = group["weight_decay"]
+    weight_norms = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
+    grad_norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    ratios = group["trust_coefficient"] * weight_norms / (grad_norms + weight_decay * weight_norms + group["eps"])
+    ratios = torch.where((weight_norms > 0) & (grad_norms > 0), ratios, torch.ones_like(ratios))
+    ratios = torch._foreach_mul(list(ratios.unbind()), scales)
+    if weight_decay == 0:
+        return torch._foreach_mul(grads, ratios)
+    directions = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_mul_(directions, ratios)
+    return directions
+
+
+def _momentum_step_(batch: Sampled, directions: list[Tensor], group: Mapping[str, Any], lr: float,
+                    dampening: float, maximize: bool) -> None:
+    """`b = mu b + (1 - dampening) d; w -= lr (d + mu b if nesterov, else b)` in torch's fused SGD kernel; a fresh
+    buffer starts at `d` (with dampening 0, zeros give the same: mu 0 + d)."""
+    buffers = batch.state.get("momentum_buffer", [])
+    options = dict(weight_decay=0.0, momentum=group["momentum"], lr=lr, dampening=dampening,
+                   nesterov=group["nesterov"], maximize=maximize)
+    if not buffers or dampening == 0 or not any(batch.fresh):
+        torch._fused_sgd_(batch.params, directions, buffers, **options, is_first_step=False)
+        return
+    for first in (True, False):  # SGD's first buffer is d itself: dampening applies from the second step on
+        picked = [i for i, fresh in enumerate(batch.fresh) if fresh == first]
+        if picked:
+            torch._fused_sgd_(_pick(batch.params, picked), _pick(directions, picked), _pick(buffers, picked),
+                              **options, is_first_step=first)
+
+
+def lamb_(batch: Sampled, group: Mapping[str, Any], grad_divisor: Tensor | None, decaying: bool = False) -> None:
+    """`optim.lamb.LAMB`'s multi-tensor step with each tensor's LR `lr / p`: the trust ratios, or the Adam
+    directions of the tensors that take none, carry it. `decaying`: the moments see the zero gradients, the weights
+    stay (LR 0)."""
+    beta1, beta2 = group["betas"]
+    adam = dict(step=group["step"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                bias_correction=group["bias_correction"])
+    grads = batch.grads if grad_divisor is None else torch._foreach_div(batch.grads, grad_divisor)
+    if decaying:
+        fused_add_adam_direction_(batch.params, grads, batch.state["exp_avg"], batch.state["exp_avg_sq"], scale=-0.0,
+                                  **adam)
+        return
+    weight_decay = group["weight_decay"]
+    steps = [-group["lr"] * scale for scale in batch.scales]
+    updates = torch._foreach_mul(batch.params, weight_decay)  # u = wd * w + direction
+    fused_add_adam_direction_(updates, grads, batch.state["exp_avg"], batch.state["exp_avg_sq"], scale=1.0, **adam)
+    del grads
+    if weight_decay != 0 or group["always_adapt"]:
+        ratios = trust_ratio(torch.stack(torch._foreach_norm(batch.params)), torch.stack(torch._foreach_norm(updates)),
+                             1.0 if group["trust_clip"] else None)
+        torch._foreach_addcmul_(batch.params, updates, torch._foreach_mul(list(ratios.unbind()), steps))
+    else:  # a plain Adam step, at the layer's LR
+        torch._foreach_mul_(updates, steps)
+        torch._foreach_add_(batch.params, updates)
