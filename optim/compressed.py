@@ -143,9 +143,10 @@ def _put_scale(rows: Tensor, scale: Tensor) -> None:
 
 
 def _split_scale(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """(packed signs, float32 scales of shape (rows, 1)) from rows built by `_put_scale`."""
+    """(packed signs, float32 scales of shape (rows, 1)) from rows built by `_put_scale`; the signs are a view (each
+    row contiguous: the decoders read them in place)."""
     scales = rows[:, -_SCALE_BYTES:].contiguous().view(torch.float32)
-    return rows[:, :-_SCALE_BYTES].contiguous(), scales
+    return rows[:, :-_SCALE_BYTES], scales
 
 
 def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm, *,

@@ -27,7 +27,8 @@ from train.checkpoint import Checkpointer, read_meta, release_mapped, reseed_rng
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
 from train.metrics import MetricLogger, RunClock, RunTotals, format_bytes, read_metrics
-from train.model_io import build_model, export_pretrained
+from train.model_export import export_pretrained
+from train.model_init import build_model
 from train.plan import RunPlan
 from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
 from train.replicas import averaged_copy
