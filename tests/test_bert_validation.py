@@ -14,7 +14,7 @@ from distributed_harness import run_on_ranks
 from data import DataRequest, build_data
 from optim.comm import Comm
 from train.config import validate
-from train.model_io import build_model
+from train.model_init import build_model
 from train.run_dir import RunDir
 from train.tasks import EvalShard
 from train.tasks._registry import evaluate_model, get_task

@@ -16,7 +16,8 @@ from transformers import AutoModelForPreTraining, AutoTokenizer, BertForPreTrain
 from data.images.kinds import image_preprocessing as image_data_config
 from data.text.tokenizer import DEFAULT_VOCAB_PATH, load_tokenizer
 from models import create_model
-from train.model_io import export_pretrained, load_weights
+from train.model_export import export_pretrained
+from train.model_init import load_weights
 
 BERT_SHAPE = dict(size="tiny", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
 TINY_SWIN = dict(arch="swin_tiny_patch4_window7_224", num_classes=10, img_size=32, patch_size=2, embed_dim=32,
@@ -127,7 +128,7 @@ def test_a_failed_re_export_leaves_the_earlier_export_whole(tmp_path, tokenizer,
     def killed(*args, **kwargs):  # the process dies once the weights of the new export are written
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("train.model_io.save_tokenizer", killed)
+    monkeypatch.setattr("train.model_export.save_tokenizer", killed)
     with pytest.raises(KeyboardInterrupt):
         export_pretrained(create_model("bert_pretraining", **BERT_SHAPE), tokenizer, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

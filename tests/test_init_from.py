@@ -22,7 +22,7 @@ from core.errors import ConfigError
 from models import create_model, export_names, export_timm_model, pretrained_state, quiet_transformers
 from optim.comm import Comm
 from train.checkpoint import Checkpointer
-from train.model_io import check_init_from
+from train.model_init import check_init_from
 
 BERT = dict(size="tiny", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)  # as TINY
 SWIN = dict(arch="swin_tiny_patch4_window7_224", num_classes=10, img_size=32, patch_size=4, embed_dim=32,

@@ -13,7 +13,7 @@ from optim._math import mask_seed
 from optim.jointspar import systematic_sample
 from train.config import validate
 from train.metrics import read_metrics
-from train.model_io import build_model
+from train.model_init import build_model
 
 
 def test_compile_is_a_config_error():

@@ -13,7 +13,7 @@ from distributed_harness import run_on_ranks
 from optim.comm import Comm
 from train.config import validate
 from train.metrics import read_metrics
-from train.model_io import build_model
+from train.model_init import build_model
 from train.plan import plan_run
 from train.run_dir import RunDir
 

@@ -690,7 +690,7 @@ def test_two_rank_run_killed_and_resumed_repeats_the_loss_series_and_bytes_match
 
     # The bytes the trainer logged are |S_t| fp32 momenta, plus every fp32 parameter after steps 1, 5, 9.
     cfg = compose(SLAMB_RUN)
-    from train.model_io import build_model
+    from train.model_init import build_model
 
     model = build_model(cfg.model.name, validate(cfg).model_options, None, None)
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.optim).items() if k != "name"}

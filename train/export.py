@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from core.errors import UserError, user_errors_exit
-from train.model_io import EXPORT_MARKER, export_pretrained, is_export
+from train.model_export import EXPORT_MARKER, export_pretrained, is_export
 from train.restore import find_weights, rebuild, weights_config
 
 

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.errors import ConfigError
 from data import DataRequest
 from train.config import BatchGeometry, validate
-from train.model_io import check_init_from, optimizer_checkpoint
+from train.model_init import check_init_from, optimizer_checkpoint
 
 
 @dataclass(frozen=True)

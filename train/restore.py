@@ -16,7 +16,7 @@ from data import DataRequest, TaskData, build_data
 from train.checkpoint import SHARED_FILE, best_checkpoint, complete_checkpoints
 from train.config import register_configs, validate
 from train.distributed import pick_device
-from train.model_io import build_model
+from train.model_init import build_model
 from train.run_dir import RunDir
 
 EXPORT_CONFIG = "config.json"  # what save_pretrained and timm's save_for_hf both write
