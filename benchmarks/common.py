@@ -72,6 +72,29 @@ def bert_parameters(size: str, device: torch.device) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------ optimizers
+def predictions_per_row(seq: int) -> int:
+    """The phase recipes' max_predictions: 20 at seq 128, 80 at seq 512."""
+    return 20 if seq <= 128 else 80
+
+
+def bert_pretraining_batch(seq: int, micro_batch: int, padding: float = 0.0) -> dict[str, torch.Tensor]:
+    """A synthetic BERT pretraining micro-batch (on the CPU) of rows of `seq` positions whose last `padding`
+    fraction is padding, with the phase recipes' number of masked positions."""
+    predictions = predictions_per_row(seq)
+    real = seq - round(padding * seq)  # [CLS] A [SEP] B [SEP], then padding
+    g = torch.Generator().manual_seed(0)
+    positions = torch.sort(torch.rand(micro_batch, real, generator=g).argsort(-1)[:, :predictions], -1).values
+    in_row = torch.arange(seq) < real
+    return {
+        "input_ids": torch.randint(0, 30522, (micro_batch, seq), generator=g) * in_row,  # pad id 0
+        "token_type_ids": ((torch.arange(seq) >= real // 2) & in_row).long().expand(micro_batch, seq).contiguous(),
+        "attention_mask": in_row.long().expand(micro_batch, seq).contiguous(),
+        "masked_lm_positions": positions,
+        "masked_lm_labels": torch.randint(0, 30522, (micro_batch, predictions), generator=g),
+        "next_sentence_label": torch.randint(0, 2, (micro_batch,), generator=g),
+    }
+
+
 def config_kwargs(name: str, **overrides) -> dict:
     """The settings of conf/optim/<name>.yaml (what `optim=<name>` runs) as `build_optimizer` kwargs, overridden."""
     cfg = yaml.safe_load((CONF_OPTIM / f"{name}.yaml").read_text())

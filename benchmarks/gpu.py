@@ -1,5 +1,6 @@
-"""Everything a GPU is needed for, in one command: the GPU tests, the demo on CUDA, BERT-Large and Swin-B training
-throughput, and the optimizer steps against their bandwidth bound, written to one dated Markdown page.
+"""Everything a GPU is needed for, in one command: the GPU tests, the demo on CUDA, BERT-Large (autocast and O2, with
+and without torch.compile) and Swin-B training throughput, and the optimizer steps against their bandwidth bound,
+written to one dated Markdown page.
 
     python -m benchmarks.gpu                          # one GPU, about 7 minutes; the page goes to docs/results/
     python -m benchmarks.gpu --out /tmp/gpu-run --only phase1 phase2
@@ -36,6 +37,7 @@ PHASE1 = (*THROUGHPUT, "--task", "bert", "--seq", "128", "--precision", "bf16", 
           "--accumulation", "4", *TIMED)
 PHASE2 = (*THROUGHPUT, "--task", "bert", "--seq", "512", "--precision", "bf16", "--micro-batch", "32",
           "--accumulation", "8", *TIMED)
+O2 = ("--precision", "bf16_o2")  # after PHASE1 / PHASE2's --precision bf16: argparse keeps the last
 TINY_BERT = ("--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch", "2")
 TINY_DEMO = ("trainer.device=cpu", "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
              "model.num_hidden_layers=1", "data.dupe_factor=1", "data.heldout_sequences=8", "data.eval_batch_size=8",
@@ -64,6 +66,11 @@ PARTS = [  # in order of what matters most when the budget runs short
          (*THROUGHPUT, *TINY_BERT), THROUGHPUT_FIGURES),
     Part("phase2", "BERT-Large phase 2 (seq 512), bf16 autocast, LAMB", PHASE2, 120,
          (*THROUGHPUT, "--seq", "512", *TINY_BERT), THROUGHPUT_FIGURES),
+    # O2 beside autocast: these four parts decide the recipes' precision and compile defaults.
+    Part("phase1_o2", "BERT-Large phase 1, O2 (bf16 weights and activations, fp32 masters), LAMB", (*PHASE1, *O2),
+         120, (*THROUGHPUT, *O2, *TINY_BERT), THROUGHPUT_FIGURES),
+    Part("phase2_o2", "BERT-Large phase 2, O2 (bf16 weights and activations, fp32 masters), LAMB", (*PHASE2, *O2),
+         120, (*THROUGHPUT, "--seq", "512", *O2, *TINY_BERT), THROUGHPUT_FIGURES),
     Part("demo", "the demo (`python -m train`) on CUDA", ("python", "-m", "train", "trainer.device=cuda",
                                                           "hydra.run.dir={tmp}/demo"), 120,
          ("python", "-m", "train", "hydra.run.dir={tmp}/demo", *TINY_DEMO), r"eval/loss [\d.]+|[\d.]+ samples/s"),
@@ -81,8 +88,12 @@ PARTS = [  # in order of what matters most when the budget runs short
     Part("step_cost", "optimizer steps counted: ops and bytes against one fused pass, BERT-Large, 2 ranks",
          ("python", "-m", "benchmarks.optim.step_cost", "--size", "large", "--ranks", "2"), 90,
          ("python", "-m", "benchmarks.optim.step_cost", "--size", "tiny", "--ranks", "2", "--optimizers", "lamb")),
-    # torch.compile last: its first step compiles for about a minute on BERT-Large. On the CPU the smoke runs
-    # eagerly: a compile there takes minutes.
+    # torch.compile last (O2 first: under autocast it measured no gain): its first step compiles for about a minute
+    # on BERT-Large. On the CPU the smoke runs eagerly: a compile there takes minutes.
+    Part("phase1_o2_compile", "BERT-Large phase 1, O2, torch.compile", (*PHASE1, *O2, "--compile"), 180,
+         (*THROUGHPUT, *O2, *TINY_BERT), THROUGHPUT_FIGURES),
+    Part("phase2_o2_compile", "BERT-Large phase 2, O2, torch.compile", (*PHASE2, *O2, "--compile"), 180,
+         (*THROUGHPUT, "--seq", "512", *O2, *TINY_BERT), THROUGHPUT_FIGURES),
     Part("phase1_compile", "BERT-Large phase 1, bf16 autocast, torch.compile", (*PHASE1, "--compile"), 180,
          (*THROUGHPUT, *TINY_BERT), THROUGHPUT_FIGURES),
     Part("phase2_compile", "BERT-Large phase 2, bf16 autocast, torch.compile", (*PHASE2, "--compile"), 180,

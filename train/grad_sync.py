@@ -55,6 +55,14 @@ class GradSync:
             return contextlib.nullcontext()
         return self._ddp.no_sync()
 
+    def agree_on_weights(self, model: nn.Module) -> None:
+        """Broadcast rank 0's weights and buffers, so that every replica starts identical (set-up, not counted).
+        `wrap` does it for the model it wraps; O2 does it for the fp32 masters its half copy is made from."""
+        if self.comm.distributed:
+            for tensor in model.state_dict().values():
+                self.comm.broadcast(tensor)
+            self.comm.take_counts()  # the initial broadcast is set-up, not per-step traffic
+
     def agree_on_overflow(self, grads: list[torch.Tensor]) -> None:
         """Nothing to do: after DDP's all-reduce every rank holds the same gradients, so its scaler agrees."""
 
@@ -74,10 +82,7 @@ class SelfSync(GradSync):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Broadcast rank 0's weights so that every replica starts identical; no DDP."""
-        if self.comm.distributed:
-            for tensor in model.state_dict().values():
-                self.comm.broadcast(tensor)
-            self.comm.take_counts()  # the initial broadcast is set-up, not per-step traffic
+        self.agree_on_weights(model)
         return model
 
     def agree_on_overflow(self, grads: list[torch.Tensor]) -> None:

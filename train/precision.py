@@ -1,5 +1,6 @@
-"""Mixed precision with native torch.amp: autocast to bf16 or fp16 (a GradScaler for fp16), or fp32 matmuls in TF32;
-and the switch to deterministic kernels (`trainer.deterministic`).
+"""Mixed precision with native torch.amp: autocast to bf16 or fp16 over fp32 weights, or (O2, `precision.weights=half`)
+bf16/fp16 weights with fp32 masters (`train.half_weights`); a GradScaler for fp16; or fp32 matmuls in TF32. And the
+switch to deterministic kernels (`trainer.deterministic`).
 
 NVIDIA apex's `amp` was removed upstream; mixed precision here is torch.amp's on every path.
 """
@@ -16,8 +17,9 @@ from omegaconf import MISSING, DictConfig
 
 from core.options import check_choice, check_positive, require
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+WEIGHTS = ("fp32", "half")
 
 
 @dataclass
@@ -25,16 +27,20 @@ class PrecisionConfig:
     """Schema of conf/precision/*.yaml (the values and their meaning are there)."""
 
     dtype: str = MISSING  # fp32 | tf32 (fp32 weights, TF32 matmuls) | bf16 | fp16 (adds a GradScaler)
+    weights: str = MISSING  # fp32 (autocast over them) | half (O2: weights and activations in dtype, fp32 masters)
     init_scale: float | None = MISSING  # fp16 loss scale at the start (null without loss scaling)
     growth_interval: int | None = MISSING  # fp16 steps without overflow before the scale doubles
     max_consecutive_skips: int | None = MISSING  # fp16 overflowing steps in a row that stop the run
 
 
 def check_precision_config(cfg: DictConfig) -> None:
-    """A known dtype; fp16's loss scaler needs a positive start and growth interval, and a limit of overflowing
-    steps in a row that lets the scale fall from its start to 1 before the run is stopped for it (raises
-    `InvalidOption`)."""
+    """A known dtype; half weights need a half dtype; fp16's loss scaler needs a positive start and growth interval,
+    and a limit of overflowing steps in a row that lets the scale fall from its start to 1 before the run is stopped
+    for it (raises `InvalidOption`)."""
     check_choice("dtype", cfg.dtype, PRECISIONS)
+    check_choice("weights", cfg.weights, WEIGHTS)
+    require(cfg.weights == "fp32" or cfg.dtype in HALF_DTYPES, "weights", cfg.weights,
+            f"needs a half dtype, not precision.dtype={cfg.dtype}: use precision=bf16_o2 or precision=fp16_o2")
     if cfg.dtype == "fp16":
         check_positive("init_scale", cfg.init_scale)
         check_positive("growth_interval", cfg.growth_interval)
@@ -72,9 +78,20 @@ def set_deterministic(enabled: bool) -> None:
 
 def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast region for the forward pass; fp32 and tf32 run without one."""
-    if dtype not in _AUTOCAST_DTYPES:
+    if dtype not in HALF_DTYPES:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[dtype])
+    return torch.autocast(device.type, dtype=HALF_DTYPES[dtype])
+
+
+def half_weights_dtype(cfg: DictConfig) -> torch.dtype | None:
+    """The dtype of O2's half-precision weights (`precision.weights=half`), None under autocast."""
+    return HALF_DTYPES[cfg.dtype] if cfg.weights == "half" else None
+
+
+def training_autocast(cfg: DictConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """The training forward's region: autocast over fp32 weights, none over O2's half ones (they are half already;
+    evaluation reads the fp32 masters, under `autocast`)."""
+    return contextlib.nullcontext() if cfg.weights == "half" else autocast(cfg.dtype, device)
 
 
 def make_grad_scaler(cfg: DictConfig, device: torch.device) -> torch.amp.GradScaler:

@@ -26,11 +26,19 @@ from optim.schedule import warmup_steps_of
 from train.checkpoint import Checkpointer, read_meta, release_mapped, reseed_rng, rng_state, set_rng_state
 from train.distributed import pick_device
 from train.grad_sync import build_grad_sync
+from train.half_weights import HalfCopy
 from train.metrics import MetricLogger, RunClock, RunTotals, format_bytes, read_metrics
 from train.model_export import export_pretrained
 from train.model_init import build_model
 from train.plan import RunPlan
-from train.precision import autocast, load_scaler_state, make_grad_scaler, set_deterministic, set_matmul_precision
+from train.precision import (
+    half_weights_dtype,
+    load_scaler_state,
+    make_grad_scaler,
+    set_deterministic,
+    set_matmul_precision,
+    training_autocast,
+)
 from train.replicas import averaged_copy
 from train.run_dir import RunDir
 from train.stop import DiskFull, RunStopped, StopRequest, is_disk_full, writing
@@ -71,8 +79,9 @@ class Trainer:
         set_matmul_precision(cfg.precision.dtype)
         self.task = get_task(cfg.task.name)
         # The one place that asks the optimizer how gradients become global.
-        self.grad_sync = build_grad_sync(self.spec.grad_sync, comm, self.device, tcfg.grad_allreduce_dtype)
-        self.train_model = self.grad_sync.wrap(self.model)
+        self.grad_sync = build_grad_sync(self.spec.grad_sync, comm, self.device, self._wire_dtype())
+        self.half = self._build_half_copy()  # O2: forward and backward on it, the optimizer on self.model
+        self.train_model = self.grad_sync.wrap(self.model if self.half is None else self.half.module)
         if tcfg.compile:
             self.train_model = torch.compile(self.train_model)
         self.ema = self._build_ema(tcfg.ema_decay)  # after the set-up broadcast: it starts from the same weights
@@ -98,6 +107,21 @@ class Trainer:
         self._announce(resumed_from)
 
     # ----------------------------------------------------------------------------------------- set-up
+    def _build_half_copy(self) -> HalfCopy | None:
+        """O2 (`precision.weights=half`): the half-precision copy of the fp32 masters, made from weights every rank
+        agrees on (the masters are what checkpoints save and what the copy is refreshed from); None otherwise."""
+        dtype = half_weights_dtype(self.cfg.precision)
+        if dtype is None:
+            return None
+        self.grad_sync.agree_on_weights(self.model)
+        return HalfCopy(self.model, dtype)
+
+    def _wire_dtype(self) -> str:
+        """The DDP gradient all-reduce's dtype, `trainer.grad_allreduce_dtype`; under O2 its fp32 (the default)
+        sends the gradients in their own half dtype: they are half already, and upcasting them gains nothing."""
+        wire, precision = self.cfg.trainer.grad_allreduce_dtype, self.cfg.precision
+        return precision.dtype if precision.weights == "half" and wire == "fp32" else wire
+
     def _announce(self, resumed_from: Path | None) -> None:
         g = self.geometry
         threads = f" ({torch.get_num_threads()} thread(s) each)" if self.device.type == "cpu" else ""
@@ -107,8 +131,8 @@ class Trainer:
         )
         self.logger.info(
             f"global batch {g.global_batch_size} = micro-batch {g.micro_batch_size} x {g.world_size} rank(s) "
-            f"x {g.accumulation_steps} accumulation step(s) | precision "
-            f"{self.cfg.precision.dtype} | {self.max_steps} steps"
+            f"x {g.accumulation_steps} accumulation step(s) | precision {self.cfg.precision.dtype}"
+            f"{' O2 (half weights, fp32 masters)' if self.half is not None else ''} | {self.max_steps} steps"
         )
         self.logger.info(f"data {self.data.source}")
         epochs = self.max_steps * g.global_batch_size / self.loader.samples_per_epoch
@@ -120,6 +144,10 @@ class Trainer:
             f"steps) | {epochs:.3g} epochs of data | seed {self.cfg.trainer.seed} | commit {_source_commit()}"
         )
         estimate = estimate_memory(self.model, self.spec, self.plan.optimizer_options, self.comm.world_size)
+        if self.half is not None:  # O2 adds the half copy's weights and gradients
+            half = self.half.nbytes()
+            estimate = {**estimate, "weights": estimate["weights"] + half, "gradients": estimate["gradients"] + half,
+                        "total": estimate["total"] + 2 * half}
         device_total = (torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda"
                         else None)
         for line in memory_lines(estimate, device_total):
@@ -305,6 +333,8 @@ class Trainer:
             group["lr"] = lr
         if self.spec.samples_layers:  # JointSpar: only this step's layers will compute weight gradients
             self.optimizer.begin_step()
+            if self.half is not None:
+                self.half.follow_trainable()
         accumulation = self.geometry.accumulation_steps
         step_start = (self.loader.state_dict(), rng_state()) if accumulation > 1 else None
         totals: dict[str, torch.Tensor] = {}
@@ -314,12 +344,14 @@ class Trainer:
                 return None
             batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self.loader).items()}
             with self.grad_sync.micro_batch(last=micro_step == accumulation - 1):
-                with autocast(self.cfg.precision.dtype, self.device):
+                with training_autocast(self.cfg.precision, self.device):
                     out = self.task.step(self.train_model, batch)
                 self.scaler.scale(out["loss"] / accumulation).backward()
             for key, value in out.items():  # metrics stay on the device: no sync per micro-batch
                 totals[key] = totals.get(key, 0.0) + value.detach().float() / accumulation
 
+        if self.half is not None:  # O2: the optimizer, the scaler and clipping see fp32 gradients on the masters
+            self.half.grads_to_masters_()
         if self.scaler.is_enabled():
             self.grad_sync.agree_on_overflow([p.grad for p in self.model.parameters() if p.grad is not None])
         self.scaler.unscale_(self.optimizer)
@@ -331,12 +363,16 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.half is not None and self._stepped:
+            self.half.pull_()
         return {"task": totals, "grad_norm": grad_norm.detach(), "lr": lr, "skipped": not self._stepped,
                 **self.comm.take_counts()}
 
     def _abandon_step(self, step_start: tuple[dict[str, Any], dict[str, Any]] | None) -> None:
         """Forget a partial step: no gradients, and the data position and random streams of its start."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.half is not None:
+            self.half.zero_grad()
         if step_start is not None:
             loader_state, rng = step_start
             self.loader.load_state_dict(loader_state)
@@ -386,6 +422,8 @@ class Trainer:
         refers to its tensors and the file is no longer mapped."""
         learner = self.grad_sync.learner_state(shared, own)
         self.model.load_state_dict(learner["model"])
+        if self.half is not None:
+            self.half.pull_()
         self.optimizer.load_state_dict(learner["optimizer"])
         release_mapped(learner["optimizer"], self.optimizer.state_dict())
         if self.ema is not None:  # a checkpoint from before EMA was switched on: start it from the weights

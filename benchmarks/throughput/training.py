@@ -5,15 +5,18 @@ published per-GPU figures.
     python -m benchmarks.throughput.training --task bert --size large --seq 512 --precision bf16 --micro-batch 16 \
         --compile
     python -m benchmarks.throughput.training --task bert --size large --seq 512 --padding 0.3
+    python -m benchmarks.throughput.training --task bert --size large --seq 128 --precision bf16_o2 --micro-batch 64
     python -m benchmarks.throughput.training --task swin --size base --precision bf16 --micro-batch 64
     python -m benchmarks.throughput.training      # on CPU: tiny shapes, so the code path is exercised anywhere
 
 A step is what the trainer runs per micro-batch on one device, built from the same parts: the model from
 `models.create_model`, the task's loss (BERT: MLM on the masked positions only + NSP), autocast and the loss
-scaler of `train.precision`, backward, and the optimizer from the registry (LAMB for BERT, AdamW for Swin,
-`--optim` for another). Batches are synthetic and already on the device, so data loading never stalls it; BERT's
-rows are full unless `--padding` pads each row's end, as prepared data does (`benchmarks.data.padding` measures
-how much), and the real (non-pad) tokens per second are counted from the attention mask beside the sequences.
+scaler of `train.precision` (or, with `--precision bf16_o2` / `fp16_o2`, O2's half copy of `train.half_weights`:
+half weights and activations, the optimizer on the fp32 masters), backward, and the optimizer from the registry
+(LAMB for BERT, AdamW for Swin, `--optim` for another). Batches are synthetic and already on the device, so data
+loading never stalls it; BERT's rows are full unless `--padding` pads each row's end, as prepared data does
+(`benchmarks.data.padding` measures how much), and the real (non-pad) tokens per second are counted from the
+attention mask beside the sequences.
 FLOPs are counted, not estimated: `torch.utils.flop_counter` records one step's matmuls and attention
 (forward and backward), and MFU is those FLOPs per second over the device's dense peak for the precision.
 References: NVIDIA DeepLearningExamples BERT-Large pretraining, A100-80GB, mixed precision: 580 seq/s per GPU
@@ -32,10 +35,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import device_label
+from benchmarks.common import bert_pretraining_batch, device_label, predictions_per_row
 from models import create_model
 from optim import build_optimizer
-from train.precision import PRECISIONS, autocast, make_grad_scaler, set_matmul_precision
+from train.half_weights import HalfCopy
+from train.precision import PRECISIONS, half_weights_dtype, make_grad_scaler, set_matmul_precision, training_autocast
 from train.tasks import get_task
 
 # Published per-device throughput (sequences or images per second) to print beside ours.
@@ -69,29 +73,12 @@ class Workload:
     label: str
 
 
-def predictions_per_row(seq: int) -> int:
-    """The phase recipes' max_predictions: 20 at seq 128, 80 at seq 512."""
-    return 20 if seq <= 128 else 80
-
-
 def bert_workload(size: str, seq: int, micro_batch: int, device: torch.device, padding: float = 0.0) -> Workload:
     """A BERT step on synthetic rows of `seq` positions whose last `padding` fraction is padding."""
     hidden, layers, heads, ffn = BERT_SIZES[size]
     model = create_model("bert_pretraining", size="large", hidden_size=hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, intermediate_size=ffn)
-    predictions = predictions_per_row(seq)
-    real = seq - round(padding * seq)  # [CLS] A [SEP] B [SEP], then padding
-    g = torch.Generator().manual_seed(0)
-    positions = torch.sort(torch.rand(micro_batch, real, generator=g).argsort(-1)[:, :predictions], -1).values
-    in_row = torch.arange(seq) < real
-    batch = {
-        "input_ids": torch.randint(0, 30522, (micro_batch, seq), generator=g) * in_row,  # pad id 0
-        "token_type_ids": ((torch.arange(seq) >= real // 2) & in_row).long().expand(micro_batch, seq).contiguous(),
-        "attention_mask": in_row.long().expand(micro_batch, seq).contiguous(),
-        "masked_lm_positions": positions,
-        "masked_lm_labels": torch.randint(0, 30522, (micro_batch, predictions), generator=g),
-        "next_sentence_label": torch.randint(0, 2, (micro_batch,), generator=g),
-    }
+    batch = bert_pretraining_batch(seq, micro_batch, padding)
     return Workload(model, {k: v.to(device) for k, v in batch.items()}, "bert_pretraining", "lamb",
                     f"BERT-{size} seq {seq}")
 
@@ -126,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, choices=[128, 512], default=128)
     parser.add_argument("--padding", type=float, default=0.0, metavar="FRACTION",
                         help="bert: the fraction of each row that is padding (default 0: full rows)")
-    parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default: bf16 on GPU, fp32 on CPU")
+    parser.add_argument("--precision", choices=[*PRECISIONS, "bf16_o2", "fp16_o2"], default=None,
+                        help="autocast, or O2 (_o2: half weights, fp32 masters); default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: 64 on GPU (16 at seq 512), 4 on CPU")
     parser.add_argument("--optim", default=None, help="a registered optimizer (default: lamb for bert, adamw for swin)")
     parser.add_argument("--accumulation", type=int, default=1, metavar="N",
@@ -163,26 +151,34 @@ def main(argv: list[str] | None = None) -> None:
         work = swin_workload(size, micro_batch, device)
     model = work.model.to(device).train()
     optimizer = build_optimizer(model, args.optim or work.optim, {"lr": 1e-4})
-    set_matmul_precision(precision)
-    scaler = make_grad_scaler(_precision_config(precision), device)
+    precision_cfg = _precision_config(precision)
+    set_matmul_precision(precision_cfg.dtype)
+    scaler = make_grad_scaler(precision_cfg, device)
+    half_dtype = half_weights_dtype(precision_cfg)
+    half = HalfCopy(model, half_dtype) if half_dtype is not None else None
+    eager = model if half is None else half.module
     step_fn = get_task(work.task).step
-    train_model = torch.compile(model) if args.compile else model
+    train_model = torch.compile(eager) if args.compile else eager
 
     def step(forward: torch.nn.Module = train_model) -> None:
         for _ in range(args.accumulation):
-            with autocast(precision, device):
+            with training_autocast(precision_cfg, device):
                 loss = step_fn(forward, work.batch)["loss"]
             scaler.scale(loss / args.accumulation).backward()
+        if half is not None:
+            half.grads_to_masters_()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        if half is not None:
+            half.pull_()
 
     for _ in range(args.warmup):
         step()
     # One more step, counted on the eager model (the same FLOPs): the counter's global module hooks would make a
     # compiled model warn that they fire twice.
     with FlopCounterMode(display=False) as counter:
-        step(model)
+        step(eager)
     flops_per_step = counter.get_total_flops()
     if gpu:
         torch.cuda.synchronize(device)
@@ -197,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     samples_per_step = micro_batch * args.accumulation
     rate = samples_per_step / seconds
     achieved_tflops = flops_per_step / seconds / 1e12
-    peak = device_peak_tflops(device, precision)
+    peak = device_peak_tflops(device, precision_cfg.dtype)
     where = device_label(device)
     params = sum(p.numel() for p in model.parameters())
     unit = "seq/s" if args.task == "bert" else "img/s"
@@ -237,8 +233,10 @@ def print_top_kernels(step: Callable[[], None], device: torch.device, top: int, 
 
 
 def _precision_config(precision: str) -> DictConfig:
-    """What `make_grad_scaler` reads (a start scale of 2^16 for fp16, where benchmarking wants no skipped steps)."""
-    return OmegaConf.create({"dtype": precision, "init_scale": 2.0**16, "growth_interval": 2000})
+    """What `train.precision` reads of `--precision` (a start scale of 2^16 for fp16, where benchmarking wants no
+    skipped steps)."""
+    return OmegaConf.create({"dtype": precision.removesuffix("_o2"), "weights": "half" if precision.endswith("_o2")
+                             else "fp32", "init_scale": 2.0**16, "growth_interval": 2000})
 
 
 if __name__ == "__main__":
