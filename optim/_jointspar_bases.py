@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from optim._math import foreach_chunks, fused_add_adam_direction_, trust_ratio
+from optim.lars import lars
 
 # Per-element state of each base, flat buffers named as the base names its state.
 STATE_KEYS = {"sgd": ("momentum_buffer",), "lars": ("momentum_buffer",), "lamb": ("exp_avg", "exp_avg_sq")}
@@ -60,46 +61,17 @@ def sgd_(batch: Sampled, group: Mapping[str, Any], decaying: bool = False) -> No
 
 
 def lars_(batch: Sampled, group: Mapping[str, Any], decaying: bool = False) -> None:
-    """`optim.lars.lars` with each tensor's direction times its 1/p before the momentum: the trust ratios, or the
-    gradients of the tensors that take none (`exclude_1d`), carry the factor."""
-    if decaying:
-        _momentum_step_(batch, batch.grads, group, 0.0, 0.0, False)
-        return
-    # The fused kernel pairs elements by their place in memory: a gradient laid out otherwise is copied first.
-    grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
-             for p, g in zip(batch.params, batch.grads, strict=True)]
-    adapted = [i for i, p in enumerate(batch.params) if p.dim() > 1 or not group["exclude_1d"]]
-    plain = [i for i in range(len(grads)) if i not in set(adapted)]
-    directions = list(grads)
-    if plain:
-        for i, direction in zip(plain, torch._foreach_mul(_pick(grads, plain), _pick(batch.scales, plain)),
-                                strict=True):
-            directions[i] = direction
-    if adapted:
-        for i, direction in zip(adapted, _trust_ratio_directions(_pick(batch.params, adapted), _pick(grads, adapted),
-                                                                 _pick(batch.scales, adapted), group), strict=True):
-            directions[i] = direction
-    _momentum_step_(batch, directions, group, group["lr"], 0.0, False)
+    """`optim.lars.lars` with each tensor's 1/p on its direction before the momentum (on its trust ratio, or on the
+    gradient of a tensor that takes none); `decaying`: LR and weight decay 0, as the base with its group's set so."""
+    lars(batch.params, batch.grads, batch.state.get("momentum_buffer"),
+         adapt=[p.dim() > 1 or not group["exclude_1d"] for p in batch.params],
+         lr=0.0 if decaying else group["lr"], momentum=group["momentum"],
+         weight_decay=0.0 if decaying else group["weight_decay"], trust_coefficient=group["trust_coefficient"],
+         eps=group["eps"], nesterov=group["nesterov"], direction_scales=None if decaying else batch.scales)
 
 
 def _pick(items: list, indices: list[int]) -> list:
     return [items[i] for i in indices]
-
-
-def _trust_ratio_directions(params: list[Tensor], grads: list[Tensor], scales: list[float],
-                            group: Mapping[str, Any]) -> list[Tensor]:
-    """`scale * r * (g + lambda w)` per tensor, new tensors, the ratios kept on the device (`optim.lars`)."""
-    weight_decay = group["weight_decay"]
-    weight_norms = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
-    grad_norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
-    ratios = group["trust_coefficient"] * weight_norms / (grad_norms + weight_decay * weight_norms + group["eps"])
-    ratios = torch.where((weight_norms > 0) & (grad_norms > 0), ratios, torch.ones_like(ratios))
-    ratios = torch._foreach_mul(list(ratios.unbind()), scales)
-    if weight_decay == 0:
-        return torch._foreach_mul(grads, ratios)
-    directions = torch._foreach_add(grads, params, alpha=weight_decay)
-    torch._foreach_mul_(directions, ratios)
-    return directions
 
 
 def _momentum_step_(batch: Sampled, directions: list[Tensor], group: Mapping[str, Any], lr: float,

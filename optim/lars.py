@@ -49,9 +49,6 @@ class LARS(torch.optim.Optimizer):
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         exclude_1d: 1-D tensors skip the trust ratio and weight decay.
 
-    A param group may also carry ``direction_scale`` (1 when absent), a factor on :math:`d` before the
-    momentum: JointSpar sets it to a sampled layer's :math:`1/p` for one step.
-
     State per parameter: ``momentum_buffer`` (:math:`b`, created at its first step); `state_dict()` holds it.
     The step reads nothing on the host: the ratios stay on the device.
     """
@@ -96,7 +93,6 @@ class LARS(torch.optim.Optimizer):
                     trust_coefficient=group["trust_coefficient"],
                     eps=group["eps"],
                     nesterov=group["nesterov"],
-                    direction_scale=group.get("direction_scale", 1.0),
                 )
         return loss
 
@@ -119,11 +115,11 @@ def lars(
     trust_coefficient: float,
     eps: float,
     nesterov: bool,
-    direction_scale: float = 1.0,
+    direction_scales: list[float] | None = None,
 ) -> None:
     """Functional LARS over tensors of one param group (see `LARS`); `adapt[i]`: tensor i gets the trust ratio and
-    weight decay. `direction_scale` multiplies :math:`d` before the momentum (JointSpar's 1/p). `grads` are read,
-    never written. Its temporaries (the directions) are as large as the tensors given.
+    weight decay. `direction_scales[i]` multiplies tensor i's :math:`d` before the momentum (JointSpar's 1/p of its
+    layer). `grads` are read, never written. Its temporaries (the directions) are as large as the tensors given.
 
     A fixed number of kernels: foreach kernels form the directions, torch's fused SGD kernel applies momentum and
     step (on a device that has it: the CPU or a GPU). Memory passes of an adapted tensor, in tensor-sized reads
@@ -139,13 +135,14 @@ def lars(
              for i, p in zip(order, params, strict=True)]
     if momentum_buffers is not None:
         momentum_buffers = [momentum_buffers[i] for i in order]
+    scales = None if direction_scales is None else [direction_scales[i] for i in order]
 
-    # JointSpar's factor rides on the trust ratios (0-d) where there are ratios; plain directions are gradients.
+    # JointSpar's factors ride on the trust ratios (0-d) where there are ratios; plain directions are gradients.
     adapted = _trust_ratio_directions(params[:n_adapted], grads[:n_adapted], weight_decay, trust_coefficient, eps,
-                                      direction_scale)
+                                      None if scales is None else scales[:n_adapted])
     plain = grads[n_adapted:]  # the gradients themselves, only read below
-    if direction_scale != 1.0 and plain:
-        plain = torch._foreach_mul(plain, direction_scale)
+    if scales is not None and plain:
+        plain = torch._foreach_mul(plain, scales[n_adapted:])
     # b = mu b + d, then w -= lr (d + mu b if nesterov, else b), in one pass of torch's fused SGD kernel; the
     # buffers start at zero, so the first step's mu * 0 + d is exactly d.
     torch._fused_sgd_(params, [*adapted, *plain], [] if momentum_buffers is None else momentum_buffers,
@@ -155,7 +152,7 @@ def lars(
 
 def _trust_ratio_directions(
     params: list[Tensor], grads: list[Tensor], weight_decay: float, trust_coefficient: float, eps: float,
-    scale: float = 1.0,
+    scales: list[float] | None = None,
 ) -> list[Tensor]:
     """`scale * r * (g + lambda w)` per tensor, as new tensors, with the ratios kept on the device (no host read)."""
     if not params:
@@ -163,13 +160,13 @@ def _trust_ratio_directions(
     weight_norms = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
     grad_norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
     ratios = trust_coefficient * weight_norms / (grad_norms + weight_decay * weight_norms + eps)
-    ratios = torch.where((weight_norms > 0) & (grad_norms > 0), ratios, torch.ones_like(ratios))
-    if scale != 1.0:
-        ratios = ratios * scale
+    ratios = list(torch.where((weight_norms > 0) & (grad_norms > 0), ratios, torch.ones_like(ratios)).unbind())
+    if scales is not None:
+        ratios = torch._foreach_mul(ratios, scales)
     if weight_decay == 0:
-        return torch._foreach_mul(grads, list(ratios.unbind()))
+        return torch._foreach_mul(grads, ratios)
     directions = torch._foreach_add(grads, params, alpha=weight_decay)
-    torch._foreach_mul_(directions, list(ratios.unbind()))
+    torch._foreach_mul_(directions, ratios)
     return directions
 
 
