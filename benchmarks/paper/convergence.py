@@ -191,7 +191,7 @@ def points(run_dir: Path) -> tuple[Point, ...]:
     return tuple(Point(step, **fields) for step, fields in sorted(by_step.items()))
 
 
-def study_meta(study: ConvergenceStudy, wall_seconds: float) -> dict[str, Any]:
+def study_meta(study: ConvergenceStudy, runs: list[RunData]) -> dict[str, Any]:
     """What the page says of how the runs were made: date, commit, command, set-up, device, torch."""
     a = study.args
     first = stages.read_summary(study.bert_dir(study.variants[0], 0))
@@ -201,7 +201,8 @@ def study_meta(study: ConvergenceStudy, wall_seconds: float) -> dict[str, Any]:
             "size": a.size, "steps": a.steps, "corpus": a.corpus, "workers": workers,
             "seeds": {v.label: len(study.seeds(v)) for v in study.variants},
             "device": first.get("device"), "torch": first.get("torch_version"),
-            "wall": f"{wall_seconds / 60:.0f} min for this invocation (a resumed study: its last part)"}
+            "wall": f"{sum(run.wall_seconds for run in runs) / 60:.0f} min of pretraining: the runs' training clocks "
+                    "summed (their evaluations included; start-up, fine-tuning and the fp32 runs not)"}
 
 
 def _commit() -> str:
@@ -293,7 +294,7 @@ def run_study(args: argparse.Namespace) -> None:
             stages.train(f"bert  {variant.label} fp32", study.bert_command(variant, 0, fp32_keys),
                          study.bert_dir(variant, 0, fp32=True))
     runs = [study.run_data(variant, seed) for variant in study.variants for seed in study.seeds(variant)]
-    StudyData(study_meta(study, time.perf_counter() - start), runs).write(study.out / DATA_NAME)
+    StudyData(study_meta(study, runs), runs).write(study.out / DATA_NAME)
     render(args)
     print(f"done in {(time.perf_counter() - start) / 60:.1f} min: {args.page}")
 
