@@ -4,8 +4,9 @@ layer's 1/p: a fixed number of multi-tensor ops per param group and chunk, howev
 A base steps its own param groups one by one, with one LR (LAMB) or direction scale (SGD, LARS) per group; JointSpar
 gives every layer its own 1/p, so with the base's step its ops grew with the layers. Here the per-layer factor is a
 per-tensor scalar of one foreach op instead, over the views of the engine's flat state (`optim.flat`). The math is
-the base's (`torch.optim.SGD`, `optim.lars.LARS`, `optim.lamb.LAMB`; see `optim.jointspar.JointSpar` for where 1/p
-enters each); `Sampled` is what one param group hands in.
+the base's: LARS's own functional core (`optim.lars.lars`, which takes per-tensor scales), `torch.optim.SGD`'s and
+`optim.lamb.LAMB`'s multi-tensor step written here with a per-tensor factor (see `optim.jointspar.JointSpar` for
+where 1/p enters each). `Sampled` is what one param group hands in.
 """
 
 from __future__ import annotations
@@ -50,14 +51,24 @@ def uses_state(base: str, options: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def sgd_(batch: Sampled, group: Mapping[str, Any], decaying: bool = False) -> None:
-    """`torch.optim.SGD` with the direction `(g + lambda x) / p`: written into the gradients, then momentum and step
-    in torch's fused SGD kernel (a tensor's first buffer is its direction, as `SGD` makes it)."""
+    """`torch.optim.SGD` with the direction `(g + lambda x) / p`, written into the gradients; momentum and step in
+    torch's fused SGD kernel, where a tensor's first buffer is its direction, undamped, as `SGD` makes it (with
+    dampening 0 a zero buffer gives the same: mu 0 + d). `decaying`: zero gradients at LR 0."""
     if not decaying:
         if group["weight_decay"] != 0:
             torch._foreach_add_(batch.grads, batch.params, alpha=group["weight_decay"])
         torch._foreach_mul_(batch.grads, batch.scales)
-    _momentum_step_(batch, batch.grads, group, 0.0 if decaying else group["lr"], group["dampening"],
-                    group["maximize"])
+    buffers = batch.state.get("momentum_buffer", [])
+    options = dict(weight_decay=0.0, momentum=group["momentum"], lr=0.0 if decaying else group["lr"],
+                   dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])
+    if not buffers or group["dampening"] == 0 or not any(batch.fresh):
+        torch._fused_sgd_(batch.params, batch.grads, buffers, **options, is_first_step=False)
+        return
+    for first in (True, False):
+        picked = [i for i, fresh in enumerate(batch.fresh) if fresh == first]
+        if picked:
+            torch._fused_sgd_(*([items[i] for i in picked] for items in (batch.params, batch.grads, buffers)),
+                              **options, is_first_step=first)
 
 
 def lars_(batch: Sampled, group: Mapping[str, Any], decaying: bool = False) -> None:
@@ -68,27 +79,6 @@ def lars_(batch: Sampled, group: Mapping[str, Any], decaying: bool = False) -> N
          lr=0.0 if decaying else group["lr"], momentum=group["momentum"],
          weight_decay=0.0 if decaying else group["weight_decay"], trust_coefficient=group["trust_coefficient"],
          eps=group["eps"], nesterov=group["nesterov"], direction_scales=None if decaying else batch.scales)
-
-
-def _pick(items: list, indices: list[int]) -> list:
-    return [items[i] for i in indices]
-
-
-def _momentum_step_(batch: Sampled, directions: list[Tensor], group: Mapping[str, Any], lr: float,
-                    dampening: float, maximize: bool) -> None:
-    """`b = mu b + (1 - dampening) d; w -= lr (d + mu b if nesterov, else b)` in torch's fused SGD kernel; a fresh
-    buffer starts at `d` (with dampening 0, zeros give the same: mu 0 + d)."""
-    buffers = batch.state.get("momentum_buffer", [])
-    options = dict(weight_decay=0.0, momentum=group["momentum"], lr=lr, dampening=dampening,
-                   nesterov=group["nesterov"], maximize=maximize)
-    if not buffers or dampening == 0 or not any(batch.fresh):
-        torch._fused_sgd_(batch.params, directions, buffers, **options, is_first_step=False)
-        return
-    for first in (True, False):  # SGD's first buffer is d itself: dampening applies from the second step on
-        picked = [i for i, fresh in enumerate(batch.fresh) if fresh == first]
-        if picked:
-            torch._fused_sgd_(_pick(batch.params, picked), _pick(directions, picked), _pick(buffers, picked),
-                              **options, is_first_step=first)
 
 
 def lamb_(batch: Sampled, group: Mapping[str, Any], grad_divisor: Tensor | None, decaying: bool = False) -> None:
