@@ -290,6 +290,28 @@ def test_state_dict_round_trip_continues_exactly(mask):
             assert torch.equal(optimizer.state[p][key], resumed_optimizer.state[q][key])
 
 
+def test_a_loaded_state_fills_the_flat_buffers_in_place():
+    """Loading writes into the buffers that already exist (no second copy of the state), and each parameter's
+    state is a view of them again afterwards."""
+    model = _small_model()
+    optimizer = _slamb(model, seed=5)
+    _steps(model, optimizer, range(3))
+    saved = optimizer.state_dict()
+    saved = {**saved, "state": {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in entry.items()}
+                                for k, entry in saved["state"].items()}}
+    resumed = _slamb(model, seed=0)
+    layout = resumed._ensure_layout()
+    buffers = [layout.exp_avg.data_ptr(), layout.exp_avg_sq.data_ptr(), layout.scaled_freshness.data_ptr()]
+    resumed.load_state_dict(saved)
+    assert [layout.exp_avg.data_ptr(), layout.exp_avg_sq.data_ptr(), layout.scaled_freshness.data_ptr()] == buffers
+    for p in model.parameters():
+        for key, buffer in (("exp_avg", layout.exp_avg), ("exp_avg_sq", layout.exp_avg_sq),
+                            ("scaled_freshness", layout.scaled_freshness)):
+            view = resumed.state[p][key]
+            assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            assert torch.equal(view, optimizer.state[p][key])
+
+
 def test_parameters_without_gradients_are_left_alone():
     model = _small_model()
     optimizer = _slamb(model)
