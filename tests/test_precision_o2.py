@@ -5,16 +5,20 @@ exports, and a half-precision DDP all-reduce."""
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, compose, optim_preset
+from conftest import REPO, TINY, compose, optim_preset
 from distributed_harness import run_on_ranks
 from safetensors.torch import load_file
 from test_optim_registry import RUNNABLE_HERE, _tiny_bert
 
 from core.errors import ConfigError
+from models import create_model
 from optim import build_optimizer, get_optimizer_spec
 from optim.comm import Comm
 from train.config import validate
@@ -103,6 +107,25 @@ def test_floating_inputs_enter_the_half_copy_in_its_dtype():
     assert half.module(torch.randn(1, 3, 8, 8)).dtype == torch.bfloat16  # an fp32 image batch
 
 
+# In a process of its own: fake tensors left to the interpreter's exit beside safetensors' extension (which the
+# export tests load) crashed it at exit.
+_COUNT = ("import json; from benchmarks.throughput.conversions import measure; "
+          "print(json.dumps({mode: [m.bytes, s.bytes] for mode, (m, s) in measure(128, 2, 'tiny').items()}))")
+
+
+def test_o2_converts_only_the_logits_in_forward_and_backward():
+    """Counted on BERT-tiny's shapes: autocast converts around every matmul, O2 only the MLM and NSP logits into
+    fp32 for the loss and their gradients back (read 2 bytes and write 4, then read 4 and write 2, per element)."""
+    result = subprocess.run([sys.executable, "-c", _COUNT], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = json.loads(result.stdout.splitlines()[-1])
+    logits = 2 * (20 * 30528 + 2)  # micro-batch x (masked positions x padded vocabulary + NSP's two)
+    assert counts["O2"][0] == 2 * logits * (2 + 4)
+    assert counts["autocast"][0] > 4 * counts["O2"][0]  # both convert the logits, most of it at these shapes
+    parameters = sum(p.numel() for p in create_model("bert_pretraining", size="tiny").parameters())
+    assert counts["O2"][1] == 2 * parameters * (2 + 4)  # gradients into the masters, masters into the half weights
+
+
 def test_a_split_run_resumes_bit_for_bit_with_fp32_checkpoints_and_exports(tmp_path):
     reference = _train(tmp_path / "ref", "trainer.ema_decay=0.5")
     _train(tmp_path / "split", "trainer.ema_decay=0.5", "trainer.steps_this_run=3")
@@ -167,3 +190,14 @@ def test_two_ranks_all_reduce_half_gradients_in_half_the_bytes_and_keep_their_ma
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["comm_bits_per_param"] == pytest.approx(16.0) for r in records)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("options", [["precision=bf16_o2"], ["precision=fp16_o2"],
+                                     ["precision=bf16_o2", "trainer.compile=true"]], ids=" ".join)
+def test_o2_trains_on_cuda(tmp_path, options):
+    on_cuda = [o for o in TINY if not o.startswith("trainer.device=")] + ["trainer.device=cuda"]
+    run(compose([*on_cuda, *options, "trainer.max_steps=8", "optim.lr=1e-3"]), tmp_path)
+    losses = [r["loss"] for r in read_metrics(tmp_path)]
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))

@@ -7,9 +7,9 @@ against O2's bf16 weights and activations, counted on shapes alone.
 Autocast converts every matmul's fp32 weight and activations to bf16 and back, and runs LayerNorm, GELU, dropout
 and the residual adds in fp32 between them; O2 keeps weights and activations in bf16, and converts only the logits
 for the fp32 loss, plus, once per optimizer step, the gradients into the fp32 masters and the masters back. A
-`TorchDispatchMode` adds up what each dtype-changing copy (`aten._to_copy`, `aten.copy_`, `aten._foreach_copy_`
-between dtypes) reads and writes, while the step runs on fake CPU tensors (autocast's CPU casts apply; no memory, no
-arithmetic): the traffic a GPU's unfused conversion kernels would move. The task's step is the trainer's
+`TorchDispatchMode` adds up what each copy between floating dtypes (`aten._to_copy`, `aten.copy_`,
+`aten._foreach_copy_`) reads and writes, while the step runs on fake CPU tensors (autocast's CPU casts apply; no
+memory, no arithmetic): the traffic a GPU's unfused conversion kernels would move. The task's step is the trainer's
 (`train.tasks`, MLM on the masked positions only + NSP); the O2 step is `train.half_weights.HalfCopy`'s.
 
 Dropout is off while counting: a GPU applies attention dropout inside its bf16 SDPA kernel, while the CPU's SDPA
@@ -38,7 +38,8 @@ _COPIES = {"aten::_to_copy": 0, "aten::copy_": 1, "aten::_foreach_copy_": 1}  # 
 
 
 class Conversions(TorchDispatchMode):
-    """Counts the bytes read and written by copies that change a tensor's dtype while it is active."""
+    """Counts the bytes read and written by copies from one floating dtype to another while it is active (an
+    integer mask made boolean, or a count made float, is no precision's conversion)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -52,7 +53,8 @@ class Conversions(TorchDispatchMode):
         if name in _COPIES:
             sources = tree_leaves(args[_COPIES[name]])
             written = tree_leaves(args[0] if name == "aten::_foreach_copy_" else out)
-            pairs = [(s, w) for s, w in zip(sources, written, strict=True) if s.dtype != w.dtype]
+            pairs = [(s, w) for s, w in zip(sources, written, strict=True)
+                     if s.dtype != w.dtype and s.is_floating_point() and w.is_floating_point()]
             self.ops += bool(pairs)
             self.bytes += sum(s.nbytes + w.nbytes for s, w in pairs)
         return out
@@ -65,15 +67,15 @@ def count(step: Callable[[], None]) -> Conversions:
     return counter
 
 
-def measure(seq: int, micro_batch: int) -> dict[str, tuple[Conversions, Conversions]]:
+def measure(seq: int, micro_batch: int, size: str = "large") -> dict[str, tuple[Conversions, Conversions]]:
     """Per mode, (the conversions of one micro-batch's forward and backward, those of one optimizer step's
-    gradient and weight copies) at BERT-Large shapes."""
+    gradient and weight copies) at the shapes of BERT of `size` (`models.BERT_SIZES`)."""
     step = get_task("bert_pretraining").step
     cpu = torch.device("cpu")
     warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # deepcopy's check, harmless here
     results = {}
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = create_model("bert_pretraining", size="large").eval()  # no dropout (the docstring says why)
+        model = create_model("bert_pretraining", size=size).eval()  # no dropout (the docstring says why)
         batch = bert_pretraining_batch(seq, micro_batch)
 
         def autocast_step() -> None:
