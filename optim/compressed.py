@@ -27,6 +27,7 @@ from optim.flat import FlatLayout, copy_in_chunks_
 
 _SCALE_BYTES = 4  # one float32 scale per chunk on the wire
 _SIGN_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # byte -> its 8 signs, MSB first
+_NIBBLE_TABLES: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}  # `_nibble_table`'s
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -76,19 +77,62 @@ def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
     return _SIGN_TABLES[key]
 
 
+def _nibble_table(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(256, 4) values and their zeroed cells: row `16 z + s` holds the 4 signs of nibble `s` (+1 for a set bit,
+    MSB first), 0 where nibble `z` has the bit set (an element that the result zeroes). Built on the device."""
+    key = (dtype, device)
+    if key not in _NIBBLE_TABLES:
+        rows, shifts = torch.arange(256, device=device).unsqueeze(1), 3 - torch.arange(4, device=device)
+        signs = rows.bitwise_and(15).bitwise_right_shift(shifts).bitwise_and(1)
+        zeroed = rows.bitwise_right_shift(4).bitwise_right_shift(shifts).bitwise_and(1).bool()
+        _NIBBLE_TABLES[key] = signs.to(dtype).mul_(2).sub_(1).masked_fill_(zeroed, 0.0), zeroed
+    return _NIBBLE_TABLES[key]
+
+
+def zero_codes_(flags: Tensor) -> Tensor:
+    """What `compressed_allreduce_` takes to zero elements of its result, made in place of their bool `flags` (a
+    multiple of 8, contiguous), which it overwrites: per byte of 8 flags, those of its first and of its last 4
+    elements packed MSB first into a high nibble, `(numel / 8, 2)` uint8 over the first quarter of the flags' bytes.
+
+    A block of the device's foreach chunk at a time (bounded temporaries); block k's codes land on bytes of blocks
+    before it or on its own, which are read by then.
+    """
+    flat, block = flags.reshape(-1), _block_numel(flags)
+    codes = flat.view(torch.uint8)[:flat.numel() // 4].view(-1, 2)
+    for a in range(0, flat.numel(), block):
+        packed = torch.empty(min(block, flat.numel() - a) // 8, dtype=torch.uint8, device=flags.device)
+        _pack_negative_(torch.logical_not(flat[a:a + block]), packed)  # a set bit where a flag is set
+        rows = codes[a // 8:a // 8 + packed.numel()]
+        torch.bitwise_and(packed, 0xF0, out=rows[:, 0])
+        torch.bitwise_left_shift(packed, 4, out=rows[:, 1])
+    return codes
+
+
 def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Inverse of `pack_signs`: +1 for a set bit, -1 for a clear one, 8 values per byte, in order."""
     return _sign_table(dtype, packed.device)[packed.reshape(-1).int()].reshape(-1)
 
 
-def _decode_into(out: Tensor, packed: Tensor, scales: Tensor) -> None:
+def _decode_into(out: Tensor, packed: Tensor, scales: Tensor, zeroed: Tensor | None = None) -> None:
     """`out[j] = scales[j] * unpack_signs(packed[j])` for each row j, looked up straight into `out` (rows, n).
 
-    A table of `scale * (+-1)` per row is exact, so this equals unpacking and then scaling, in one pass.
+    A table of `scale * (+-1)` per row is exact, so this equals unpacking and then scaling, in one pass. With
+    `zeroed` (`zero_codes_` of `out`'s elements) the flagged elements are +0.0 instead, as a masked fill after would
+    make them: each nibble of signs, with its nibble of flags, picks a row of 4 values (`_nibble_table`).
     """
-    table = _sign_table(out.dtype, out.device)
-    for row, (bytes_, scale) in enumerate(zip(packed, scales, strict=True)):
-        torch.index_select(table * scale, 0, bytes_.int(), out=out[row].view(-1, 8))
+    if zeroed is None:
+        table = _sign_table(out.dtype, out.device)
+        for row, (bytes_, scale) in enumerate(zip(packed, scales, strict=True)):
+            torch.index_select(table * scale, 0, bytes_.int(), out=out[row].view(-1, 8))
+        return
+    table, cells = _nibble_table(out.dtype, out.device)
+    for row, (bytes_, scale, codes) in enumerate(zip(packed, scales, zeroed.view(out.shape[0], -1, 2), strict=True)):
+        nibbles = torch.empty(bytes_.numel(), 2, dtype=torch.uint8, device=out.device)
+        torch.bitwise_right_shift(bytes_, 4, out=nibbles[:, 0])
+        torch.bitwise_and(bytes_, 15, out=nibbles[:, 1])
+        rows = nibbles.bitwise_or_(codes).view(-1).int()
+        scaled = (table * scale).masked_fill_(cells, 0.0)  # +0.0 whatever the sign of the scale
+        torch.index_select(scaled, 0, rows, out=out[row].view(-1, 4))
 
 
 def _weighted_tables(weights: Tensor, dtype: torch.dtype) -> Tensor:
@@ -150,7 +194,8 @@ def _split_scale(rows: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm, *,
-                          fed_back: bool = False, divisor: float | None = None) -> Tensor:
+                          fed_back: bool = False, divisor: float | None = None, zeroed: Tensor | None = None
+                          ) -> Tensor:
     """Replace the padded flat `buffer` (N' elements) by the 1-bit compressed mean over ranks, in place.
 
     `worker_error` (N') and `server_error` (N'/W) are this rank's persistent error buffers. The result is
@@ -159,7 +204,9 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
 
     `fed_back`: the caller has already added its vector to `worker_error` (its last pass wrote `x + error` there
     rather than `x`, one pass fewer), and `buffer` only receives the result. `divisor`: the result divided by it,
-    folded into the decoding table (exactly `result / divisor`: the table holds `+-scale / divisor`).
+    folded into the decoding table (exactly `result / divisor`: the table holds `+-scale / divisor`). `zeroed`:
+    `zero_codes_` of the elements to set to +0.0 as the result is decoded (no masked fill after it); with one rank,
+    which decodes nothing, the caller zeroes them.
     """
     world = comm.world_size
     if not comm.distributed or buffer.numel() == 0:
@@ -207,7 +254,7 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     comm.all_gather_into_tensor(gathered, mine)
     signs, scales = _split_scale(gathered)
     scales = scales.to(buffer.dtype)
-    _decode_into(buffer.view(world, chunk), signs, scales if divisor is None else scales / divisor)
+    _decode_into(buffer.view(world, chunk), signs, scales if divisor is None else scales / divisor, zeroed)
     return buffer
 
 
@@ -253,12 +300,14 @@ class CompressedBuckets:
         self.worker_views = layout.views(self.worker_error)  # per slot, shaped like its tensor
         self._servers = list(self.server_error.split(shares)) if shares else []
 
-    def allreduce_(self, flat: Tensor, fed_back: bool = False, divisors: Sequence[float] | None = None) -> None:
+    def allreduce_(self, flat: Tensor, fed_back: bool = False, divisors: Sequence[float] | None = None,
+                   zeroed: Sequence[Tensor] | None = None) -> None:
         """Replace each bucket of `flat` (a buffer with the layout) by its compressed mean over ranks, in place.
 
         `fed_back`: the caller has added its vector to the worker error through `worker_views` (each slot's
-        `x + error`), so `flat` only receives the result; the padded tails are fed back here. `divisors`: per
-        bucket, what its result is divided by (`compressed_allreduce_`).
+        `x + error`), so `flat` only receives the result; the padded tails are fed back here. `divisors` and
+        `zeroed`: per bucket, what its result is divided by and the codes of the elements it zeroes
+        (`compressed_allreduce_`).
         """
         if not self.comm.distributed and not fed_back and divisors is None:
             return
@@ -270,7 +319,8 @@ class CompressedBuckets:
             elif not self.keep_tail:
                 buffer[bucket.size:].zero_()
             compressed_allreduce_(buffer, worker, server, self.comm, fed_back=fed_back,
-                                  divisor=None if divisors is None else divisors[index])
+                                  divisor=None if divisors is None else divisors[index],
+                                  zeroed=None if zeroed is None else zeroed[index])
 
     def bytes_per_call(self) -> int:
         """What one `allreduce_` costs this rank in Comm's bytes, all buckets together."""

@@ -18,7 +18,7 @@ from optim._math import (
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import WIRE_DTYPES, Comm, average_tensors_
-from optim.compressed import CompressedBuckets, bucket_layout, padded_numel
+from optim.compressed import CompressedBuckets, bucket_layout, padded_numel, zero_codes_
 from optim.flat import FlatLayout, FlatState, pop_flat_entries
 from optim.memory import onebit_family_bytes
 
@@ -129,6 +129,7 @@ class OneBitFamily(torch.optim.Optimizer):
         self.deepspeed_roundings = device.type == "cpu"
         self.step_count = 0
         self._stale = {"denom": True, "zero_variance": True}  # caches of v, rebuilt after v changed
+        self._zero_codes: list[Tensor] | None = None
         for p in params:
             self._init_state(self.state[p], p)
 
@@ -216,24 +217,43 @@ class OneBitFamily(torch.optim.Optimizer):
             self._stale["denom"] = False
         return self.flat.views("denom")
 
-    def _mask_(self, key: str) -> None:
-        """Zero what 1 bit cannot represent as zero in flat buffer `key`: the group's `exp_avg_mask` and
-        zero-variance elements (`mask_zero_variance`).
+    def _compressed_mean_(self, key: str, fed_back: bool = False, divisors: Sequence[float] | None = None) -> None:
+        """Flat buffer `key`'s compressed mean over ranks (`CompressedBuckets.allreduce_`), with the elements of zero
+        variance zeroed (`mask_zero_variance`): 1 bit cannot represent 0, and 1-bit noise / eps would move them.
 
-        The zero-variance mask is a bool buffer built on the device when `v` changed (no host read decides which
-        tensors need one) and applied with one masked fill per segment (no float copy of it per step).
+        On several ranks the decoding zeroes them (`_zero_variance_codes`: no pass of its own); one rank decodes
+        nothing, and a masked fill per segment does.
         """
-        if self.mask_zero_variance:
-            if self._stale["zero_variance"]:
-                if "zero_variance" not in self.flat:
-                    self.flat.add("zero_variance", dtype=torch.bool)
-                for (_, variance), (_, mask) in zip(self.flat.segments("exp_avg_sq"),
-                                                    self.flat.segments("zero_variance"), strict=True):
-                    torch.eq(variance, 0, out=mask)
-                self._stale["zero_variance"] = False
+        self.buckets.allreduce_(self.flat[key], fed_back, divisors, self._zero_variance_codes())
+        if self.mask_zero_variance and not self.comm.distributed:
             for (_, values), (_, mask) in zip(self.flat.segments(key), self.flat.segments("zero_variance"),
                                               strict=True):
                 values.masked_fill_(mask, 0.0)
+
+    def _zero_variance_codes(self) -> list[Tensor] | None:
+        """Per bucket, `zero_codes_` of the elements whose variance is 0 (None without the mask, or on one rank).
+
+        Built on the device when `v` changed (no host read decides which tensors need one): the flags first, in a
+        bool buffer; on several ranks each bucket's codes are then made in place of its flags (a quarter of their
+        bytes), which the masked fill of one rank would read instead.
+        """
+        if not self.mask_zero_variance:
+            return None
+        if self._stale["zero_variance"]:
+            if "zero_variance" not in self.flat:
+                self.flat.add("zero_variance", dtype=torch.bool)
+            flags = self.flat["zero_variance"]
+            flags.zero_()  # the padding's flags clear: codes of the last build may sit there
+            for (_, variance), (_, mask) in zip(self.flat.segments("exp_avg_sq"), self.flat.segments("zero_variance"),
+                                                strict=True):
+                torch.eq(variance, 0, out=mask)
+            self._zero_codes = ([zero_codes_(bucket) for bucket in self.flat.layout.bucket_views(flags)]
+                                if self.comm.distributed else None)
+            self._stale["zero_variance"] = False
+        return self._zero_codes
+
+    def _mask_(self, key: str) -> None:
+        """Multiply flat buffer `key` by each group's `exp_avg_mask` (DeepSpeed's momentum mask), where one is set."""
         views = self._states(key)
         for slice_, group in self._groups():
             group_mask = group.get("exp_avg_mask")
@@ -343,7 +363,7 @@ class OneBitAdam(OneBitFamily):
         grads = self._grads()
         if self.compressing(t):
             self._momentum_(grads)
-            self.buckets.allreduce_(self.flat["exp_avg"])  # the momenta live in the buckets' buffer: in place
+            self._compressed_mean_("exp_avg")  # the momenta live in the buckets' buffer: in place
             self._mask_("exp_avg")
         else:
             self._average(grads)

@@ -177,13 +177,13 @@ class OneBitLAMB(OneBitFamily):
         if self.deepspeed_roundings:
             self._swap_in_momenta_(grads)
             torch._foreach_mul_(momenta, scaling)
-            self.buckets.allreduce_(self.flat["exp_avg"])
+            self._compressed_mean_("exp_avg")
         else:
             for slice_, group in self._groups():  # the new momentum in the gradients' storage, for a moment
                 torch._foreach_lerp_(grads[slice_], momenta[slice_], group["betas"][0])
             torch._foreach_addcmul_(self.buckets.worker_views, grads, scaling)  # error + m s
             torch._foreach_copy_(grads, momenta)  # the old momentum, exactly: every rank reconstructs alike
-            self.buckets.allreduce_(self.flat["exp_avg"], fed_back=True)
+            self._compressed_mean_("exp_avg", fed_back=True)
         torch._foreach_div_(momenta, scaling)
         self._mask_("exp_avg")
         fresh = self._states("exp_avg_sq_fresh")

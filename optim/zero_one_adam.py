@@ -164,7 +164,7 @@ class ZeroOneAdam(OneBitFamily):
                 self._momentum_(grads)
             elif kind == "onebit_grad":  # phase 1: the anchors' buffer is free and receives the 1-bit mean
                 torch._foreach_add_(self.buckets.worker_views, grads)  # g + error, as DeepSpeed's buffer + error
-                self.buckets.allreduce_(self.flat["sync_anchor"], fed_back=True)
+                self._compressed_mean_("sync_anchor", fed_back=True)
                 self._mask_("sync_anchor")
                 self._momentum_(self._states("sync_anchor"))
             else:
@@ -187,7 +187,7 @@ class ZeroOneAdam(OneBitFamily):
         torch._foreach_copy_(accumulated, params)
         torch._foreach_sub_(accumulated, anchors)  # u: what this rank moved since the last sync
         torch._foreach_mul_(accumulated, denoms)  # q = u (sqrt(v) + eps)
-        self.buckets.allreduce_(self.flat["exp_avg"])
+        self._compressed_mean_("exp_avg")
         self._mask_("exp_avg")
         torch._foreach_addcdiv_(anchors, accumulated, denoms)  # w = w_a + q / (sqrt(v) + eps)
         torch._foreach_copy_(params, anchors)
@@ -222,8 +222,8 @@ class ZeroOneAdam(OneBitFamily):
         torch._foreach_addcmul_(errors, params, denoms)
         for slice_, group in self._groups():
             torch._foreach_add_(errors[slice_], momenta[slice_], alpha=-group["lr"])
-        self.buckets.allreduce_(self.flat["exp_avg"], fed_back=True,
-                                divisors=[-self.lr_sums[group] for group in self.bucket_groups])
+        self._compressed_mean_("exp_avg", fed_back=True,
+                               divisors=[-self.lr_sums[group] for group in self.bucket_groups])
         self._mask_("exp_avg")
         for (slice_, _), lr_sum in zip(self._groups(), self.lr_sums, strict=True):
             torch._foreach_addcdiv_(anchors[slice_], momenta[slice_], denoms[slice_], value=-lr_sum)

@@ -20,8 +20,10 @@ from optim.compressed import (
     pack_signs,
     padded_numel,
     unpack_signs,
+    zero_codes_,
 )
 from optim.flat import FlatLayout, FlatState
+from optim.mirror_comm import MirrorComm
 
 
 def test_packing_is_msb_first_like_numpy_and_round_trips():
@@ -63,6 +65,44 @@ def test_one_process_is_the_identity():
     x = torch.randn(16)
     out = compressed_allreduce_(x.clone(), torch.zeros(16), torch.zeros(16), comm)
     assert torch.equal(out, x) and comm.take_counts()["bytes"] == 0 and compressed_bytes_per_call(1000, 1) == 0
+
+
+@pytest.mark.parametrize("divisor", [None, 3.0, -0.5])
+@pytest.mark.parametrize("fed_back", [False, True])
+def test_zeroed_and_divided_in_the_decoding_as_after_it(divisor, fed_back):
+    """Zero codes and a divisor folded into the decoding give, bit for bit (+0.0 included, whatever the sign of the
+    scale), what a division and a masked fill after the call give; fed back or not, the errors agree too."""
+    numel, world = padded_numel(1000, 4), 4
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=generator)
+    flags = torch.rand(numel, generator=generator) < 0.3
+    flags[1000:] = False  # padding is never flagged
+
+    def run(folded: bool):
+        buffer, worker, server = torch.zeros(numel), torch.randn(numel, generator=torch.Generator().manual_seed(1)), \
+            torch.zeros(numel // world)
+        if fed_back and folded:
+            worker.add_(x)
+        else:
+            buffer.copy_(x)
+        options = dict(fed_back=fed_back and folded, divisor=divisor if folded else None,
+                       zeroed=zero_codes_(flags.clone()) if folded else None)
+        compressed_allreduce_(buffer, worker, server, MirrorComm(world), **options)
+        if not folded:
+            if divisor is not None:
+                buffer.div_(divisor)
+            buffer.masked_fill_(flags, 0.0)
+        return buffer, worker, server
+
+    folded, after = run(True), run(False)
+    for a, b in zip(folded, after, strict=True):
+        assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+    assert not folded[0][flags].any() and folded[0][~flags].all()
+
+
+def test_zero_codes_pack_each_nibble_of_flags_high():
+    flags = torch.tensor([1, 0, 0, 1, 0, 1, 1, 0] * 2, dtype=torch.bool)
+    assert zero_codes_(flags).tolist() == [[0x90, 0x60]] * 2
 
 
 def _reference(inputs: torch.Tensor, worker_errors: torch.Tensor, server_errors: torch.Tensor) -> torch.Tensor:
