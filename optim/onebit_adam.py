@@ -119,7 +119,8 @@ class OneBitFamily(torch.optim.Optimizer):
         buckets = bucket_layout([len(g["params"]) for g in self.param_groups], bucketing)
         layout = FlatLayout.packed([p.shape for p in params], groups, buckets,
                                    padded=lambda size: padded_numel(size, self.comm.world_size))
-        self.bucket_groups = [groups[members[0]] for members in buckets]  # one group each, but with flat_scaled
+        # each bucket's param group (that of its first tensor: only flat_scaled's one bucket holds several)
+        self.bucket_groups = [groups[members[0]] for members in buckets]
         self.flat = FlatState(layout, device, dtype)
         self._state_keys = ("exp_avg", *flat_keys)
         for key in self._state_keys:

@@ -205,10 +205,10 @@ class ZeroOneAdam(OneBitFamily):
         receives `m = -q_bar / sum(lr)` (bit for bit DeepSpeed's), and `w_a + q_bar / d` is formed from it.
 
         Bytes, in passes over one fp32 vector of N (BERT-Large, 2 ranks; the floor, 9: w, m, v, w_a read and
-        written, g read): the momentum lerp 3, `w - w_a` 3, `q` into the error 4 + 3, the compression about 10
-        (the norm, the sign bits, the error's multiply-add, the server's half of it, the decoding), the mask 2.25,
-        `w_a + q_bar / d` 4 and the weights' copy 2: about 32, 3.5x. Aten ops read and write their operands
-        once each; a fused kernel would need each of them once in all.
+        written, g read): the momentum lerp 3, `w - w_a` 3, `q` into the error 4 + 3, the compression about 13.4
+        (the norm, the sign bits, the error's multiply-add, the server's sum and compression, the decoding with the
+        mask), `w_a + q_bar / d` 4 and the weights' copy 2: about 32.4, 3.6x. Aten ops read and write their
+        operands once each; a fused kernel would need each of them once in all.
         """
         params, anchors, denoms, errors = self._params(), self._states("sync_anchor"), self._denominators(), \
             self.buckets.worker_views
