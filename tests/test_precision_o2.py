@@ -138,6 +138,22 @@ def test_a_split_run_resumes_bit_for_bit_with_fp32_checkpoints_and_exports(tmp_p
         assert {t.dtype for t in weights.values()} == {torch.float32}, export
 
 
+def test_an_autocast_checkpoint_resumes_under_o2(tmp_path):
+    """The checkpoint holds fp32 weights either way: an autocast run goes on under O2 from its own weights."""
+    run(compose([*TINY, "precision=bf16", "trainer.steps_this_run=3"]), tmp_path)
+    saved = torch.load(tmp_path / "checkpoints" / "step_00000003" / "shared.pt", weights_only=False)["model"]
+    cfg = compose([*TINY, "precision=bf16_o2"])
+    trainer = Trainer(plan_run(cfg, tmp_path), Comm())
+    try:
+        assert trainer.step == 3
+        for (key, master), weight in zip(trainer.model.named_parameters(), trainer.half.params, strict=True):
+            assert torch.equal(master, saved[key]) and torch.equal(weight, saved[key].to(torch.bfloat16)), key
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
 def test_fp16_overflow_skips_the_step_and_leaves_masters_and_half_weights(tmp_path):
     cfg = compose([*TINY, "precision=fp16_o2", "precision.init_scale=1099511627776.0",  # 2^40: fp16 overflows
                    "precision.max_consecutive_skips=40"])
