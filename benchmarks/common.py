@@ -187,13 +187,18 @@ _FUSED_STEPS = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_"
 _INDEXED = {"aten::index_select": True, "aten::index_add_": True, "aten::index_copy_": False,
             "aten::index_fill_": False}
 
+# Allocations return memory nobody has written: no traffic (the op that fills it counts its writes).
+_ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                "aten::new_empty_strided"}
+
 
 class StepTraffic(TorchDispatchMode):
     """Counts the ops dispatched while it is active and the bytes they read and write.
 
     An op reads every tensor it takes and writes every tensor it returns fresh or mutates (its schema says which),
     so `bytes` is the memory traffic of unfused kernels: what a GPU moves for the same ops, caches aside. Views move
-    nothing; collectives (c10d) are the network's, not the step's memory traffic, and are left out of both counts.
+    nothing, and allocations (`empty`) write nothing; collectives (c10d) are the network's, not the step's memory
+    traffic, and are left out of both counts.
     """
 
     def __init__(self) -> None:
@@ -208,6 +213,8 @@ class StepTraffic(TorchDispatchMode):
         if func.is_view or schema.name.startswith("c10d::"):
             return out
         self.ops += 1
+        if schema.name in _ALLOCATIONS:
+            return out
         write_only = schema.name in _WRITE_ONLY
         named = {a.name: args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)}
         for argument in schema.arguments:

@@ -91,3 +91,11 @@ def test_a_copy_reads_its_source_and_writes_its_destination():
     with StepTraffic() as traffic:
         destination.copy_(source)
     assert traffic.bytes == 2 * source.nbytes
+
+
+def test_an_allocation_moves_nothing_until_it_is_written():
+    source = torch.randn(1000)
+    with StepTraffic() as traffic:
+        destination = torch.empty_like(source)
+        destination.copy_(source)
+    assert traffic.bytes == 2 * source.nbytes
