@@ -4,9 +4,9 @@ layer's 1/p: a fixed number of multi-tensor ops per param group and chunk, howev
 A base steps its own param groups one by one, with one LR (LAMB) or direction scale (SGD, LARS) per group; JointSpar
 gives every layer its own 1/p, so with the base's step its ops grew with the layers. Here the per-layer factor is a
 per-tensor scalar of one foreach op instead, over the views of the engine's flat state (`optim.flat`). The math is
-the base's: LARS's own functional core (`optim.lars.lars`, which takes per-tensor scales), `torch.optim.SGD`'s and
-`optim.lamb.LAMB`'s multi-tensor step written here with a per-tensor factor (see `optim.jointspar.JointSpar` for
-where 1/p enters each). `Sampled` is what one param group hands in.
+the base's: LARS's and LAMB's own functional cores (`optim.lars.lars` and `optim.lamb.lamb_update_`, which take
+per-tensor scales or LRs), and `torch.optim.SGD`'s multi-tensor step written here with a per-tensor factor (see
+`optim.jointspar.JointSpar` for where 1/p enters each). `Sampled` is what one param group hands in.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optim._math import foreach_chunks, fused_add_adam_direction_, trust_ratio
+from optim._math import foreach_chunks, fused_add_adam_direction_
+from optim.lamb import lamb_update_
 from optim.lars import lars
 
 # Per-element state of each base, flat buffers named as the base names its state.
@@ -82,9 +83,8 @@ def lars_(batch: Sampled, group: Mapping[str, Any], decaying: bool = False) -> N
 
 
 def lamb_(batch: Sampled, group: Mapping[str, Any], grad_divisor: Tensor | None, decaying: bool = False) -> None:
-    """`optim.lamb.LAMB`'s multi-tensor step with each tensor's LR `lr / p`: the trust ratios, or the Adam
-    directions of the tensors that take none, carry it. `decaying`: the moments see the zero gradients, the weights
-    stay (LR 0)."""
+    """`optim.lamb.lamb_update_` with each tensor's LR `lr / p`: the trust ratios, or the Adam directions of the
+    tensors that take none, carry it. `decaying`: the moments see the zero gradients, the weights stay (LR 0)."""
     beta1, beta2 = group["betas"]
     adam = dict(step=group["step"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 bias_correction=group["bias_correction"])
@@ -93,15 +93,7 @@ def lamb_(batch: Sampled, group: Mapping[str, Any], grad_divisor: Tensor | None,
         fused_add_adam_direction_(batch.params, grads, batch.state["exp_avg"], batch.state["exp_avg_sq"], scale=-0.0,
                                   **adam)
         return
-    weight_decay = group["weight_decay"]
-    steps = [-group["lr"] * scale for scale in batch.scales]
-    updates = torch._foreach_mul(batch.params, weight_decay)  # u = wd * w + direction
-    fused_add_adam_direction_(updates, grads, batch.state["exp_avg"], batch.state["exp_avg_sq"], scale=1.0, **adam)
-    del grads
-    if weight_decay != 0 or group["always_adapt"]:
-        ratios = trust_ratio(torch.stack(torch._foreach_norm(batch.params)), torch.stack(torch._foreach_norm(updates)),
-                             1.0 if group["trust_clip"] else None)
-        torch._foreach_addcmul_(batch.params, updates, torch._foreach_mul(list(ratios.unbind()), steps))
-    else:  # a plain Adam step, at the layer's LR
-        torch._foreach_mul_(updates, steps)
-        torch._foreach_add_(batch.params, updates)
+    lamb_update_(batch.params, grads, batch.state["exp_avg"], batch.state["exp_avg_sq"],
+                 lr=[group["lr"] * scale for scale in batch.scales], weight_decay=group["weight_decay"],
+                 max_ratio=1.0 if group["trust_clip"] else None,
+                 adapt=group["weight_decay"] != 0 or group["always_adapt"], **adam)

@@ -291,10 +291,26 @@ def _multi_tensor_lamb(
     exp_avg_sqs: list[Tensor],
     state_steps: list[Tensor],
     *,
-    step: int,
-    bias_correction: bool,
     grad_divisor: Tensor | None,
     lr: float,
+    **update: Any,
+) -> None:
+    """The update counts, NVLAMB's pre-normalisation, then `lamb_update_`: a fixed number of ops per chunk."""
+    torch._foreach_add_(state_steps, 1)
+    if grad_divisor is not None:
+        grads = torch._foreach_div(grads, grad_divisor)  # new tensors: p.grad stays as the caller left it
+    lamb_update_(params, grads, exp_avgs, exp_avg_sqs, lr=lr, **update)
+
+
+def lamb_update_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    lr: float | Sequence[float],
+    step: int,
+    bias_correction: bool,
     beta1: float,
     beta2: float,
     eps: float,
@@ -302,27 +318,33 @@ def _multi_tensor_lamb(
     max_ratio: float | None,
     adapt: bool,
 ) -> None:
-    """The same update as one fused Adam pass and three foreach passes: a fixed number of ops per chunk.
+    """LAMB's multi-tensor update of one chunk of one device and dtype: one fused Adam pass and three foreach
+    passes. `lr` is the group's, or one per tensor (JointSpar's `lr / p` of each tensor's layer).
 
     Memory passes, in tensor-sized reads and writes: the update `u = wd * w` (2), the fused Adam kernel that
     moves the moments and adds the direction to `u` (7: reads g, m, v, u; writes m, v, u), the norms of `w` and
     `u` (2) and `w -= lr * ratio * u` (3): 14, twice the 7 of one fused pass. A tensor without the trust
-    ratio takes a plain Adam step in the fused kernel alone (7).
+    ratio takes a plain Adam step in the fused kernel alone (7), or, with an LR per tensor, the direction scaled
+    by it in two more passes.
     """
-    torch._foreach_add_(state_steps, 1)
-    if grad_divisor is not None:
-        grads = torch._foreach_div(grads, grad_divisor)  # new tensors: p.grad stays as the caller left it
     adam = dict(step=step, beta1=beta1, beta2=beta2, eps=eps, bias_correction=bias_correction)
-    if not adapt:  # plain Adam step: w -= lr * direction, in the one kernel
+    per_tensor = not isinstance(lr, (int, float))
+    if not adapt and not per_tensor:  # plain Adam step: w -= lr * direction, in the one kernel
         fused_add_adam_direction_(params, grads, exp_avgs, exp_avg_sqs, scale=-lr, **adam)
         return
     updates = torch._foreach_mul(params, weight_decay)  # u = wd * w + direction
     fused_add_adam_direction_(updates, grads, exp_avgs, exp_avg_sqs, scale=1.0, **adam)
     del grads
-    weight_norms = torch.stack(torch._foreach_norm(params))
-    ratios = trust_ratio(weight_norms, torch.stack(torch._foreach_norm(updates)), max_ratio)
+    steps = [-rate for rate in lr] if per_tensor else None
+    if not adapt:  # a plain Adam step at each tensor's LR
+        torch._foreach_mul_(updates, steps)
+        torch._foreach_add_(params, updates)
+        return
+    ratios = trust_ratio(torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates)),
+                         max_ratio)
     # Per-tensor 0-d factors have no foreach fast path; addcmul applies ratio and lr in the one pass left.
-    torch._foreach_addcmul_(params, updates, list((ratios * -lr).unbind()))
+    factors = torch._foreach_mul(list(ratios.unbind()), steps) if per_tensor else list((ratios * -lr).unbind())
+    torch._foreach_addcmul_(params, updates, factors)
 
 
 register_optimizer(OptimSpec(
