@@ -3,20 +3,18 @@
 LAMB, SLAMB and 1-bit LAMB differ in what they communicate and when, not in these formulas, so each
 formula lives here once, in a single-tensor form (the readable reference) and, where a hot path needs it,
 a foreach form over a list of tensors. Nothing here reads a tensor's value on the host: fallbacks are
-`torch.where`, so a step stays free of device-to-host syncs. The value checks every optimizer's options share
-(the Adam four, switches) and the closure handling of `step` live here too.
+`torch.where`, so a step stays free of device-to-host syncs. The closure handling of `step` and the seeds of
+the random masks live here too; the option checks the optimizers share are `optim.option_checks`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-
-from core.options import check_non_negative, require
 
 # Elements per foreach call, by device type (absent: the whole list). On the CPU, whole-group temporaries
 # (grads / divisor, denominators, updates) miss every cache and are page-faulted in afresh each step;
@@ -171,25 +169,6 @@ def closure_loss(closure: Callable[[], Any] | None) -> Any:
         return None
     with torch.enable_grad():
         return closure()
-
-
-def check_adam_hyperparameters(options: Mapping[str, Any]) -> None:
-    """The Adam family's `lr`, `betas`, `eps`, `weight_decay`: an `InvalidOption` naming the first bad one.
-
-    The check of `adamw` and the first part of every other optimizer's check (constructors and config alike).
-    """
-    check_non_negative("lr", options["lr"])
-    betas = options["betas"]
-    require(isinstance(betas, Sequence) and len(betas) == 2 and all(0.0 <= beta < 1.0 for beta in betas),
-            "betas", betas, "must be two values in [0, 1)")
-    check_non_negative("eps", options["eps"])
-    check_non_negative("weight_decay", options["weight_decay"])
-
-
-def check_flags(options: Mapping[str, Any], *keys: str) -> None:
-    """Options that are switches must be true or false (a string or a pair is some other optimizer's option)."""
-    for key in keys:
-        require(isinstance(options[key], bool), key, options[key], "must be true or false")
 
 
 # ------------------------------------------------------------------------------------------ seeded masks

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from optim._math import check_adam_hyperparameters
 from optim._registry import OptimSpec, register_optimizer
+from optim.option_checks import check_adam_hyperparameters
 
 
 def adamw(params: Any, **options: Any) -> torch.optim.AdamW:

@@ -15,8 +15,8 @@ import torch
 
 from core.apex import NVIDIA_APEX_HINT, missing_nvidia_apex
 from core.options import InvalidOption
-from optim._math import check_adam_hyperparameters
 from optim._registry import OptimSpec, register_optimizer
+from optim.option_checks import check_adam_hyperparameters
 
 APEX_OPTIMIZERS = ("apex_lamb", "apex_adam")
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from core.options import InvalidOption, check_choice, check_kwargs, check_non_negative, require
-from optim._math import check_flags
 from optim._registry import OptimSpec, _options, _plain, get_optimizer_spec
+from optim.option_checks import check_flags
 
 FROM_WRAPPER = ("lr", "weight_decay")  # what the base takes from the wrapper's param groups, never from base_options
 

@@ -13,8 +13,6 @@ from optim._math import (
     adam_direction,
     adam_moments_,
     bias_corrections,
-    check_adam_hyperparameters,
-    check_flags,
     closure_loss,
     foreach_chunks,
     fused_add_adam_direction_,
@@ -23,6 +21,7 @@ from optim._math import (
     trust_ratio,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
+from optim.option_checks import check_adam_hyperparameters, check_flags
 
 
 class LAMB(torch.optim.Optimizer):

@@ -9,18 +9,13 @@ import torch
 from torch import Tensor
 
 from core.options import check_choice, require
-from optim._math import (
-    check_adam_hyperparameters,
-    check_flags,
-    closure_loss,
-    foreach_momentum_,
-    foreach_variance_,
-)
+from optim._math import closure_loss, foreach_momentum_, foreach_variance_
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import WIRE_DTYPES, Comm, average_tensors_
 from optim.compressed import CompressedBuckets, bucket_layout, padded_numel, zero_codes_
 from optim.flat import FlatLayout, FlatState, pop_flat_entries
 from optim.memory import onebit_family_bytes
+from optim.option_checks import check_adam_hyperparameters, check_flags
 
 # Kept in every docstring of the family: where we differ from DeepSpeed 0.19.6.
 # Elements per bucket of the full-precision gradient average (warm-up, variance steps): DeepSpeed's engine averages

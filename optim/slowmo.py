@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from core.options import check_non_negative, check_positive, require
-from optim._math import FOREACH_CHUNK_NUMEL, check_flags, closure_loss
+from optim._math import FOREACH_CHUNK_NUMEL, closure_loss
 from optim._registry import OptimSpec, get_optimizer_spec, list_optimizers, register_optimizer, run_check
 from optim.base_optimizer import BaseWrapper, build_base, check_base_options
 from optim.comm import Comm, average_tensors_
 from optim.flat import FlatLayout, FlatState, pop_flat_entries
 from optim.memory import wrapper_bytes
+from optim.option_checks import check_flags
 from optim.restart import restart_optimizer
 
 _GLOBAL = "slowmo"  # key of the optimizer-wide entry of `self.state` (the others are parameters)

@@ -10,17 +10,11 @@ import torch
 from torch import Tensor
 
 from core.options import check_choice, check_non_negative, check_positive, check_range, require
-from optim._math import (
-    bias_corrections,
-    check_adam_hyperparameters,
-    check_flags,
-    closure_loss,
-    fused_add_adam_direction_,
-    trust_ratio,
-)
+from optim._math import bias_corrections, closure_loss, fused_add_adam_direction_, trust_ratio
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import WIRE_DTYPES, Comm, average_tensors_
 from optim.flat import pop_flat_entries
+from optim.option_checks import check_adam_hyperparameters, check_flags
 from optim.restart import load_with_current_hyperparameters, zero_step_counts
 from optim.slamb._layout import FRESHNESS_DTYPES, Chunk, Layout, Scratch
 from optim.slamb._masks import MASKS, ROW_NUMEL, Mask, MaskSampler, check_masks_agree
