@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # Training image: an NGC PyTorch base (CUDA, NCCL, InfiniBand user space, apex where the release ships it) plus this
 # repository's pinned runtime dependencies. docker/bases.json names each image's base and the torch it trains with
-# (tests/test_image.py replays this install against those torch versions):
+# (tests/integration/test_image.py replays this install against those torch versions):
 #   A100/H100 (default base, its own torch, CUDA 13):  docker build -t slamb-trainer:a100 .
 #   V100 (CUDA 12.6 base; PyPI's torch 2.7.1 cu126 replaces the base's 2.6.0a0, which transformers refuses):
 #     docker build --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:24.12-py3 \

@@ -1,6 +1,7 @@
 """What more than one benchmark script uses: parameter sets, optimizer configs, step timing, schedules, tables, ranks.
 
-Scripts import shared helpers from here only, never from each other (tests/test_benchmarks_layout.py checks it).
+Scripts import shared helpers from here only, never from each other (tests/benchmarks/test_benchmarks_layout.py
+checks it).
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class Result:
 def gpu_test_files() -> list[str]:
     """The test files that hold `gpu` tests: `pytest -m gpu` over these alone, so that no other file's imports can
     stop the collection on a machine that has only the runtime packages."""
-    return sorted(str(path.relative_to(REPO)) for path in (REPO / "tests").glob("test_*.py")
+    return sorted(str(path.relative_to(REPO)) for path in (REPO / "tests").rglob("test_*.py")
                   if "pytest.mark.gpu" in path.read_text())
 
 

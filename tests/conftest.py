@@ -1,13 +1,12 @@
-"""Shared fixtures: the real config tree, composed and shrunk to test scale."""
+"""Shared fixtures (the helpers they build on are in helpers/), and the cores shared between pytest's workers."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.config import compose, swin_digits_overrides
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -28,74 +27,28 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ["OMP_NUM_THREADS"] = str(threads)  # processes a test starts inherit the share
             torch.set_num_threads(threads)
 
-REPO = Path(__file__).resolve().parents[1]
 
-# A model and batch small enough for ~10 ms steps, on the real config tree.
-TINY = [
-    "model.hidden_size=32",
-    "model.num_hidden_layers=1",
-    "model.num_attention_heads=2",
-    "model.intermediate_size=64",
-    "data.max_seq_len=32",
-    "data.max_predictions=5",
-    "data.dupe_factor=1",
-    "data.heldout_sequences=0",  # no evaluation: the records are the training series (evaluation tests ask for one)
-    "trainer.max_steps=6",
-    "trainer.global_batch_size=8",
-    "trainer.micro_batch_size=4",
-    "trainer.log_every=1",
-    "trainer.checkpoint_every=2",
-    "trainer.device=cpu",
-    "logger.progress_bar=false",
-    "logger.tensorboard=false",
-    "logger.wandb=disabled",
-]
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The vendored BERT vocabulary's tokenizer."""
+    from data.text.tokenizer import load_tokenizer
+
+    return load_tokenizer()
 
 
-def compose(overrides: list[str] | None = None):
-    """The config `python -m train <overrides>` would run with."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits demo as an ImageFolder."""
+    from data.images.digits import write_digits_imagefolder
 
-    from train.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides or [])
+    return write_digits_imagefolder(tmp_path_factory.mktemp("data") / "digits")
 
 
-@pytest.fixture
-def tiny_overrides(tmp_path: Path) -> list[str]:
-    return [*TINY, f"hydra.run.dir={tmp_path / 'run'}"]
+@pytest.fixture(scope="module")
+def swin_digits_run(digits: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-step Swin digits run that evaluates (and keeps the best checkpoint) every 2 steps."""
+    from train.run import run
 
-
-def run_train(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    """`python -m train <args>` in a subprocess, from the repository root."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "train", *args], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=timeout, **kwargs,
-    )
-
-
-def optim_preset(name: str) -> dict:
-    """conf/optim/<name>.yaml as `build_optimizer` takes it: its keys but `name` (PyYAML is stricter than OmegaConf:
-    `6e-3` would be a string, so the presets write `6.0e-3`)."""
-    import yaml
-
-    cfg = yaml.safe_load((REPO / "conf" / "optim" / f"{name}.yaml").read_text())
-    cfg.pop("name")
-    return cfg
-
-
-def runnable_optimizers() -> list[str]:
-    """Every registered optimizer this machine can build: NVIDIA apex's need apex and a GPU (elsewhere their
-    one-line refusal is what is tested)."""
-    from core.apex import missing_nvidia_apex
-    from optim import list_optimizers
-    from optim.apex import APEX_OPTIMIZERS
-
-    apex_missing = missing_nvidia_apex("apex.optimizers", "amp_C") is not None
-    return [name for name in list_optimizers() if not (apex_missing and name in APEX_OPTIMIZERS)]
+    run_dir = tmp_path_factory.mktemp("runs") / "swin"
+    run(compose(swin_digits_overrides(digits, run_dir)), run_dir)
+    return run_dir
