@@ -22,9 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from core.apex import missing_nvidia_apex
-from optim import get_optimizer_spec, list_optimizers
-from optim.apex import APEX_OPTIMIZERS
+from optim import get_optimizer_spec
 from optim.memory import state_bytes
 from optim.zero_one_adam import zero_one_adam_step_kinds
 
@@ -101,12 +99,6 @@ def config_kwargs(name: str, **overrides) -> dict:
     cfg = yaml.safe_load((CONF_OPTIM / f"{name}.yaml").read_text())
     cfg.pop("name")
     return cfg | overrides
-
-
-def runnable_optimizers() -> list[str]:
-    """Every registered optimizer this machine can build (NVIDIA apex's need apex and a GPU)."""
-    apex_missing = missing_nvidia_apex("apex.optimizers", "amp_C") is not None
-    return [name for name in list_optimizers() if not (name in APEX_OPTIMIZERS and apex_missing)]
 
 
 def optimizer_stepper(name: str, optimizer: torch.optim.Optimizer, grads: dict[nn.Parameter, torch.Tensor],

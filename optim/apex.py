@@ -15,7 +15,7 @@ import torch
 
 from core.apex import NVIDIA_APEX_HINT, missing_nvidia_apex
 from core.options import InvalidOption
-from optim._registry import OptimSpec, register_optimizer
+from optim._registry import OptimSpec, list_optimizers, register_optimizer
 from optim.option_checks import check_adam_hyperparameters
 
 APEX_OPTIMIZERS = ("apex_lamb", "apex_adam")
@@ -71,3 +71,10 @@ register_optimizer(OptimSpec(
     state_bytes_per_param=8.0,  # m, v in fp32
     description="NVIDIA apex FusedAdam: Adam/AdamW in fused multi-tensor CUDA kernels (needs apex and a GPU)",
 ))
+
+
+def runnable_optimizers() -> list[str]:
+    """Every registered optimizer this machine can build: apex's entries need NVIDIA apex and a GPU (elsewhere
+    their one-line refusal is what a run gets)."""
+    missing = missing_nvidia_apex("apex.optimizers", "amp_C") is not None
+    return [name for name in list_optimizers() if not (missing and name in APEX_OPTIMIZERS)]

@@ -28,8 +28,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import BertConfig, BertForPreTraining
 
-from benchmarks.common import SIZES, bert_parameters, config_kwargs, optimizer_stepper, runnable_optimizers
+from benchmarks.common import SIZES, bert_parameters, config_kwargs, optimizer_stepper
 from optim import JointSpar, build_optimizer
+from optim.apex import runnable_optimizers
 from optim.memory import state_bytes
 
 REFERENCE = "lamb"

@@ -35,11 +35,10 @@ from benchmarks.common import (
     config_kwargs,
     markdown_table,
     optimizer_stepper,
-    runnable_optimizers,
 )
 from optim import build_optimizer, get_optimizer_spec
 from optim._math import FOREACH_CHUNK_NUMEL
-from optim.apex import APEX_OPTIMIZERS
+from optim.apex import APEX_OPTIMIZERS, runnable_optimizers
 from optim.mirror_comm import MirrorComm
 
 # Steps taken before the counted one: past the 1-bit warm-up (freeze at step 2) and past every first-step setup.

@@ -47,12 +47,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from benchmarks.common import REPO, runnable_optimizers
+from benchmarks.common import REPO
 from benchmarks.paper import stages
 from benchmarks.paper.convergence_data import DATA_NAME, Point, RunData, StudyData
 from benchmarks.paper.convergence_page import DEFAULT_TEMPLATE, REFERENCE, Results, write_figures
 from core.atomic import atomic_write_text
 from core.errors import UserError, user_errors_exit
+from optim.apex import runnable_optimizers
 from train.metrics import read_metrics
 from train.run_dir import RunDir
 from train.subprocess_stage import override, stage_stops_exit

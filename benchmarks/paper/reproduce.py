@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import REPO, csv_table, markdown_table, runnable_optimizers
+from benchmarks.common import REPO, csv_table, markdown_table
 from benchmarks.paper.stages import (
     PYTHON_DOCS,
     corpus_overrides,
@@ -45,6 +45,7 @@ from benchmarks.paper.stages import (
 )
 from core.atomic import atomic_write_text
 from core.errors import UserError, user_errors_exit
+from optim.apex import runnable_optimizers
 from train.run_dir import RunDir
 from train.subprocess_stage import override, run_stage, stage_stops_exit
 

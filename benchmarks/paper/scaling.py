@@ -49,12 +49,12 @@ from benchmarks.common import (
     config_kwargs,
     optimizer_stepper,
     phase1_schedules,
-    runnable_optimizers,
     stage_kinds,
 )
 from core.atomic import atomic_write_text
 from core.errors import UserError, user_errors_exit
 from optim import build_optimizer, get_optimizer_spec
+from optim.apex import runnable_optimizers
 from optim.comm import WIRE_DTYPES
 from optim.mirror_comm import MirrorComm
 from optim.network import LINKS, NETWORKS, NVLINKS, Cluster, collective_seconds

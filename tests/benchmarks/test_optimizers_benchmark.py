@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common import runnable_optimizers
 from benchmarks.optim.optimizers import main
+from optim.apex import runnable_optimizers
 
 
 def _rows(out: str, section: str) -> dict[str, list[str]]:

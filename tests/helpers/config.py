@@ -70,14 +70,3 @@ def optim_preset(name: str) -> dict:
     cfg = yaml.safe_load((REPO / "conf" / "optim" / f"{name}.yaml").read_text())
     cfg.pop("name")
     return cfg
-
-
-def runnable_optimizers() -> list[str]:
-    """Every registered optimizer this machine can build: NVIDIA apex's need apex and a GPU (elsewhere their
-    one-line refusal is what is tested)."""
-    from core.apex import missing_nvidia_apex
-    from optim import list_optimizers
-    from optim.apex import APEX_OPTIMIZERS
-
-    apex_missing = missing_nvidia_apex("apex.optimizers", "amp_C") is not None
-    return [name for name in list_optimizers() if not (apex_missing and name in APEX_OPTIMIZERS)]

@@ -8,13 +8,13 @@ import copy
 
 import pytest
 import torch
-from helpers.config import TINY, compose, optim_preset, runnable_optimizers
+from helpers.config import TINY, compose, optim_preset
 from helpers.distributed_harness import run_on_ranks
 from helpers.models import tiny_bert_encoder
 
 from core.apex import missing_nvidia_apex
 from optim import build_optimizer, get_optimizer_spec
-from optim.apex import APEX_OPTIMIZERS
+from optim.apex import APEX_OPTIMIZERS, runnable_optimizers
 from optim.comm import Comm
 from train.metrics import read_metrics
 from train.run import run

@@ -7,12 +7,12 @@ import re
 
 import pytest
 import torch
-from helpers.config import TINY, compose, optim_preset, runnable_optimizers
+from helpers.config import TINY, compose, optim_preset
 from torch import nn
 from transformers import BertForPreTraining
 
 from optim import build_optimizer, get_optimizer_spec
-from optim.apex import APEX_OPTIMIZERS
+from optim.apex import APEX_OPTIMIZERS, runnable_optimizers
 from optim.comm import Comm
 from optim.memory import GIB, bytes_per_param, estimate_memory, memory_lines, persistent_bytes, state_bytes
 from train import trainer as trainer_module

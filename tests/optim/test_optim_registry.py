@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 import yaml
-from helpers.config import REPO, optim_preset, runnable_optimizers
+from helpers.config import REPO, optim_preset
 from helpers.models import tiny_bert_encoder
 from torch import nn
 
@@ -29,7 +29,7 @@ from optim import (
     param_groups_weight_decay,
     register_optimizer,
 )
-from optim.apex import APEX_OPTIMIZERS
+from optim.apex import APEX_OPTIMIZERS, runnable_optimizers
 from optim.onebit_adam import OneBitFamily
 from optim.restart import restart_optimizer
 

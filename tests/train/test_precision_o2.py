@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.config import REPO, TINY, compose, optim_preset, runnable_optimizers
+from helpers.config import REPO, TINY, compose, optim_preset
 from helpers.distributed_harness import run_on_ranks
 from helpers.models import tiny_bert_encoder
 from safetensors.torch import load_file
@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from core.errors import ConfigError
 from models import create_model
 from optim import build_optimizer, get_optimizer_spec
+from optim.apex import runnable_optimizers
 from optim.comm import Comm
 from train.config import validate
 from train.half_weights import HalfCopy
