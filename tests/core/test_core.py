@@ -3,11 +3,11 @@ a layering in which `core/` imports nothing of the project and no Python lives i
 
 from __future__ import annotations
 
-import ast
 import sys
 
 import pytest
 from helpers.config import REPO
+from helpers.sources import imported_packages
 
 from core.errors import ConfigError
 from core.registry import Registry
@@ -75,21 +75,10 @@ def test_every_registry_of_the_project_is_the_one_type_and_finds_its_entries(reg
     assert expected <= set(registry.names())
 
 
-def _imports(path) -> set[str]:
-    """The top-level package of every module `path` imports (absolute imports only: the project uses no other)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module.split(".")[0])
-    return found
-
-
 def test_core_imports_nothing_of_the_project_and_nothing_imports_from_conf():
     sources = [p for p in REPO.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(REPO).parts)]
     assert not [p for p in (REPO / "conf").rglob("*.py") if p.name != "__init__.py"], "conf/ holds YAML only"
     for path in (REPO / "core").glob("*.py"):
-        assert not _imports(path) & (set(PROJECT_PACKAGES) - {"core"}), path
-    offenders = [str(p.relative_to(REPO)) for p in sources if "conf" in _imports(p)]
+        assert not imported_packages(path) & (set(PROJECT_PACKAGES) - {"core"}), path
+    offenders = [str(p.relative_to(REPO)) for p in sources if "conf" in imported_packages(p)]
     assert not offenders, f"import Python from conf/: {offenders}"

@@ -4,9 +4,8 @@ tests/helpers/, the shared fixtures in tests/conftest.py."""
 
 from __future__ import annotations
 
-import ast
-
 from helpers.config import REPO
+from helpers.sources import imported_packages
 
 TESTS = REPO / "tests"
 PACKAGES = ["benchmarks", "core", "data", "models", "optim", "train"]
@@ -24,20 +23,9 @@ def test_test_file_names_are_unique_across_the_folders():
     assert sorted(names) == sorted(set(names))
 
 
-def _imported_modules(path) -> set[str]:
-    """The top-level names of the modules a file imports, function-level imports included."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module.split(".")[0])
-    return found
-
-
 def test_no_test_module_or_helper_imports_a_test_module_or_conftest():
     offenders = {}
     for path in [*TEST_FILES, *TESTS.glob("helpers/*.py")]:
-        if bad := {name for name in _imported_modules(path) if name.startswith("test_") or name == "conftest"}:
+        if bad := {name for name in imported_packages(path) if name.startswith("test_") or name == "conftest"}:
             offenders[path.relative_to(TESTS).as_posix()] = sorted(bad)
     assert offenders == {}

@@ -8,6 +8,7 @@ import io
 
 import pytest
 import torch
+from helpers.mlp import mlp_steps, small_mlp
 from helpers.models import pretraining_batches, tiny_bert_for_pretraining
 from helpers.threads import one_thread
 from timm.optim import Lamb as TimmLamb
@@ -84,9 +85,9 @@ def test_chunked_foreach_equals_for_loop(monkeypatch):
     monkeypatch.setitem(FOREACH_CHUNK_NUMEL, "cpu", 100)  # the small model in several chunks
     models = {}
     for foreach in (True, False):
-        models[foreach] = model = _small_model()
+        models[foreach] = model = small_mlp(8, 16, 4)
         optimizer = LAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, max_grad_norm=0.05, foreach=foreach)
-        _steps(model, optimizer, range(5))
+        mlp_steps(model, optimizer, range(5))
     _assert_same_params(models[True], models[False], atol=1e-6, rtol=1e-5)
 
 
@@ -130,39 +131,25 @@ def test_pre_normalisation_leaves_grads_alone():
     assert torch.equal(p.grad, torch.full((3,), 10.0))
 
 
-def _small_model() -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
-
-
-def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, seeds: range) -> None:
-    for seed in seeds:
-        g = torch.Generator().manual_seed(seed)
-        model(torch.randn(5, 8, generator=g)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 @pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
 def test_state_dict_round_trip_continues_exactly(foreach):
     kwargs = dict(lr=1e-2, max_grad_norm=0.05, foreach=foreach)
-    model = _small_model()
+    model = small_mlp(8, 16, 4)
     optimizer = LAMB(param_groups_weight_decay(model, 0.01), **kwargs)
-    _steps(model, optimizer, range(5))
+    mlp_steps(model, optimizer, range(5))
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    _steps(model, optimizer, range(5, 10))
+    mlp_steps(model, optimizer, range(5, 10))
 
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    resumed = _small_model()
+    resumed = small_mlp(8, 16, 4)
     resumed.load_state_dict(saved["model"])
     resumed_optimizer = LAMB(param_groups_weight_decay(resumed, 0.01), **kwargs)
     resumed_optimizer.load_state_dict(saved["optimizer"])
     state = resumed_optimizer.state[resumed[0].weight]
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"].item() == 5
-    _steps(resumed, resumed_optimizer, range(5, 10))
+    mlp_steps(resumed, resumed_optimizer, range(5, 10))
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
 
@@ -189,7 +176,7 @@ def test_max_grad_norm_is_optimizer_wide():
 
 
 def test_state_is_lazily_created_and_groups_without_grads_are_skipped():
-    model = _small_model()
+    model = small_mlp(8, 16, 4)
     optimizer = LAMB(copy.deepcopy(param_groups_weight_decay(model, 0.01)))
     optimizer.step()  # no gradients yet: nothing happens
     assert not optimizer.state

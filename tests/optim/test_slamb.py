@@ -15,6 +15,7 @@ from helpers.config import REPO, TINY, compose
 from helpers.dispatched_ops import dispatched_ops, per_tensor_foreach_ops
 from helpers.distributed_harness import run_on_ranks
 from helpers.host_reads import count_host_reads
+from helpers.mlp import mlp_steps, small_mlp
 from helpers.runs import popen_train, run_train, wait_for_step
 from helpers.slamb_cases import BETA1, BETA2, BETA3, MIN_NUMEL, N_STEPS, SHAPES, H, K, grad, initial_params
 from helpers.threads import one_thread
@@ -35,6 +36,9 @@ from train.plan import plan_run
 
 # --------------------------------------------------------------------------------------------- T1
 STEPS = 100
+
+# 60x200 and 200x30 weights, masked; biases and LayerNorm always synced
+SMALL_MLP = functools.partial(small_mlp, 60, 200, 30)
 
 
 @functools.cache
@@ -71,18 +75,6 @@ def test_one_rank_with_k_1_equals_lamb(mask, rescale):
 
 
 # --------------------------------------------------------------------------------------------- one process
-def _small_model() -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        return nn.Sequential(nn.Linear(60, 200), nn.LayerNorm(200), nn.GELU(), nn.Linear(200, 30))
-
-
-def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, seeds: range) -> None:
-    for seed in seeds:
-        g = torch.Generator().manual_seed(seed)
-        model(torch.randn(5, 60, generator=g)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def _slamb(model: nn.Module, **kwargs) -> SLAMB:
@@ -97,10 +89,10 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("mask", ["bernoulli", "cyclic"])
 def test_masks_density_small_tensors_and_the_global_rng(mask):
-    model = _small_model()  # 60x200 and 200x30 weights are masked; biases and LayerNorm always synced
+    model = SMALL_MLP()  # 60x200 and 200x30 weights are masked; biases and LayerNorm always synced
     optimizer = _slamb(model, mask=mask, compress_ratio=0.1)
     before = torch.get_rng_state()
-    _steps(model, optimizer, range(3))
+    mlp_steps(model, optimizer, range(3))
     assert torch.equal(torch.get_rng_state(), before)  # masks come from a private generator (pitfall P3)
     big = [p.numel() >= 1000 and p.dim() > 1 for p in _params(optimizer)]
     d_big = sum(p.numel() for p, b in zip(_params(optimizer), big, strict=True) if b)
@@ -110,14 +102,14 @@ def test_masks_density_small_tensors_and_the_global_rng(mask):
         selected = sum(int(m.sum()) for m, b in zip(masks, big, strict=True) if b)
         # |S_t| ~ k d, not (1 - k) d (the inverted mask of the authors' fork, pitfall P11).
         assert abs(selected - 0.1 * d_big) < 6 * math.sqrt(d_big * 0.1 * 0.9) + 2
-    again = _slamb(_small_model(), mask=mask, compress_ratio=0.1)
+    again = _slamb(SMALL_MLP(), mask=mask, compress_ratio=0.1)
     assert all(torch.equal(a, b) for a, b in zip(optimizer.sync_masks(7), again.sync_masks(7), strict=True))
-    other = _slamb(_small_model(), mask=mask, compress_ratio=0.1, seed=1)
+    other = _slamb(SMALL_MLP(), mask=mask, compress_ratio=0.1, seed=1)
     assert not all(torch.equal(a, b) for a, b in zip(optimizer.sync_masks(7), other.sync_masks(7), strict=True))
 
 
-def test_bernoulli_masks_are_independent_across_steps():
-    optimizer = _slamb(_small_model(), compress_ratio=0.3)
+def test_bernoulli_masks_are_independent_acrossmlp_steps():
+    optimizer = _slamb(SMALL_MLP(), compress_ratio=0.3)
     masks = torch.stack([optimizer.sync_masks(step)[0].flatten() for step in range(1, 41)]).float()
     per_coordinate = masks.mean(0)  # each coordinate ~ Binomial(40, 0.3) / 40, not a fixed pattern
     assert per_coordinate.mean().item() == pytest.approx(0.3, abs=0.01)
@@ -127,7 +119,7 @@ def test_bernoulli_masks_are_independent_across_steps():
 
 
 def test_cyclic_mask_syncs_every_coordinate_once_per_cycle():
-    optimizer = _slamb(_small_model(), mask="cyclic", compress_ratio=0.3)  # floor(1 / 0.3) = 3 chunks
+    optimizer = _slamb(SMALL_MLP(), mask="cyclic", compress_ratio=0.3)  # floor(1 / 0.3) = 3 chunks
     masks = [optimizer.sync_masks(step)[0] for step in range(1, 7)]
     assert torch.equal(sum(m.int() for m in masks[:3]), torch.ones_like(masks[0], dtype=torch.int))
     assert all(torch.equal(masks[i], masks[i + 3]) for i in range(3))
@@ -156,7 +148,7 @@ def test_masks_do_not_depend_on_the_chunking(monkeypatch, mask):
     masks = []
     for numel in (1 << 26, 4000):
         monkeypatch.setitem(_layout.GEOMETRIES, "cpu", replace(_layout.GEOMETRIES["cpu"], chunk_numel=numel))
-        optimizer = _slamb(_small_model(), mask=mask)
+        optimizer = _slamb(SMALL_MLP(), mask=mask)
         masks.append([optimizer.sync_masks(step) for step in (1, 2)])
     assert len(optimizer._ensure_layout().chunks) > 1
     assert all(torch.equal(a, b) for big, small in zip(*masks, strict=True) for a, b in zip(big, small, strict=True))
@@ -176,7 +168,7 @@ def test_a_gpu_layout_steps_like_the_cpu_layout(monkeypatch, options):
             monkeypatch.setitem(_layout.GEOMETRIES, "cpu", _layout.Geometry(8000, 1000, True, False))
         model = _mixed_rows_model()
         optimizer = _slamb(model, beta3=0.9, comm=MirrorComm(2), **options)  # the multi-rank path
-        _steps(model, optimizer, range(6))
+        mlp_steps(model, optimizer, range(6))
         results.append((list(model.parameters()), optimizer.freshness()))
     (cpu_params, cpu_freshness), (gpu_params, gpu_freshness) = results
     assert all(torch.equal(a, b) for a, b in zip(cpu_freshness, gpu_freshness, strict=True))
@@ -189,8 +181,8 @@ def test_a_gpu_layout_steps_like_the_cpu_layout(monkeypatch, options):
 @pytest.mark.parametrize("mask", ["stratified", "bernoulli", "cyclic"])
 def test_cuda_masks_equal_cpu_masks(mask):
     """Drawn from the host stream, a mask is the same on any device (a CUDA generator's depends on the GPU)."""
-    on_cpu = _slamb(_small_model(), mask=mask)
-    on_gpu = _slamb(_small_model().cuda(), mask=mask)
+    on_cpu = _slamb(SMALL_MLP(), mask=mask)
+    on_gpu = _slamb(SMALL_MLP().cuda(), mask=mask)
     for step in (1, 2, 3):
         for a, b in zip(on_cpu.sync_masks(step), on_gpu.sync_masks(step), strict=True):
             assert torch.equal(a, b.cpu())
@@ -201,10 +193,10 @@ def _first_step_with_a_skewed_draw(rank: int, world_size: int) -> str:
     if rank == 1:
         draw = _masks.mask_uniforms
         _masks.mask_uniforms = lambda *args: draw(*args).add_(0.5).remainder_(1.0)
-    model = _small_model()
+    model = SMALL_MLP()
     optimizer = _slamb(model, comm=Comm())
     try:
-        _steps(model, optimizer, range(1))
+        mlp_steps(model, optimizer, range(1))
     except RuntimeError as error:
         return str(error)
     return "stepped"
@@ -228,14 +220,14 @@ def _mixed_rows_model() -> nn.Module:
         return nn.Sequential(nn.Linear(60, 201), nn.GELU(), nn.Linear(201, 30))
 
 
-@pytest.mark.parametrize(("beta3", "steps", "build"), [(0.93, 15, _small_model), (0.7, 100, _small_model),
+@pytest.mark.parametrize(("beta3", "steps", "build"), [(0.93, 15, SMALL_MLP), (0.7, 100, SMALL_MLP),
                                                        (0.93, 15, _mixed_rows_model)])  # 0.7: R = 30
 def test_freshness_is_beta3_to_the_staleness(beta3, steps, build):
     model = build()
     optimizer = _slamb(model, beta3=beta3)
     staleness = [torch.zeros_like(p) for p in _params(optimizer)]
     for step in range(1, steps + 1):
-        _steps(model, optimizer, range(step, step + 1))
+        mlp_steps(model, optimizer, range(step, step + 1))
         rescalings = step // optimizer._layout.rebase_interval
         for r, j, mask in zip(optimizer.freshness(), staleness, optimizer.sync_masks(step), strict=True):
             j.add_(1).masked_fill_(mask, 0)
@@ -247,9 +239,9 @@ def test_freshness_is_beta3_to_the_staleness(beta3, steps, build):
 def test_freshness_from_a_checkpoint_of_an_earlier_version_is_adopted(written_as):
     """A state_dict written when SLAMB stored r in fp32 (key "freshness"), or q per coordinate (before it kept
     one per row of the mask), loads as the same r to fp16 rounding."""
-    model = _small_model()
+    model = SMALL_MLP()
     optimizer = _slamb(model, beta3=0.93)
-    _steps(model, optimizer, range(7))
+    mlp_steps(model, optimizer, range(7))
     freshness = optimizer.freshness()
     assert any(bool((r < 1).any()) for r in freshness)
     saved = optimizer.state_dict()
@@ -268,22 +260,22 @@ def test_freshness_from_a_checkpoint_of_an_earlier_version_is_adopted(written_as
 
 @pytest.mark.parametrize("mask", ["bernoulli", "cyclic"])
 def test_state_dict_round_trip_continues_exactly(mask):
-    model = _small_model()
+    model = SMALL_MLP()
     optimizer = _slamb(model, mask=mask, seed=5)
-    _steps(model, optimizer, range(5))
+    mlp_steps(model, optimizer, range(5))
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    _steps(model, optimizer, range(5, 10))
+    mlp_steps(model, optimizer, range(5, 10))
 
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    resumed = _small_model()
+    resumed = SMALL_MLP()
     resumed.load_state_dict(saved["model"])
     resumed_optimizer = _slamb(resumed, mask=mask, seed=0)  # the seed comes from the checkpoint
     resumed_optimizer.load_state_dict(saved["optimizer"])
     assert resumed_optimizer.state["slamb"] == {"step": 5, "seed": 5}
     assert set(resumed_optimizer.state[resumed[0].weight]) == {"exp_avg", "exp_avg_sq", "scaled_freshness"}
-    _steps(resumed, resumed_optimizer, range(5, 10))
+    mlp_steps(resumed, resumed_optimizer, range(5, 10))
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
@@ -294,9 +286,9 @@ def test_state_dict_round_trip_continues_exactly(mask):
 def test_a_loaded_state_fills_the_flat_buffers_in_place():
     """Loading writes into the buffers that already exist (no second copy of the state), and each parameter's
     state is a view of them again afterwards."""
-    model = _small_model()
+    model = SMALL_MLP()
     optimizer = _slamb(model, seed=5)
-    _steps(model, optimizer, range(3))
+    mlp_steps(model, optimizer, range(3))
     saved = optimizer.state_dict()
     saved = {**saved, "state": {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in entry.items()}
                                 for k, entry in saved["state"].items()}}
@@ -314,7 +306,7 @@ def test_a_loaded_state_fills_the_flat_buffers_in_place():
 
 
 def test_parameters_without_gradients_are_left_alone():
-    model = _small_model()
+    model = SMALL_MLP()
     optimizer = _slamb(model)
     frozen_out = model[3].weight.detach().clone()
     for seed in range(3):
@@ -331,8 +323,8 @@ def test_weight_decay_outside_the_trust_ratio_and_full_bias_correction_differ_fr
     results = {}
     for name, options in {"default": {}, "v2_decay": dict(wd_in_trust_ratio=False),
                           "full": dict(bias_correction_form="full")}.items():
-        model = _small_model()
-        _steps(model, _slamb(model, weight_decay=0.5, **options), range(3))
+        model = SMALL_MLP()
+        mlp_steps(model, _slamb(model, weight_decay=0.5, **options), range(3))
         results[name] = model[0].weight.detach()
     assert not torch.equal(results["default"], results["v2_decay"])
     assert not torch.equal(results["default"], results["full"])
@@ -495,7 +487,7 @@ def test_a_step_runs_on_the_meta_device():
 
 # --------------------------------------------------------------------------------------------- always_adapt
 @pytest.mark.parametrize("rescale", ["sum_of_products", "product_of_interpolations"])
-def test_without_always_adapt_no_decay_tensors_take_plain_adam_steps(rescale):
+def test_without_always_adapt_no_decay_tensors_take_plain_adammlp_steps(rescale):
     """always_adapt=False (NVLAMB): every tensor of a zero-decay group, masked or not, moves by exactly lr u~, its
     trust ratio 1 and unclamped (c_min = 2 here would raise it); the decayed tensors keep their clamped ratios."""
     params = [nn.Parameter(t.clone()) for t in initial_params()]
