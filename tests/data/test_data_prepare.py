@@ -318,7 +318,15 @@ def test_cli_errors_are_one_line_naming_the_key_with_exit_code_2(tmp_path, args,
     result = _prepare_cli(*args, *output_dir)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(line) and len(result.stderr.splitlines()) == 1, result.stderr
-    assert not (tmp_path / "out" / "phase1").exists()
+    assert not (tmp_path / "out").exists()  # a refusal leaves no directory of its own (not even Hydra's empty log)
+
+
+def test_a_refusal_leaves_an_existing_output_dir_as_it_was(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    result = _prepare_cli("corpus=text_dir", f"output_dir={tmp_path / 'out'}")
+    assert result.returncode == 2, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["notes.txt", "prepare.log"]
 
 
 def test_help_lists_every_corpus_and_key():
