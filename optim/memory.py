@@ -34,17 +34,19 @@ def bytes_per_param(spec: OptimSpec, kwargs: Mapping[str, Any], world_size: int)
     return None if per_param is None else float(per_param)
 
 
-def estimate_memory(model: nn.Module, spec: OptimSpec, kwargs: Mapping[str, Any], world_size: int) -> dict[str, int]:
+def estimate_memory(model: nn.Module, spec: OptimSpec, kwargs: Mapping[str, Any], world_size: int,
+                    half_copy_bytes: int = 0) -> dict[str, int]:
     """Bytes per rank of `weights`, `gradients`, `optimizer` (absent when the spec gives no number) and `total`.
 
     Gradients: one per trainable parameter, in the parameter's dtype. The optimizer's bytes per element are
-    for fp32 parameters, as every optimizer here keeps its state in fp32.
+    for fp32 parameters, as every optimizer here keeps its state in fp32. `half_copy_bytes`: O2's half-precision
+    copy of the weights, which adds its size to the weights and again to the gradients.
     """
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     estimate = {
-        "weights": sum(p.numel() * p.element_size() for p in params),
-        "gradients": sum(p.numel() * p.element_size() for p in trainable),
+        "weights": sum(p.numel() * p.element_size() for p in params) + half_copy_bytes,
+        "gradients": sum(p.numel() * p.element_size() for p in trainable) + half_copy_bytes,
     }
     per_param = bytes_per_param(spec, kwargs, world_size)
     if per_param is not None:

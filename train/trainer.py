@@ -143,11 +143,8 @@ class Trainer:
             f"peak lr {self.peak_lr:g} ({schedule.name}, warm-up {warmup} of {self.max_steps} "
             f"steps) | {epochs:.3g} epochs of data | seed {self.cfg.trainer.seed} | commit {_source_commit()}"
         )
-        estimate = estimate_memory(self.model, self.spec, self.plan.optimizer_options, self.comm.world_size)
-        if self.half is not None:  # O2 adds the half copy's weights and gradients
-            half = self.half.nbytes()
-            estimate = {**estimate, "weights": estimate["weights"] + half, "gradients": estimate["gradients"] + half,
-                        "total": estimate["total"] + 2 * half}
+        estimate = estimate_memory(self.model, self.spec, self.plan.optimizer_options, self.comm.world_size,
+                                   half_copy_bytes=0 if self.half is None else self.half.nbytes())
         device_total = (torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda"
                         else None)
         for line in memory_lines(estimate, device_total):

@@ -144,6 +144,14 @@ def test_estimate_counts_weights_trainable_gradients_and_state():
                         "optimizer": 8 * 120, "total": 1010 * 4 + 110 * 2 + 10 * 4 + 110 * 2 + 8 * 120}
 
 
+def test_o2_half_copy_adds_its_weights_and_their_gradients():
+    model = nn.Linear(1000, 100)  # 100100 fp32 parameters, masters of a bf16 copy of 2 bytes each
+    plain = estimate_memory(model, get_optimizer_spec("lamb"), {}, world_size=1)
+    o2 = estimate_memory(model, get_optimizer_spec("lamb"), {}, world_size=1, half_copy_bytes=2 * 100100)
+    assert o2 == {**plain, "weights": 6 * 100100, "gradients": 6 * 100100, "total": plain["total"] + 4 * 100100}
+    assert o2["total"] == 20 * 100100  # LAMB under O2: 20 bytes per parameter (autocast: 16)
+
+
 def test_estimate_takes_the_config_kwargs_and_the_world_size():
     model = nn.Linear(1000, 100)  # 100100 parameters
     estimate = estimate_memory(model, get_optimizer_spec("onebit_lamb"), {"mask_zero_variance": False}, 4)
