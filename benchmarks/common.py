@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import yaml
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -311,3 +312,16 @@ def _rank_entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Ca
         torch.save(fn(rank, world_size, *args), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
+
+
+def print_top_kernels(step: Callable[[], None], device: torch.device, top: int, steps: int = 3) -> None:
+    """The `top` kernels by total device time over `steps` steps: where a step's time goes."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"top {top} of {steps} profiled steps, by {sort_by}:")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=70))

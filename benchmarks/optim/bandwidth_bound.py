@@ -22,7 +22,15 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import SIZES, bert_parameters, bytes_touched, chosen_device, config_kwargs, device_label
+from benchmarks.common import (
+    SIZES,
+    bert_parameters,
+    bytes_touched,
+    chosen_device,
+    config_kwargs,
+    device_label,
+    print_top_kernels,
+)
 from optim import build_optimizer
 from optim.mirror_comm import MirrorComm
 
@@ -64,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, help="registered optimizer names")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (past the 1-bit warm-up)")
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per optimizer")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after each optimizer's timing, profile 3 of its steps and print the N kernels (CPU: ops) "
+                        "that take most time: where a step's time goes when its bytes do not say")
     args = parser.parse_args(argv)
     device = chosen_device(parser, args.device)
     model = bert_parameters(args.size, device)
@@ -83,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         bound = touched / bandwidth
         print(f"{name:<15} {touched / 1e9:>10.3f} {bound * 1e3:>9.2f} {min(times) * 1e3:>8.2f} "
               f"{statistics.median(times) * 1e3:>10.2f} {min(times) / bound:>12.2f}", flush=True)
+        if args.profile:
+            print_top_kernels(optimizer.step, device, args.profile)
         del optimizer
 
 

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import bert_pretraining_batch, device_label, predictions_per_row
+from benchmarks.common import bert_pretraining_batch, device_label, predictions_per_row, print_top_kernels
 from models import create_model
 from optim import build_optimizer
 from train.half_weights import HalfCopy
@@ -217,19 +215,6 @@ def main(argv: list[str] | None = None) -> None:
         print("no published figure for this shape (tiny shapes exercise the code path; CPU times are noise)")
     if args.profile:
         print_top_kernels(step, device, args.profile)
-
-
-def print_top_kernels(step: Callable[[], None], device: torch.device, top: int, steps: int = 3) -> None:
-    """The `top` kernels by total device time over `steps` steps: where a step's time goes."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(f"top {top} of {steps} profiled steps, by {sort_by}:")
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=70))
 
 
 def _precision_config(precision: str) -> DictConfig:

@@ -115,6 +115,17 @@ def test_parts_past_the_budget_are_recorded_not_run(tmp_path, monkeypatch):
     assert text.count("| not run (budget spent) |") == 2
 
 
+def test_an_optional_part_runs_only_when_named(tmp_path, monkeypatch):
+    optional = gpu.Part("extra", "named only", _python("print('extra ran')"), 60, _python(""), optional=True)
+    monkeypatch.setattr(gpu, "PARTS", [FAKE_PARTS[0], optional])
+    for args, expected in (([], {"fine"}), (["--only", "extra"], {"extra"})):
+        out = tmp_path / str(len(args))
+        with pytest.raises(SystemExit):
+            gpu.main(["--out", str(out), *args])
+        rows = re.findall(r"^\| \[(\w+)\]\(#\w+\) \| ok \|", next(out.glob("gpu-*.md")).read_text(), re.MULTILINE)
+        assert set(rows) == expected
+
+
 def test_the_carried_wheels_are_pure_python_at_the_pinned_versions():
     """The `pip wheel` line of docs/results/README.md: pure-Python packages at requirements.txt's pins (omegaconf's
     antlr4 runtime, which it does not pin, at the version installed with omegaconf)."""
@@ -146,7 +157,8 @@ def test_the_dry_run_goes_end_to_end_on_a_bare_machine(bare_machine, tmp_path):
     text = page.read_text()
     assert result.returncode == 0, text[-3000:]
     assert text.startswith("# GPU run: dry run on the CPU")
-    for part in gpu.PARTS:
-        assert re.search(rf"^\| \[{part.name}\]\(#{part.name}\) \| ok \|", text, re.MULTILINE), part.name
+    for part in gpu.PARTS:  # the default parts, each ok; the optional ones only when named
+        ran = re.search(rf"^\| \[{part.name}\]\(#{part.name}\) \| ok \|", text, re.MULTILINE)
+        assert bool(ran) != part.optional, part.name
     assert "pysbd absent" in text
     assert re.search(r"^\| \[demo\].*eval/loss [\d.]+", text, re.MULTILINE)
