@@ -32,6 +32,8 @@ def test_bert_large_phase1_carries_nvidia_recipe():
     assert cfg.schedule.kwargs.warmup_fraction == pytest.approx(0.2843)
     assert cfg.schedule.kwargs.degree == 0.5
     assert cfg.trainer.device == "cuda"  # a cluster recipe never falls back to CPU in silence
+    # O2 in NVIDIA's fp16, compiled: what measured fastest on the GPU (docs/results/gpu-h100.md)
+    assert (cfg.precision.dtype, cfg.precision.weights, cfg.trainer.compile) == ("fp16", "half", True)
     validate(compose(["experiment=bert_large_phase1", "data.path=/data/wiki_books", "trainer.device=cpu"]))
 
 
