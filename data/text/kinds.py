@@ -30,6 +30,8 @@ class TextDataConfig:
     # demo only: sequences in the held-out set (0: none); shards: null, the size was fixed at preparation
     heldout_sequences: int | None = MISSING
     eval_batch_size: int = MISSING  # held-out sequences per evaluation batch
+    # most sequences packed into one row of max_seq_len (data.text.packing); 1: no packing, a row per sequence
+    pack_sequences: int = MISSING
 
 
 def check_text_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
@@ -37,6 +39,8 @@ def check_text_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
     with options_of("data"):
         for key in ("max_seq_len", "max_predictions", "dupe_factor", "eval_batch_size"):
             check_positive(key, data_cfg[key])
+        require(data_cfg.pack_sequences >= 1, "pack_sequences", data_cfg.pack_sequences,
+                "must be the most sequences per row: 1 (no packing) or more")
         check_choice("masking", data_cfg.masking, ("static", "dynamic"))
         check_range("masked_lm_prob", data_cfg.masked_lm_prob, 0.0, 1.0)
         check_range("short_seq_prob", data_cfg.short_seq_prob, 0.0, 1.0)
@@ -52,11 +56,17 @@ def check_text_data(data_cfg: DictConfig, micro_batch_size: int) -> None:
             check_non_negative("heldout_sequences", data_cfg.heldout_sequences)
 
 
-def _loader(dataset, data_cfg: DictConfig, request: DataRequest, **kwargs):
+def _loader(dataset, data_cfg: DictConfig, request: DataRequest, shard_sizes=None):
+    """This rank's loader over `dataset`, its sequences packed into rows when data.pack_sequences > 1."""
     from data.loader import ResumableLoader
 
+    if data_cfg.pack_sequences > 1:
+        from data.text.packing import PackedPretrainingDataset
+
+        dataset = PackedPretrainingDataset(dataset, data_cfg.pack_sequences, request.seed, shard_sizes)
+        shard_sizes = dataset.shard_sizes if shard_sizes is not None else None  # rows per shard
     return ResumableLoader(dataset, request.micro_batch_size, request.rank, request.world_size, request.seed,
-                           num_workers=data_cfg.num_workers, pin_memory=request.pin_memory, **kwargs)
+                           num_workers=data_cfg.num_workers, pin_memory=request.pin_memory, shard_sizes=shard_sizes)
 
 
 def build_demo_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
@@ -88,14 +98,17 @@ def build_demo_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fals
         masked_lm_prob=data_cfg.masked_lm_prob,
         short_seq_prob=data_cfg.short_seq_prob,
     )
+    loader = _loader(dataset, data_cfg, request)
     source = "demo: the embedded pydoc corpus (a smoke test, not a pretraining corpus)"
-    return TaskData(train=_loader(dataset, data_cfg, request), eval=held_out, tokenizer=tokenizer,
-                    source=_with_heldout(source, held_out))
+    return TaskData(train=loader, eval=held_out, tokenizer=tokenizer, source=_described(source, loader, held_out))
 
 
-def _with_heldout(source: str, held_out) -> str:
-    """The start-up line names the held-out set, or says there is none (evaluation is then skipped)."""
-    return f"{source}; {held_out.description if held_out is not None else 'no held-out set'}"
+def _described(source: str, loader, held_out) -> str:
+    """The start-up line names the packing, if any, and the held-out set, or says there is none (evaluation is
+    then skipped)."""
+    packing = getattr(loader.dataset, "description", None)
+    return "; ".join([source, *([packing] if packing else []),
+                      held_out.description if held_out is not None else "no held-out set"])
 
 
 def build_shards_data(data_cfg: DictConfig, request: DataRequest, dry: bool = False) -> TaskData | None:
@@ -136,7 +149,7 @@ def build_shards_data(data_cfg: DictConfig, request: DataRequest, dry: bool = Fa
     loader = _loader(dataset, data_cfg, request, shard_sizes=dataset.instances.shard_sizes)
     held_out = load_heldout(dataset.instances, tokenizer.pad_token_id, data_cfg.eval_batch_size)
     return TaskData(train=loader, eval=held_out, tokenizer=tokenizer,
-                    source=_with_heldout(f"shards: {directory}", held_out))
+                    source=_described(f"shards: {directory}", loader, held_out))
 
 
 register_data_kind(DataKind("demo", TextDataConfig, check_text_data, build_demo_data))

@@ -77,8 +77,8 @@ class PretrainingDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         return self.get_item(index, epoch=0)
 
-    def get_item(self, index: int, epoch: int) -> dict[str, np.ndarray]:
-        """The padded sample ``index`` as seen in ``epoch`` (only dynamic masks depend on the epoch)."""
+    def masked_instance(self, index: int, epoch: int) -> PretrainingInstance:
+        """Instance ``index`` with the masks it has in ``epoch``, unpadded (packing places it in a row itself)."""
         inst = self.instances[index]
         n = len(inst.input_ids)
         if n > self.max_seq_len:
@@ -92,7 +92,12 @@ class PretrainingDataset(torch.utils.data.Dataset):
                 f"instance {index} has {len(inst.masked_lm_positions)} prediction slots, "
                 f"expected max_predictions={self.max_predictions}"
             )
+        return inst
 
+    def get_item(self, index: int, epoch: int) -> dict[str, np.ndarray]:
+        """The padded sample ``index`` as seen in ``epoch`` (only dynamic masks depend on the epoch)."""
+        inst = self.masked_instance(index, epoch)
+        n = len(inst.input_ids)
         input_ids = np.full(self.max_seq_len, self.pad_token_id, dtype=np.int64)
         token_type_ids = np.zeros(self.max_seq_len, dtype=np.int64)
         attention_mask = np.zeros(self.max_seq_len, dtype=np.int64)

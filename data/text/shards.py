@@ -289,6 +289,11 @@ class ShardSet(Sequence[PretrainingInstance]):
             raise ShardError(f"shard {path} has {table.num_rows} rows, the manifest records {record['instances']}")
         return _DecodedShard(table)
 
+    def sequence_lengths(self, shard: int) -> np.ndarray:
+        """The token count of each row of one shard (verified and decoded, not cached): what packing plans from."""
+        decoded = self._decode(self.records[shard])
+        return np.diff(decoded.id_offsets)
+
     def heldout_instances(self) -> list[PretrainingInstance] | None:
         """The held-out instances (verified), or None when the directory was prepared without a held-out set."""
         if self.heldout_record is None:
