@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optim._math import foreach_chunks, fused_add_adam_direction_
+from optim._math import fused_add_adam_direction_
+from optim.flat import foreach_chunks
 from optim.lamb import lamb_update_
 from optim.lars import lars
 

@@ -10,7 +10,7 @@ the random masks live here too; the option checks the optimizers share are `opti
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,23 +23,6 @@ from torch import Tensor
 # elements 256 MB, while its dozen launches cost microseconds against the milliseconds of its passes (a
 # tensor larger than the chunk, such as the 78M-element BERT-XL embedding, is a chunk of its own).
 FOREACH_CHUNK_NUMEL = {"cpu": 1 << 22, "cuda": 1 << 26}
-
-
-def foreach_chunks(tensors: Sequence[Tensor], max_numel: int | None = None) -> list[slice]:
-    """Consecutive slices of `tensors` holding at most `max_numel` elements each (a larger tensor: alone);
-    by default the chunk size of the tensors' device type (`FOREACH_CHUNK_NUMEL`)."""
-    if max_numel is None and tensors:
-        max_numel = FOREACH_CHUNK_NUMEL.get(tensors[0].device.type)
-    if max_numel is None:
-        return [slice(0, len(tensors))]
-    chunks, start, numel = [], 0, 0
-    for i, t in enumerate(tensors):
-        if i > start and numel + t.numel() > max_numel:
-            chunks.append(slice(start, i))
-            start, numel = i, 0
-        numel += t.numel()
-    chunks.append(slice(start, len(tensors)))
-    return chunks
 
 
 def global_grad_norm(grads: list[Tensor]) -> Tensor:

@@ -14,13 +14,13 @@ from optim._math import (
     adam_moments_,
     bias_corrections,
     closure_loss,
-    foreach_chunks,
     fused_add_adam_direction_,
     global_grad_norm,
     grad_prenorm_divisor,
     trust_ratio,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
+from optim.flat import foreach_chunks
 from optim.option_checks import check_adam_hyperparameters, check_flags
 
 

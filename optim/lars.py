@@ -8,8 +8,9 @@ import torch
 from torch import Tensor
 
 from core.options import check_non_negative, check_positive, require
-from optim._math import closure_loss, foreach_chunks
+from optim._math import closure_loss
 from optim._registry import OptimSpec, register_optimizer, run_check
+from optim.flat import foreach_chunks
 from optim.option_checks import check_flags
 
 

@@ -13,10 +13,10 @@ from core.options import check_non_negative, check_positive, require
 from optim._math import (
     clamped_trust_ratio,
     foreach_adam_update,
-    foreach_chunks,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
+from optim.flat import foreach_chunks
 from optim.memory import onebit_family_bytes
 from optim.onebit_adam import (
     DIFFERENCES_FROM_DEEPSPEED,

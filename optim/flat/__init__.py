@@ -13,8 +13,8 @@ An optimizer places its slots (`FlatLayout.packed`, or its own placement), adds 
 as ops over segments, chunks and per-tensor lists of views.
 """
 
-from optim.flat._layout import Bucket, Chunk, FlatLayout, Piece, Slot, runs
+from optim.flat._layout import Bucket, Chunk, FlatLayout, Piece, Slot, foreach_chunks, runs
 from optim.flat._state import FlatState, copy_in_chunks_, pop_flat_entries
 
-__all__ = ["Bucket", "Chunk", "FlatLayout", "FlatState", "Piece", "Slot", "copy_in_chunks_", "pop_flat_entries",
-           "runs"]
+__all__ = ["Bucket", "Chunk", "FlatLayout", "FlatState", "Piece", "Slot", "copy_in_chunks_", "foreach_chunks",
+           "pop_flat_entries", "runs"]

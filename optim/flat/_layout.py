@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from optim._math import FOREACH_CHUNK_NUMEL
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -199,6 +201,16 @@ def runs(order: Sequence[int], numels: Sequence[int], groups: Sequence[int], lim
         cut[-1].append(i)
         extent = grown
     return cut
+
+
+def foreach_chunks(tensors: Sequence[Tensor], max_numel: int | None = None) -> list[slice]:
+    """`runs` of a plain tensor list, as slices: consecutive tensors holding at most `max_numel` elements each (a
+    larger tensor: alone), by default the chunk size of their device type (`FOREACH_CHUNK_NUMEL`), for the
+    multi-tensor passes of the optimizers that keep no flat state."""
+    if max_numel is None and tensors:
+        max_numel = FOREACH_CHUNK_NUMEL.get(tensors[0].device.type)
+    cut = runs(range(len(tensors)), [t.numel() for t in tensors], [0] * len(tensors), max_numel)
+    return [slice(run[0], run[-1] + 1) for run in cut] or [slice(0, 0)]
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -16,7 +16,8 @@ from torch import nn
 from transformers import BertForPreTraining
 
 from optim import LAMB, param_groups_weight_decay
-from optim._math import FOREACH_CHUNK_NUMEL, foreach_chunks
+from optim._math import FOREACH_CHUNK_NUMEL
+from optim.flat import foreach_chunks
 
 STEPS = 100
 # Each config names the options that differ from NVLAMB's defaults; both optimizers get the same ones.
