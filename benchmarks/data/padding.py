@@ -7,8 +7,10 @@ documents (Wikipedia + BooksCorpus, an estimate).
     python -m benchmarks.data.padding --corpus demo
 
 Rows are padded to max_seq_len, so the padding fraction is 1 - real tokens / (sequences x max_seq_len), counted over
-every training sequence: the demo corpus as `data=demo` builds it, a prepared corpus from its manifests' counts
-(python_docs is prepared with `python -m data.prepare corpus=python_docs` into a temp dir: minutes).
+every training sequence: the demo corpus as `data=demo` builds it, a prepared corpus from its shards' sequence lengths
+(python_docs is prepared with `python -m data.prepare corpus=python_docs` into a temp dir: minutes). The "packed"
+column is the padding left when `data.pack_sequences=3` (the phase-2 presets' value) packs the sequences into rows:
+1 - real tokens / (rows x max_seq_len), with the plan training uses (data.text.packing).
 
 The estimate runs the project's NSP pairing (Google's create_pretraining_data semantics, data.text.nsp) on documents
 far longer than a sequence, as BooksCorpus' books are: a document pass fills every sequence to max_seq_len except
@@ -34,12 +36,14 @@ import numpy as np
 
 from benchmarks.common import REPO, markdown_table
 from data.text.nsp import create_nsp_instances
-from data.text.shards import read_manifest, resolve_phase_dir
+from data.text.packing import plan_rows
+from data.text.shards import ShardSet, read_manifest, resolve_phase_dir
 
 PHASES = {128: 20, 512: 80}  # max_seq_len: max_predictions, as the BERT phases prepare them
 SHORT_SEQ_PROB = 0.1  # create_pretraining_data's default, and conf/prepare's
 PACKING_THRESHOLD = 0.15  # phase 2 padding above this makes packing worth building (DESIGN: "pack when large")
 SENTENCE_TOKENS = (17, 30)  # mean WordPiece tokens per sentence of the long-document estimate
+PACK_SEQUENCES = 3  # most sequences per packed row: conf/experiment/bert_large_phase2.yaml's data.pack_sequences
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class Padding:
     seq: int
     sequences: float  # the estimate's are expectations
     tokens: float  # real (non-pad) tokens, [CLS] and [SEP] included
+    packed: float  # the padding fraction once packed, PACK_SEQUENCES a row
 
     @property
     def fraction(self) -> float:
@@ -55,7 +60,19 @@ class Padding:
 
     def row(self) -> dict[str, object]:
         return {"corpus": self.corpus, "seq": self.seq, "sequences": f"{self.sequences:,.0f}",
-                "real tokens per sequence": f"{self.tokens / self.sequences:.1f}", "padding": f"{self.fraction:.1%}"}
+                "real tokens per sequence": f"{self.tokens / self.sequences:.1f}", "padding": f"{self.fraction:.1%}",
+                f"packed ({PACK_SEQUENCES} a row)": f"{self.packed:.1%}"}
+
+
+def packed_padding(shards: list[np.ndarray], seq: int) -> float:
+    """The padding left when each shard's sequences (their lengths) are packed into rows as training packs them."""
+    rows = sum(len(plan_rows(lengths, seq, PACK_SEQUENCES, seed=0, key=key)) for key, lengths in enumerate(shards))
+    return 1 - sum(int(lengths.sum()) for lengths in shards) / (rows * seq)
+
+
+def _padding(corpus: str, seq: int, shards: list[np.ndarray]) -> Padding:
+    """The padding of sequences of these lengths (one array per shard), unpacked and packed."""
+    return Padding(corpus, seq, sum(map(len, shards)), sum(int(s.sum()) for s in shards), packed_padding(shards, seq))
 
 
 def demo_padding(seq: int) -> Padding:
@@ -64,14 +81,15 @@ def demo_padding(seq: int) -> Padding:
     from data.text.tokenizer import load_tokenizer
 
     instances = build_demo_dataset(load_tokenizer(), max_seq_len=seq, max_predictions=PHASES[seq]).instances
-    return Padding("demo", seq, len(instances), sum(len(inst.input_ids) for inst in instances))
+    return _padding("demo", seq, [np.array([len(inst.input_ids) for inst in instances])])
 
 
 def prepared_padding(path: Path, seq: int) -> Padding:
-    """A prepared phase's training shards, from the counts its manifest holds."""
-    manifest = read_manifest(resolve_phase_dir(path, seq))
-    counts = manifest["counts"]
-    return Padding(manifest["corpus"], seq, counts["instances"], counts["tokens"])
+    """A prepared phase's training shards, from their sequence lengths (each shard read once)."""
+    directory = resolve_phase_dir(path, seq)
+    shards = ShardSet(directory)
+    lengths = [shards.sequence_lengths(shard) for shard in range(len(shards.records))]
+    return _padding(read_manifest(directory)["corpus"], seq, lengths)
 
 
 def prepare_python_docs(workdir: Path) -> Path:
@@ -91,14 +109,19 @@ def long_document_padding(seq: int, sentence_tokens: int, documents: int = 40, s
     rng = np.random.default_rng(0)
     docs = [[[1000] * int(n) for n in rng.geometric(1 / sentence_tokens, sentences)] for _ in range(documents)]
 
-    def per_pass(short_seq_prob: float, passes: int) -> np.ndarray:
+    def lengths(short_seq_prob: float, passes: int) -> np.ndarray:
         instances = create_nsp_instances(docs, seq, random.Random(0), cls_id=101, sep_id=102, dupe_factor=passes,
                                          short_seq_prob=short_seq_prob)
-        return np.array([len(instances), sum(len(inst.input_ids) for inst in instances)]) / passes
+        return np.array([len(inst.input_ids) for inst in instances])
 
     # Every pass full-length, then every pass short; the short targets drawn over several passes, as they vary most.
-    sequences, tokens = (1 - SHORT_SEQ_PROB) * per_pass(0.0, 1) + SHORT_SEQ_PROB * per_pass(1.0, short_passes)
-    return Padding(f"long documents, {sentence_tokens} tokens per sentence (estimate)", seq, sequences, tokens)
+    full, short = lengths(0.0, 1), lengths(1.0, short_passes)
+    weights = np.array([1 - SHORT_SEQ_PROB, SHORT_SEQ_PROB / short_passes])
+    sequences, tokens = weights @ [[len(full), full.sum()], [len(short), short.sum()]]
+    # Packed: the full pass repeated so that it weighs 0.9 against the short passes' 0.1, as one shard.
+    mixed = np.concatenate([np.tile(full, round(short_passes * (1 - SHORT_SEQ_PROB) / SHORT_SEQ_PROB)), short])
+    return Padding(f"long documents, {sentence_tokens} tokens per sentence (estimate)", seq, sequences, tokens,
+                   packed_padding([mixed], seq))
 
 
 def main(argv: list[str] | None = None) -> None:

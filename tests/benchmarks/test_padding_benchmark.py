@@ -1,5 +1,6 @@
-"""`python -m benchmarks.data.padding`: a prepared phase's padding counted from its manifest is the padding of the
-sequences its shards hold, and the long-document estimate of create_pretraining_data's rule is what the rule gives."""
+"""`python -m benchmarks.data.padding`: a prepared phase's padding is the padding of the sequences its shards hold,
+unpacked and packed as training packs them, and the long-document estimate of create_pretraining_data's rule is what
+the rule gives."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import numpy as np
 import pytest
 from helpers.corpora import small_config, write_corpus
 
-from benchmarks.data.padding import long_document_padding, prepared_padding
+from benchmarks.data.padding import PACK_SEQUENCES, long_document_padding, prepared_padding
 from data.corpus.pipeline import prepare
 from data.text.nsp import create_nsp_instances
-from data.text.shards import ShardSet, resolve_phase_dir
+from data.text.packing import PackedPretrainingDataset
+from data.text.shards import ShardSet, load_prepared_dataset, resolve_phase_dir
+from data.text.tokenizer import DEFAULT_VOCAB_PATH, load_tokenizer
 
 
 def test_a_prepared_phase_pads_what_its_shards_leave_empty(tmp_path):
@@ -24,6 +27,9 @@ def test_a_prepared_phase_pads_what_its_shards_leave_empty(tmp_path):
         assert (measured.sequences, measured.tokens) == (len(lengths), sum(lengths))
         assert measured.fraction == pytest.approx(1 - np.mean(lengths) / seq)
         assert 0 < measured.fraction < 1
+        dataset = load_prepared_dataset(tmp_path / "out", load_tokenizer(), DEFAULT_VOCAB_PATH, seed=0, max_seq_len=seq)
+        packed = PackedPretrainingDataset(dataset, PACK_SEQUENCES, seed=0, shard_sizes=shards.shard_sizes)
+        assert measured.packed == pytest.approx(packed.padding) and measured.packed < measured.fraction
 
 
 def test_the_long_document_estimate_weighs_short_targets_by_the_sequences_they_make():
@@ -41,3 +47,4 @@ def test_the_long_document_estimate_weighs_short_targets_by_the_sequences_they_m
     assert (estimate.sequences, estimate.tokens) == pytest.approx(tuple(0.9 * full + 0.1 * short))
     # The short passes' sequences outnumber a tenth of all: the estimate pads more than a tenth of their padding.
     assert estimate.fraction > 0.1 * (1 - short[1] / (short[0] * 128))
+    assert 0 < estimate.packed < estimate.fraction
