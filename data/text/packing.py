@@ -26,6 +26,7 @@ those of its sequences unpacked.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -119,19 +120,27 @@ class PackedPretrainingDataset(torch.utils.data.Dataset):
         self.max_per_row = max_per_row
         self.max_seq_len = dataset.max_seq_len
         self.predictions = row_predictions(dataset.max_seq_len, dataset.max_predictions, max_per_row, masked_lm_prob)
-        self.rows: list[np.ndarray] = []
-        self.shard_sizes: list[int] = []
+        # The rows as two flat arrays (8 bytes per sequence and per row, whatever the corpus): row i holds the
+        # sequences members[row_starts[i]:row_starts[i + 1]].
+        members, row_sizes, self.shard_sizes = [], [], []
         self.tokens = 0  # real tokens of all rows
         start = 0
         for shard, lengths in enumerate(_shard_lengths(dataset.instances, shard_sizes)):
             rows = plan_rows(lengths, dataset.max_seq_len, max_per_row, seed, shard)
-            self.rows += [start + np.asarray(row, dtype=np.int64) for row in rows]
+            members.append(start + np.fromiter(itertools.chain.from_iterable(rows), np.int64, len(lengths)))
+            row_sizes.append(np.fromiter(map(len, rows), np.int64, len(rows)))
             self.shard_sizes.append(len(rows))
             self.tokens += int(lengths.sum())
             start += len(lengths)
+        self.members = np.concatenate(members)
+        self.row_starts = np.concatenate([[0], np.cumsum(np.concatenate(row_sizes))])
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.row_starts) - 1
+
+    def row(self, row: int) -> np.ndarray:
+        """The sequence indices of row ``row``, in their order in the row."""
+        return self.members[self.row_starts[row]:self.row_starts[row + 1]]
 
     @staticmethod
     def collate(samples: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -156,7 +165,7 @@ class PackedPretrainingDataset(torch.utils.data.Dataset):
             "cls_positions": np.zeros(self.max_per_row, dtype=np.int64),
         }
         start = used = 0
-        for number, index in enumerate(self.rows[row].tolist()):
+        for number, index in enumerate(self.row(row).tolist()):
             inst = self.dataset.masked_instance(index, epoch)
             end = start + len(inst.input_ids)
             out["input_ids"][start:end] = inst.input_ids
@@ -184,4 +193,4 @@ class PackedPretrainingDataset(torch.utils.data.Dataset):
     @property
     def padding(self) -> float:
         """The share of the rows' positions that hold no token."""
-        return 1 - self.tokens / (len(self.rows) * self.max_seq_len)
+        return 1 - self.tokens / (len(self) * self.max_seq_len)

@@ -71,7 +71,7 @@ def test_a_packed_row_holds_each_sequence_as_it_is_unpacked():
         assert set(sample) == set(PACKED_BATCH_KEYS)
         numbers = sample["attention_mask"]
         predicted = sample["masked_lm_labels"] != IGNORE_INDEX
-        for number, index in enumerate(packed.rows[row].tolist()):
+        for number, index in enumerate(packed.row(row).tolist()):
             seen.append(index)
             alone = plain.get_item(index, epoch=2)  # the same masks: dynamic masking keys on (seed, epoch, index)
             at = np.flatnonzero(numbers == number + 1)
@@ -86,7 +86,7 @@ def test_a_packed_row_holds_each_sequence_as_it_is_unpacked():
             offsets = sample["masked_lm_positions"][mine] - at[0]
             np.testing.assert_array_equal(offsets, alone["masked_lm_positions"][used])
             np.testing.assert_array_equal(sample["masked_lm_labels"][mine], alone["masked_lm_labels"][used])
-        count = len(packed.rows[row])
+        count = len(packed.row(row))
         assert (sample["next_sentence_label"][count:] == IGNORE_INDEX).all()
         assert (sample["input_ids"][numbers == 0] == plain.pad_token_id).all()
     assert sorted(seen) == list(range(len(plain)))
@@ -98,8 +98,8 @@ def test_sharded_data_is_packed_within_each_shard():
     starts = np.cumsum([0, *packed.shard_sizes])
     assert starts[-1] == len(packed)
     for shard, (low, high) in enumerate([(0, 20), (20, 50)]):
-        rows = np.concatenate(packed.rows[starts[shard]:starts[shard + 1]])
-        assert sorted(rows.tolist()) == list(range(low, high))
+        members = np.concatenate([packed.row(row) for row in range(starts[shard], starts[shard + 1])])
+        assert sorted(members.tolist()) == list(range(low, high))
 
 
 def test_shards_are_packed_from_their_own_lengths_and_read_by_the_resumable_loader(tmp_path):

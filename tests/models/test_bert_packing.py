@@ -52,7 +52,7 @@ def test_a_packed_batch_has_the_loss_and_gradients_of_its_sequences_unpacked(att
     plain, packed = _datasets()
     rows = range(len(packed))
     packed_batch = packed.collate([packed[row] for row in rows])
-    indices = np.concatenate([packed.rows[row] for row in rows]).tolist()
+    indices = np.concatenate([packed.row(row) for row in rows]).tolist()
     assert len(indices) > len(rows)  # some rows hold several sequences
     plain_batch = plain.collate([plain[i] for i in indices])
     model = _model(attn_implementation)
@@ -69,7 +69,7 @@ def test_a_packed_batch_has_the_loss_and_gradients_of_its_sequences_unpacked(att
 
 def test_no_attention_crosses_packed_sequences():
     _, packed = _datasets()
-    row = next(r for r in range(len(packed)) if len(packed.rows[r]) >= 2)
+    row = next(r for r in range(len(packed)) if len(packed.row(r)) >= 2)
     batch = packed.collate([packed[row]])
     changed = {key: value.clone() for key, value in batch.items()}
     second = batch["attention_mask"][0] == 2

@@ -1,5 +1,5 @@
-"""A BERT run on packed rows (data.pack_sequences): it trains, evaluates, resumes exactly, and a bad value of the
-option is one line and exit code 2."""
+"""A BERT run on packed rows (data.pack_sequences): it trains, evaluates, resumes exactly and exports stock
+BertForPreTraining weights, and a bad value of the option is one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 
 from helpers.config import TINY, compose
 from helpers.runs import run_train
+from transformers import BertForPreTraining
 
 from train.metrics import read_metrics
 from train.run import run
@@ -31,6 +32,9 @@ def test_a_packed_run_trains_evaluates_and_resumes_exactly(tmp_path):
     assert _series(tmp_path / "cut") == _series(tmp_path / "ref")  # bit-identical after the restart
     summary = json.loads((tmp_path / "ref" / "summary.json").read_text())
     assert 0 < summary["validation_loss"] < 20
+    # packing changes the inputs, not the weights: the export is stock BertForPreTraining's, every tensor found
+    _, info = BertForPreTraining.from_pretrained(tmp_path / "ref" / "hf_model", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
 def test_a_bad_pack_sequences_is_one_line_and_exit_2(tmp_path):
