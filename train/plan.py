@@ -10,33 +10,64 @@ from omegaconf import DictConfig, OmegaConf
 
 from core.errors import ConfigError
 from data import DataRequest
-from train.config import BatchGeometry, validate
+from optim.schedule import ScheduleConfig
+from train.config import BatchGeometry, TrainerConfig, validate
+from train.metrics import LoggerConfig
 from train.model_init import check_init_from, optimizer_checkpoint
+from train.precision import PrecisionConfig
+from train.tasks import TaskConfig
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A registry name and the keyword arguments its builder takes, complete and checked (a model, say)."""
+
+    name: str
+    options: dict[str, Any]  # `name` left out
+
+
+@dataclass(frozen=True)
+class OptimizerChoice(Choice):
+    """An optimizer's name and options, final: `build_optimizer(..., checked=True)` takes them as they are."""
+
+    @property
+    def lr(self) -> float:
+        """An optimizer's peak LR (`optim.lr`): the one copy the schedule scales at every step."""
+        return float(self.options["lr"])
 
 
 @dataclass(frozen=True)
 class RunPlan:
     """Every value a worker needs, checked once, in plain (picklable) values: it crosses the spawn boundary.
 
-    Workers build from it and check nothing again; they only confirm they are as many as it was planned for.
+    Workers build from it and check nothing again; they only confirm they are as many as it was planned for. Each
+    group's values come as that group's own schema (`TrainerConfig`, `PrecisionConfig`, ...), filled in; `config`
+    is the record alone (metrics, summary, wandb): nothing is built from it.
     """
 
     run_dir: Path
     geometry: BatchGeometry  # planned for the launch's world size (torchrun's, srun's, or trainer.nproc_per_node)
-    model: str  # the model's registry name
-    model_options: dict[str, Any]  # its builder's keyword arguments
-    optimizer: str  # the optimizer's registry name
-    optimizer_options: dict[str, Any]  # complete and checked: `build_optimizer(..., checked=True)` takes them as is
+    model: Choice
+    optimizer: OptimizerChoice
     init_checkpoint: Path | None  # the checkpoint whose optimizer state this run continues (init_optimizer_state)
-    # None with trainer.epochs: the steps of an epoch depend on the data's size, which only a worker's loader reads.
-    max_steps: int | None
-    config: dict[str, Any]  # the resolved config: the groups' plain values, also recorded with the metrics
+    # trainer.max_steps is None with trainer.epochs: an epoch's steps depend on the data's size, which a worker reads.
+    trainer: TrainerConfig
+    precision: PrecisionConfig
+    schedule: ScheduleConfig
+    logger: LoggerConfig
+    task: TaskConfig
+    data: Any  # the data kind's schema (`data.data_schemas()`), filled in
+    config: dict[str, Any]  # the resolved config in plain values: the run's record, not read to build anything
     notices: tuple[str, ...] = ()  # lines for rank 0 to say at start-up (the launching process has no log of its own)
+
+    def data_config(self) -> DictConfig:
+        """The data kind's values as its builder (`data.build_data`) takes them."""
+        return OmegaConf.structured(self.data)
 
     def data_request(self, rank: int, *, pin_memory: bool = False) -> DataRequest:
         """What rank `rank` asks of the data."""
         return DataRequest(rank=rank, world_size=self.geometry.world_size,
-                           micro_batch_size=self.geometry.micro_batch_size, seed=self.config["trainer"]["seed"],
+                           micro_batch_size=self.geometry.micro_batch_size, seed=self.trainer.seed,
                            pin_memory=pin_memory)
 
     def confirm_world_size(self, world_size: int) -> None:
@@ -62,10 +93,13 @@ def plan_run(cfg: DictConfig, run_dir: str | Path, notices: tuple[str, ...] = ()
     if trainer.init_from:  # what loads and what starts fresh: a line for the run's log
         init_line = check_init_from(cfg.model.name, checked.model_options, trainer.init_from)
         notices = (*notices, init_line) if init_line is not None else notices
+    group = OmegaConf.to_object  # a group's node as its schema's dataclass, interpolations resolved
     return RunPlan(
         run_dir=Path(run_dir), geometry=checked.geometry,
-        model=cfg.model.name, model_options=checked.model_options,
-        optimizer=cfg.optim.name, optimizer_options=checked.optimizer_options,
-        init_checkpoint=init_checkpoint, max_steps=trainer.max_steps,
+        model=Choice(cfg.model.name, checked.model_options),
+        optimizer=OptimizerChoice(cfg.optim.name, checked.optimizer_options),
+        init_checkpoint=init_checkpoint,
+        trainer=group(cfg.trainer), precision=group(cfg.precision), schedule=group(cfg.schedule),
+        logger=group(cfg.logger), task=group(cfg.task), data=group(cfg.data),
         config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), notices=tuple(notices),
     )

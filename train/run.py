@@ -57,7 +57,7 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None
         with _rank_zero_lock(run_dir) as notices:
             plan = plan_run(cfg, run_dir, tuple(notices))
             check_local_workers(cfg.trainer.nproc_per_node, cfg.trainer.device)
-            build_data(cfg.data, plan.data_request(rank=0), dry=True)  # paths and keys only: nothing is read
+            build_data(plan.data_config(), plan.data_request(rank=0), dry=True)  # paths and keys only: nothing is read
             check_run_directory(cfg, run_dir, plan.geometry)
             if launch_rank() == 0:
                 with writing(RunDir(run_dir).config_file):
@@ -82,7 +82,7 @@ def _rank_zero_lock(run_dir: Path) -> Iterator[list[str]]:
 def start_workers(plan: RunPlan) -> None:
     """Train in this process, or in `trainer.nproc_per_node` local workers; a worker that dies is recorded as the
     run's stop (its rank 0 may not know why the others stopped, or may be the one that died)."""
-    nproc = plan.config["trainer"]["nproc_per_node"]
+    nproc = plan.trainer.nproc_per_node
     if nproc == 1 or launched_externally():
         train_worker(plan)
         return
@@ -156,10 +156,10 @@ def train_worker(plan: RunPlan) -> None:
     """One rank's life: join the group, agree on the run directory, train, clean up."""
     from train.trainer import Trainer
 
-    trainer_cfg = plan.config["trainer"]
+    settings = plan.trainer
     adopt_slurm_environment()
-    comm = init_distributed(trainer_cfg["backend"], pick_device(trainer_cfg["device"]),
-                            simulated_network=trainer_cfg["simulated_network"])
+    comm = init_distributed(settings.backend, pick_device(settings.device),
+                            simulated_network=settings.simulated_network)
     try:
         # Rank 0's directory wins, so ranks that resolved their own (a ${now:} in it, say) still agree.
         shared_dir = Path(str(comm.broadcast_object(str(plan.run_dir))))

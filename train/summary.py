@@ -9,10 +9,11 @@ and the recorded config for a run that has none.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from core.atomic import atomic_write_json
 from train.metrics import RunTotals, log_line
@@ -53,22 +54,23 @@ def best_values(records: list[dict[str, Any]]) -> dict[str, float]:
     return best
 
 
-def config_fields(cfg: DictConfig) -> dict[str, Any]:
-    """The summary's fields that the recorded config alone answers."""
-    options = OmegaConf.to_container(cfg.optim, resolve=True, enum_to_str=True)
+def config_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The summary's fields that the run's config record alone answers (a plan's `config`, or a recorded one)."""
+    config = OmegaConf.to_container(OmegaConf.create(config), resolve=True, enum_to_str=True)
+    options = config["optim"]
     return {
-        "task": cfg.task.name,
-        "model": cfg.model.name,
+        "task": config["task"]["name"],
+        "model": config["model"]["name"],
         "optimizer": options.pop("name"),
         "optimizer_options": options,
-        "precision": str(cfg.precision.dtype),
+        "precision": str(config["precision"]["dtype"]),
         # Set when collectives take a modelled network's time instead of the real one's; null for real runs.
-        "simulated_network": cfg.trainer.simulated_network,
+        "simulated_network": config["trainer"].get("simulated_network"),  # absent from records of older runs
     }
 
 
 def build_summary(
-    cfg: DictConfig,
+    config: Mapping[str, Any],
     records: list[dict[str, Any]],
     totals: RunTotals,
     *,
@@ -82,11 +84,11 @@ def build_summary(
     elapsed_seconds: float,
     stopped: str | None = None,
 ) -> dict[str, Any]:
-    """The whole summary of a run that has done `steps` of `max_steps`; `records` are its metrics.jsonl;
-    `stopped` says what stopped it early (a signal's name, an error's line)."""
+    """The whole summary of a run that has done `steps` of `max_steps`; `config` is its record, `records` its
+    metrics.jsonl; `stopped` says what stopped it early (a signal's name, an error's line)."""
     final = final_values(records)
     return {
-        **config_fields(cfg),
+        **config_fields(config),
         "world_size": world_size,
         "global_batch_size": global_batch_size,
         "steps": steps,

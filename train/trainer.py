@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from core.errors import UserError
@@ -52,55 +51,55 @@ class Trainer:
     def __init__(self, plan: RunPlan, comm: Comm) -> None:
         plan.confirm_world_size(comm.world_size)  # everything else was checked when the run was planned
         self.plan, self.run_dir, self.comm = plan, RunDir(plan.run_dir), comm
-        self.cfg = cfg = OmegaConf.create(plan.config)
         self.is_main = comm.rank == 0
-        tcfg = cfg.trainer
-        set_deterministic(tcfg.deterministic)  # before any CUDA matmul: cuBLAS reads its workspace setting once
-        self.device = pick_device(tcfg.device)
+        settings, self.precision = plan.trainer, plan.precision
+        set_deterministic(settings.deterministic)  # before any CUDA matmul: cuBLAS reads its workspace setting once
+        self.device = pick_device(settings.device)
         self.geometry = plan.geometry
         # Each rank draws its own dropout stream; rank-agreed randomness uses private generators.
-        torch.manual_seed(tcfg.seed + comm.rank)
+        torch.manual_seed(settings.seed + comm.rank)
 
-        self.data = build_data(cfg.data, plan.data_request(comm.rank, pin_memory=self.device.type == "cuda"))
+        self.data = build_data(plan.data_config(), plan.data_request(comm.rank, pin_memory=self.device.type == "cuda"))
         self.loader, self.tokenizer = self.data.train, self.data.tokenizer
-        self.max_steps = plan.max_steps or math.ceil(
-            tcfg.epochs * self.loader.samples_per_epoch / self.geometry.global_batch_size
+        self.max_steps = settings.max_steps or math.ceil(
+            settings.epochs * self.loader.samples_per_epoch / self.geometry.global_batch_size
         )
-        self.model = build_model(plan.model, plan.model_options, tcfg.init_from, self.tokenizer).to(self.device)
+        self.model = build_model(plan.model.name, plan.model.options, settings.init_from, self.tokenizer)
+        self.model.to(self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        self.spec = get_optimizer_spec(plan.optimizer)  # what the trainer asks of the optimizer (`OptimSpec`)
-        self.optimizer = build_optimizer(self.model, plan.optimizer, plan.optimizer_options, comm=comm, checked=True)
+        self.spec = get_optimizer_spec(plan.optimizer.name)  # what the trainer asks of the optimizer (`OptimSpec`)
+        self.optimizer = build_optimizer(self.model, plan.optimizer.name, plan.optimizer.options, comm=comm,
+                                         checked=True)
         # The scaler skips the optimizer's step on an fp16 overflow; this hook tells the loop, with no device sync.
         self._stepped = False
         self.optimizer.register_step_post_hook(self._on_optimizer_step)
-        self.peak_lr = float(cfg.optim.lr)
-        self.lr_multiplier = build_lr_schedule(cfg.schedule.name, total_steps=self.max_steps, **cfg.schedule.kwargs)
-        self.scaler = make_grad_scaler(cfg.precision, self.device)
-        set_matmul_precision(cfg.precision.dtype)
-        self.task = get_task(cfg.task.name)
+        self.peak_lr = plan.optimizer.lr
+        self.lr_multiplier = build_lr_schedule(plan.schedule.name, total_steps=self.max_steps, **plan.schedule.kwargs)
+        self.scaler = make_grad_scaler(self.precision, self.device)
+        set_matmul_precision(self.precision.dtype)
+        self.task = get_task(plan.task.name)
         # The one place that asks the optimizer how gradients become global.
         self.grad_sync = build_grad_sync(self.spec.grad_sync, comm, self.device, self._wire_dtype())
         self.half = self._build_half_copy()  # O2: forward and backward on it, the optimizer on self.model
         self.train_model = self.grad_sync.wrap(self.model if self.half is None else self.half.module)
-        if tcfg.compile:
+        if settings.compile:
             self.train_model = torch.compile(self.train_model)
-        self.ema = self._build_ema(tcfg.ema_decay)  # after the set-up broadcast: it starts from the same weights
-        self.checkpointer = Checkpointer(self.run_dir.checkpoints_dir, tcfg.keep_last, comm,
-                                         keep_best=tcfg.keep_best, best_mode=tcfg.best_metric_mode)
+        self.ema = self._build_ema(settings.ema_decay)  # after the set-up broadcast: it starts from the same weights
+        self.checkpointer = Checkpointer(self.run_dir.checkpoints_dir, settings.keep_last, comm,
+                                         keep_best=settings.keep_best, best_mode=settings.best_metric_mode)
 
         self.step = 0  # optimizer steps taken
         self._saved_step: int | None = None  # the step of this run's newest checkpoint
         self.skipped_steps = 0  # fp16 overflow steps (they do not count towards max_steps)
         self._overflow_streak = 0  # fp16 overflow steps in a row, the same on every rank (the ranks agree on each)
         self.clock, self.totals = RunClock(), RunTotals()  # both continue across resumes, for the summary
-        resumed_from = self._resume() if tcfg.resume else None  # run() refused resume=false over checkpoints
+        resumed_from = self._resume() if settings.resume else None  # planning refused resume=false over checkpoints
         if resumed_from is None and plan.init_checkpoint is not None:
             self._continue_optimizer_state(plan.init_checkpoint)
         self.logger = MetricLogger(
             self.run_dir, enabled=self.is_main, total_steps=self.max_steps, start_step=self.step,
-            progress_bar=cfg.logger.progress_bar, tensorboard=cfg.logger.tensorboard,
-            wandb_mode=cfg.logger.wandb,
-            wandb_project=cfg.logger.wandb_project, config=plan.config,
+            progress_bar=plan.logger.progress_bar, tensorboard=plan.logger.tensorboard,
+            wandb_mode=plan.logger.wandb, wandb_project=plan.logger.wandb_project, config=plan.config,
             clock=self.clock,
         )
         self.stop = StopRequest(comm)  # SIGTERM / SIGINT, agreed by the ranks between micro-batches
@@ -110,7 +109,7 @@ class Trainer:
     def _build_half_copy(self) -> HalfCopy | None:
         """O2 (`precision.weights=half`): the half-precision copy of the fp32 masters, made from weights every rank
         agrees on (the masters are what checkpoints save and what the copy is refreshed from); None otherwise."""
-        dtype = half_weights_dtype(self.cfg.precision)
+        dtype = half_weights_dtype(self.precision)
         if dtype is None:
             return None
         self.grad_sync.agree_on_weights(self.model)
@@ -119,7 +118,7 @@ class Trainer:
     def _wire_dtype(self) -> str:
         """The DDP gradient all-reduce's dtype, `trainer.grad_allreduce_dtype`; under O2 its fp32 (the default)
         sends the gradients in their own half dtype: they are half already, and upcasting them gains nothing."""
-        wire, precision = self.cfg.trainer.grad_allreduce_dtype, self.cfg.precision
+        wire, precision = self.plan.trainer.grad_allreduce_dtype, self.precision
         return precision.dtype if precision.weights == "half" and wire == "fp32" else wire
 
     def _announce(self, resumed_from: Path | None) -> None:
@@ -131,19 +130,19 @@ class Trainer:
         )
         self.logger.info(
             f"global batch {g.global_batch_size} = micro-batch {g.micro_batch_size} x {g.world_size} rank(s) "
-            f"x {g.accumulation_steps} accumulation step(s) | precision {self.cfg.precision.dtype}"
+            f"x {g.accumulation_steps} accumulation step(s) | precision {self.precision.dtype}"
             f"{' O2 (half weights, fp32 masters)' if self.half is not None else ''} | {self.max_steps} steps"
         )
         self.logger.info(f"data {self.data.source}")
         epochs = self.max_steps * g.global_batch_size / self.loader.samples_per_epoch
-        schedule = self.cfg.schedule
+        schedule = self.plan.schedule
         warmup = warmup_steps_of(self.max_steps, schedule.kwargs.get("warmup_steps"),
                                  schedule.kwargs.get("warmup_fraction"))
         self.logger.info(
             f"peak lr {self.peak_lr:g} ({schedule.name}, warm-up {warmup} of {self.max_steps} "
-            f"steps) | {epochs:.3g} epochs of data | seed {self.cfg.trainer.seed} | commit {_source_commit()}"
+            f"steps) | {epochs:.3g} epochs of data | seed {self.plan.trainer.seed} | commit {_source_commit()}"
         )
-        estimate = estimate_memory(self.model, self.spec, self.plan.optimizer_options, self.comm.world_size,
+        estimate = estimate_memory(self.model, self.spec, self.plan.optimizer.options, self.comm.world_size,
                                    half_copy_bytes=0 if self.half is None else self.half.nbytes())
         device_total = (torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda"
                         else None)
@@ -167,22 +166,22 @@ class Trainer:
         before = read_meta(checkpoint).get("max_steps")
         if before is None or before == self.max_steps or self.step >= self.max_steps:
             return None
-        schedule, step = self.cfg.schedule, self.step + 1
+        schedule, step = self.plan.schedule, self.step + 1
         planned = build_lr_schedule(schedule.name, total_steps=before, **schedule.kwargs)
-        key = "trainer.max_steps" if self.plan.max_steps is not None else "max_steps (from trainer.epochs)"
+        key = "trainer.max_steps" if self.plan.trainer.max_steps is not None else "max_steps (from trainer.epochs)"
         return (f"{key} {before} -> {self.max_steps}: the LR schedule is re-derived; the LR at step {step} goes "
                 f"from {self.peak_lr * planned(step):.4g} to {self.peak_lr * self.lr_multiplier(step):.4g}")
 
     def _surprising_settings(self) -> list[str]:
         """Settings that work but rarely do what the user wants, each said once at start-up."""
         warnings = []
-        if self.cfg.precision.dtype == "fp16" and self.device.type == "cpu":
+        if self.precision.dtype == "fp16" and self.device.type == "cpu":
             warnings.append("precision=fp16 on CPU is several times slower than fp32 there (autocast has few fp16 "
                             "CPU kernels); use precision=fp32 or bf16")
-        if self.cfg.precision.dtype == "tf32" and self.device.type == "cpu":
+        if self.precision.dtype == "tf32" and self.device.type == "cpu":
             warnings.append("precision=tf32 changes only GPU matmuls (Ampere and newer): on CPU it is fp32")
         warmup_option = self.spec.warmup_option  # the 1-bit optimizers' last uncompressed step
-        warmup = None if warmup_option is None else self.plan.optimizer_options[warmup_option]
+        warmup = None if warmup_option is None else self.plan.optimizer.options[warmup_option]
         if warmup is not None and warmup >= self.max_steps:
             warnings.append(f"optim.{warmup_option}={warmup} is not below the run's {self.max_steps} steps: "
                             f"{self.spec.name} never compresses and sends 32 bits per parameter per step, like LAMB")
@@ -231,17 +230,17 @@ class Trainer:
 
     def _out_of_memory(self, err: torch.OutOfMemoryError) -> str:
         """Out of device memory: the micro-batch is what to lower (the global batch, and so the run, stays)."""
-        g, tcfg = self.geometry, self.cfg.trainer
+        g, settings = self.geometry, self.plan.trainer
         tried = re.search(r"Tried to allocate [\d.]+ \w+", str(err))
         what = f" (t{tried.group(0)[1:]})" if tried else ""
-        micro = ("trainer.micro_batch_size" if tcfg.micro_batch_size is not None
+        micro = ("trainer.micro_batch_size" if settings.micro_batch_size is not None
                  else "trainer.max_micro_batch_size (the micro-batch is derived from it)")
         return (f"out of memory on {self.device} at step {self.step + 1}{what}: lower {micro} from "
                 f"{g.micro_batch_size} per rank (the accumulation steps grow to keep trainer.global_batch_size="
                 f"{g.global_batch_size}), then {self._rerun()}")
 
     def _fit(self) -> None:
-        tcfg = self.cfg.trainer
+        settings = self.plan.trainer
         if self.step >= self.max_steps:
             if self._finished():
                 self.logger.info(f"run already complete at step {self.step}; nothing to do (name=... starts a new run)")
@@ -251,8 +250,8 @@ class Trainer:
                 self._write_summary()
             return
         stop_at = self.max_steps
-        if tcfg.steps_this_run is not None:
-            stop_at = min(stop_at, self.step + tcfg.steps_this_run)
+        if settings.steps_this_run is not None:
+            stop_at = min(stop_at, self.step + settings.steps_this_run)
         window = _Window(self.totals)
         mark = time.perf_counter()
         stopped = None  # what stopped the run before max_steps: a signal's name, or the time box
@@ -273,11 +272,11 @@ class Trainer:
                 self.step += 1
                 self._update_ema()
                 self.logger.advance()
-                if self.step % tcfg.log_every == 0 or self.step == stop_at:
+                if self.step % settings.log_every == 0 or self.step == stop_at:
                     self._log(window.flush())
-                if tcfg.eval_every and self.step % tcfg.eval_every == 0 and self.step < self.max_steps:
+                if settings.eval_every and self.step % settings.eval_every == 0 and self.step < self.max_steps:
                     self.evaluate()
-                if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0:
+                if settings.checkpoint_every and self.step % settings.checkpoint_every == 0:
                     self.save_checkpoint()
             if stopped is None and self.step < self.max_steps:
                 stopped = self._time_box_reached()
@@ -296,7 +295,7 @@ class Trainer:
 
     def _time_box_reached(self) -> str:
         """Say that `trainer.steps_this_run` ends the run here (its checkpoint follows); returns the cause."""
-        stopped = f"trainer.steps_this_run={self.cfg.trainer.steps_this_run}"
+        stopped = f"trainer.steps_this_run={self.plan.trainer.steps_this_run}"
         self.logger.info(f"{stopped}: stopping at step {self.step} of {self.max_steps} with a checkpoint; rerun the "
                          "same command to continue")
         return stopped
@@ -305,7 +304,7 @@ class Trainer:
         """Stop a run whose fp16 steps keep overflowing: each halves the loss scale and the step never comes, so a
         diverged model would spin without a word. Every rank counts the same agreed skips and stops alike."""
         self._overflow_streak += 1
-        limit = self.cfg.precision.max_consecutive_skips
+        limit = self.precision.max_consecutive_skips
         if limit is None or self._overflow_streak < limit:
             return
         raise FloatingPointError(
@@ -341,7 +340,7 @@ class Trainer:
                 return None
             batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self.loader).items()}
             with self.grad_sync.micro_batch(last=micro_step == accumulation - 1):
-                with training_autocast(self.cfg.precision, self.device):
+                with training_autocast(self.precision, self.device):
                     out = self.task.step(self.train_model, batch)
                 self.scaler.scale(out["loss"] / accumulation).backward()
             for key, value in out.items():  # metrics stay on the device: no sync per micro-batch
@@ -352,7 +351,7 @@ class Trainer:
         if self.scaler.is_enabled():
             self.grad_sync.agree_on_overflow([p.grad for p in self.model.parameters() if p.grad is not None])
         self.scaler.unscale_(self.optimizer)
-        clip = self.cfg.trainer.grad_clip if self.cfg.trainer.grad_clip > 0 else math.inf
+        clip = self.plan.trainer.grad_clip or math.inf  # 0 switches clipping off
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         # Under fp16 the scaler reads its overflow flag (the step's one device sync) and skips the optimizer's
         # step on an overflow, lowering the scale; bf16 and fp32 always step and never sync here.
@@ -435,7 +434,7 @@ class Trainer:
         if "rng" in own:
             set_rng_state(own["rng"])
         else:
-            reseed_rng(self.cfg.trainer.seed, self.comm.rank, self.step)
+            reseed_rng(self.plan.trainer.seed, self.comm.rank, self.step)
 
     def save_checkpoint(self) -> None:
         # Decided from memory, not from listing the directory: every rank must take the same branch.
@@ -521,7 +520,7 @@ class Trainer:
                                        f"{format_bytes(sent)} sent to average them")
 
     def _evaluate_model(self, model: nn.Module, shard: EvalShard) -> dict[str, float]:
-        return evaluate_model(self.task, model, self.data.eval, self.run_dir, shard, self.cfg.precision.dtype,
+        return evaluate_model(self.task, model, self.data.eval, self.run_dir, shard, self.precision.dtype,
                               self.device)
 
     # ----------------------------------------------------------------------------------------- EMA, best-K
@@ -539,21 +538,21 @@ class Trainer:
 
     def _keep_if_best(self, results: dict[str, float]) -> None:
         """Checkpoint this step and protect it from pruning if its trainer.best_metric is among the best K."""
-        tcfg = self.cfg.trainer
-        if not tcfg.keep_best:
+        metric, keep_best = self.plan.trainer.best_metric, self.plan.trainer.keep_best
+        if not keep_best:
             return
         keep, value = False, None
         if self.is_main and results:
-            if tcfg.best_metric not in results:
-                raise KeyError(f"trainer.best_metric={tcfg.best_metric} is not logged; eval metrics: {sorted(results)}")
-            value = float(results[tcfg.best_metric])
+            if metric not in results:
+                raise KeyError(f"trainer.best_metric={metric} is not logged; eval metrics: {sorted(results)}")
+            value = float(results[metric])
             keep = self.checkpointer.is_among_best(value)
         keep, value = self.comm.broadcast_object((keep, value))  # rank 0 decides; saving is collective
         if not keep:
             return
         self.save_checkpoint()
         self.checkpointer.record_best(self.step, value)
-        self.logger.info(f"{tcfg.best_metric} {value:.4g} at step {self.step}: kept among the best {tcfg.keep_best}")
+        self.logger.info(f"{metric} {value:.4g} at step {self.step}: kept among the best {keep_best}")
 
     def _finish(self) -> None:
         """End-of-run work: the final evaluation and the exports (of the replicas' average where they differ),
@@ -588,7 +587,7 @@ class Trainer:
         if not self.is_main:
             return
         summary = build_summary(
-            self.cfg, read_metrics(self.run_dir.path), self.totals, steps=self.step, max_steps=self.max_steps,
+            self.plan.config, read_metrics(self.run_dir.path), self.totals, steps=self.step, max_steps=self.max_steps,
             world_size=self.comm.world_size, global_batch_size=self.geometry.global_batch_size,
             num_params=self.num_params, device=self.device, samples_unit=f"{self.task.sample_unit}/s",
             elapsed_seconds=self.clock.elapsed(), stopped=stopped,

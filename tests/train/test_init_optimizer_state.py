@@ -10,7 +10,6 @@ import pytest
 import torch
 from helpers.config import TINY, compose
 from helpers.runs import run_train
-from omegaconf import OmegaConf
 
 from core.errors import ConfigError
 from optim import build_optimizer
@@ -97,8 +96,7 @@ def test_every_continuable_optimizer_restarts_its_step_counts(phase1, tmp_path, 
     for key, value in _moments(loaded).items():
         assert torch.equal(value, moments[key]), key
     if optimizer == "slamb":  # each row's freshness r is kept, stored as SLAMB stores it at step 0
-        kwargs = {k: v for k, v in OmegaConf.to_container(trainer.cfg.optim).items() if k != "name"}
-        reference = build_optimizer(trainer.model, "slamb", kwargs, comm=Comm())
+        reference = build_optimizer(trainer.model, "slamb", trainer.plan.optimizer.options, comm=Comm())
         reference.load_state_dict(saved)
         for ours, theirs in zip(trainer.optimizer.freshness(), reference.freshness(), strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=0)
