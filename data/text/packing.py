@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from data.text.masking import IGNORE_INDEX
-from data.text.pretraining import PretrainingDataset
+from data.text.pretraining import PretrainingDataset, collate_pretraining_batch
 
 PACKED_BATCH_KEYS = (
     "input_ids",
@@ -106,20 +106,19 @@ class PackedPretrainingDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, dataset: PretrainingDataset, max_per_row: int, seed: int,
-                 shard_sizes: Sequence[int] | None = None, masked_lm_prob: float | None = None) -> None:
+                 shard_sizes: Sequence[int] | None = None) -> None:
         if max_per_row < 2:
             raise ValueError(f"max_per_row must be at least 2 to pack, got {max_per_row}")
         shard_sizes = list(shard_sizes or [len(dataset)])
         if sum(shard_sizes) != len(dataset):
             raise ValueError(f"shard_sizes sum to {sum(shard_sizes)}, not the dataset's {len(dataset)} sequences")
-        if masked_lm_prob is None:
-            if dataset.masker is None:
-                raise ValueError("masked_lm_prob is needed to size a row's prediction slots: the dataset has no masker")
-            masked_lm_prob = dataset.masker.masked_lm_prob
+        if dataset.masker is None:
+            raise ValueError("packing sizes a row's prediction slots by the masker's rule: the dataset has no masker")
         self.dataset = dataset
         self.max_per_row = max_per_row
         self.max_seq_len = dataset.max_seq_len
-        self.predictions = row_predictions(dataset.max_seq_len, dataset.max_predictions, max_per_row, masked_lm_prob)
+        self.predictions = row_predictions(dataset.max_seq_len, dataset.max_predictions, max_per_row,
+                                           dataset.masker.masked_lm_prob)
         # The rows as two flat arrays (8 bytes per sequence and per row, whatever the corpus): row i holds the
         # sequences members[row_starts[i]:row_starts[i + 1]].
         members, row_sizes, self.shard_sizes = [], [], []
@@ -145,8 +144,7 @@ class PackedPretrainingDataset(torch.utils.data.Dataset):
     @staticmethod
     def collate(samples: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
         """Stack packed rows into the batch dict (int64 tensors, keys :data:`PACKED_BATCH_KEYS`)."""
-        return {key: torch.from_numpy(np.stack([s[key] for s in samples]).astype(np.int64, copy=False))
-                for key in PACKED_BATCH_KEYS}
+        return collate_pretraining_batch(samples, PACKED_BATCH_KEYS)
 
     def __getitem__(self, row: int) -> dict[str, np.ndarray]:
         return self.get_item(row, epoch=0)

@@ -125,12 +125,10 @@ def mask_instance(instance: PretrainingInstance, masker: MLMMasker,
     )
 
 
-def collate_pretraining_batch(samples: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """Stack samples into the batch dict (int64 tensors, keys :data:`BATCH_KEYS`)."""
-    return {
-        key: torch.from_numpy(np.stack([s[key] for s in samples]).astype(np.int64, copy=False))
-        for key in BATCH_KEYS
-    }
+def collate_pretraining_batch(samples: Sequence[dict[str, np.ndarray]],
+                              keys: Sequence[str] = BATCH_KEYS) -> dict[str, torch.Tensor]:
+    """Stack samples into the batch dict (int64 tensors, keys :data:`BATCH_KEYS`, or a packed row's)."""
+    return {key: torch.from_numpy(np.stack([s[key] for s in samples]).astype(np.int64, copy=False)) for key in keys}
 
 
 def tokenize_documents(tokenizer, documents: Sequence[Sequence[str]]) -> list[list[list[int]]]:
