@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from core.atomic import atomic_write_json, replace_directory
+from core.atomic import atomic_write_json, replace_directory, staging_directory
 from models import quiet_transformers
 
 EXPORT_MARKER = "export.json"  # written into every export: what tells an export of this project from other folders
@@ -29,9 +28,10 @@ def export_pretrained(
 ) -> Path:
     """`save_pretrained` model and tokenizer into `directory`, replacing it only once fully written.
 
-    The export is built under a unique staging name beside `directory` (`tempfile.mkdtemp`: nothing of the user's
-    is in its way) and swapped in by `replace_directory`. It carries `export.json` (`EXPORT_MARKER`), naming the
-    checkpoint it came from (`source`), by which `train.export` knows a directory it may replace.
+    The export is built under a unique staging name beside `directory` (`core.atomic.staging_directory`, which also
+    clears what a killed export left there) and swapped in by `replace_directory`. It carries `export.json`
+    (`EXPORT_MARKER`), naming the checkpoint it came from (`source`), by which `train.export` knows a directory it
+    may replace.
 
     transformers models: `config.architectures` names the stock transformers class (`BertForPreTraining`,
     `BertForQuestionAnswering`), never a project subclass. The tokenizer is saved with the weights, with its
@@ -46,8 +46,7 @@ def export_pretrained(
     if (data_config is not None or label_names) and is_transformers:
         raise ValueError("data_config and label_names are for timm models (image preprocessing, class names); this "
                          "model is a transformers model")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    staging = staging_directory(directory)
     try:
         if is_transformers:
             with quiet_transformers():  # its "Writing model shards" bar would land in batch logs
