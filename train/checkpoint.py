@@ -39,6 +39,7 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from core.atomic import atomic_write, atomic_write_json, replace_directory
 from core.errors import ConfigError, UserError
 from optim.comm import Comm
 from train.run_dir import RunDir
+from train.stop import RunStopped
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 SHARED_FILE = "shared.pt"
@@ -66,6 +68,16 @@ SAFE_GLOBALS = (np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtype
 
 class RunDirectoryError(ConfigError, RuntimeError):
     """A run directory whose checkpoints the requested run cannot continue (a user error: one line, exit 2)."""
+
+
+class CheckpointNotSaved(RunStopped):
+    """Another rank failed writing its part of a checkpoint (its own error is in its log): no checkpoint was made."""
+
+
+def _error_line(error: BaseException) -> str:
+    """What a rank tells the others of its failure: the exception's class and first line."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 class DamagedCheckpoint(UserError):
@@ -228,29 +240,58 @@ class Checkpointer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         self.comm.barrier()
-        try:
-            written = [_rank_file(self.comm.rank)]
-            atomic_torch_save(own, staging / written[0])
-            if self.comm.rank == 0:
-                atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
-                written.append(SHARED_FILE)
-            # Each rank hashes what it wrote (in parallel, from the page cache); rank 0 records them all.
-            files = dict(pair for records in self.comm.all_gather_object([(name, file_record(staging / name))
-                                                                         for name in written]) for pair in records)
-            if self.comm.rank == 0:
-                rank_bound = sorted(set(own) - {*GLOBAL_OWN_KEYS, *RESEEDED_OWN_KEYS})  # the same keys on every rank
-                atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step,
-                                                        "world_size": self.comm.world_size, "rank_bound": rank_bound,
-                                                        FILES_KEY: dict(sorted(files.items()))}, indent=1)
-        except BaseException:  # a full disk, say: the partial checkpoint goes, not to fill it further
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        self.comm.barrier()
+        records = self._agreed(staging, lambda: self._write_own(staging, step, shared, own))
+        self._agreed(staging, lambda: self._write_meta(staging, step, own, meta, records))
         if self.comm.rank == 0:
             replace_directory(staging, final)  # the same step saved again after a resume: replaced whole
             self._prune()
         self.comm.barrier()
         return final
+
+    def _write_own(self, staging: Path, step: int, shared: dict[str, Any],
+                   own: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """This rank's files of a checkpoint (rank 0 adds the shared state), each with its size and checksum (hashed
+        by every rank in parallel, from the page cache)."""
+        written = [_rank_file(self.comm.rank)]
+        atomic_torch_save(own, staging / written[0])
+        if self.comm.rank == 0:
+            atomic_torch_save({**shared, "world_size": self.comm.world_size, "step": step}, staging / SHARED_FILE)
+            written.append(SHARED_FILE)
+        return [(name, file_record(staging / name)) for name in written]
+
+    def _write_meta(self, staging: Path, step: int, own: dict[str, Any], meta: dict[str, Any] | None,
+                    records: list[list[tuple[str, dict[str, Any]]]]) -> None:
+        """Rank 0 records the checkpoint: `meta`, the step, the world size, the rank-bound keys and every file."""
+        if self.comm.rank != 0:
+            return
+        files = dict(pair for rank_records in records for pair in rank_records)
+        rank_bound = sorted(set(own) - {*GLOBAL_OWN_KEYS, *RESEEDED_OWN_KEYS})  # the same keys on every rank
+        atomic_write_json(staging / META_FILE, {**(meta or {}), "step": step, "world_size": self.comm.world_size,
+                                                "rank_bound": rank_bound, FILES_KEY: dict(sorted(files.items()))},
+                          indent=1)
+
+    def _agreed(self, staging: Path, write: Callable[[], Any]) -> list[Any]:
+        """Run this rank's `write`, then let every rank know whether any rank's failed (a full disk, say), in one
+        gather of each rank's result or error line: every rank then raises at once, rather than waiting in the
+        next collective for a rank that left, and the partial checkpoint goes, not to fill the disk further.
+        Returns every rank's result, in rank order."""
+        failure: BaseException | None = None
+        result = None
+        try:
+            result = write()
+        except BaseException as error:  # re-raised below, after the vote
+            failure = error
+        outcomes = self.comm.all_gather_object(("failed", _error_line(failure)) if failure is not None
+                                               else ("ok", result))
+        failed = [(rank, line) for rank, (status, line) in enumerate(outcomes) if status == "failed"]
+        if not failed:
+            return [value for _, value in outcomes]
+        shutil.rmtree(staging, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        rank, line = failed[0]
+        raise CheckpointNotSaved(f"checkpoint {staging.name.removesuffix('.tmp')} was not saved: rank {rank} "
+                                 f"failed writing its part ({line})")
 
     def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """Read a checkpoint's shared state and this rank's own state, each file checked against its checksum.

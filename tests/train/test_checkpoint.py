@@ -3,10 +3,12 @@ loads, resume across precisions and with a stale view of shared storage."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import random
 import shutil
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from helpers.config import TINY, compose
 from helpers.distributed_harness import run_on_ranks
 from helpers.runs import run_train
 
+import train.checkpoint as checkpoint_module
 from optim.comm import Comm
 from train.checkpoint import (
     Checkpointer,
@@ -390,3 +393,35 @@ def test_ranks_agree_to_pass_over_a_checkpoint_only_one_of_them_finds_damaged(tm
     results = run_on_ranks(_resume_with_rank_1s_newest_file_damaged, 2, tmp_path)
     assert [result[:2] for result in results] == [("step_00000002", 0), ("step_00000002", 1)]
     assert "rank_00001.pt is truncated or altered" in results[0][2][0]  # rank 0, which logs, names rank 1's file
+
+
+def _save_with_rank_1s_disk_full(rank: int, world_size: int, tmp_path: Path) -> tuple:
+    """A save at step 2 whose rank-1 write finds no space, then one at step 4: (what each save raised, the
+    checkpoints left, the seconds the failed save took)."""
+    ckpt = Checkpointer(tmp_path, keep_last=2, comm=Comm())
+    write = checkpoint_module.atomic_torch_save
+
+    def full(obj, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    checkpoint_module.atomic_torch_save = full if rank == 1 else write
+    start = time.monotonic()
+    try:
+        ckpt.save(2, {"model": {"w": torch.ones(2)}}, {"data": {"index": 2}})
+        raised = None
+    except Exception as error:  # what each rank raises
+        raised = f"{type(error).__name__}: {error}"
+    seconds = time.monotonic() - start
+    checkpoint_module.atomic_torch_save = write  # space again: the ranks are still in step
+    ckpt.save(4, {"model": {"w": torch.ones(2)}}, {"data": {"index": 4}})
+    return raised, sorted(p.name for p in tmp_path.iterdir()), seconds
+
+
+def test_a_rank_that_fails_mid_save_stops_every_rank_at_once_and_leaves_no_checkpoint(tmp_path):
+    results = run_on_ranks(_save_with_rank_1s_disk_full, 2, tmp_path)
+    (raised_0, left, seconds_0), (raised_1, _, seconds_1) = results
+    assert raised_1.startswith("OSError: [Errno 28] No space left on device")
+    assert raised_0 == ("CheckpointNotSaved: checkpoint step_00000002 was not saved: rank 1 failed writing its part "
+                        f"(OSError: [Errno 28] No space left on device: '{tmp_path}/step_00000002.tmp/rank_00001.pt')")
+    assert max(seconds_0, seconds_1) < 30  # not the process group's time-out
+    assert left == ["step_00000004"]  # no partial step_00000002, nor its staging
