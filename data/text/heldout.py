@@ -26,7 +26,6 @@ from data.text.nsp import PretrainingInstance, create_nsp_instances
 from data.text.pretraining import (
     STATIC_MASKING_EPOCH,
     PretrainingDataset,
-    collate_pretraining_batch,
     mask_instance,
     tokenize_documents,
 )
@@ -44,19 +43,19 @@ def heldout_seed(seed: int) -> int:
 class HeldOutText:
     """The held-out set as the task's evaluation consumes it (like :class:`data.images.transforms.EvalImages`)."""
 
-    dataset: PretrainingDataset  # statically masked instances; the same on every rank
+    dataset: PretrainingDataset  # statically masked instances (or packed rows of them); the same on every rank
     batch_size: int
     documents: int  # D: the held-out documents, the first D of the document stream
     description: str  # "held-out: 256 sequences from the first 12 documents (seed ...)"
 
     def batches(self, batch_indices: list[list[int]] | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """The whole set once, in order, or only the given batches of sample indices (one rank's share);
-        batches are dicts of :data:`data.text.pretraining.BATCH_KEYS`."""
+        batches are the dataset's `collate` of its samples."""
         if batch_indices is None:
             size = len(self.dataset)
             batch_indices = [list(range(i, min(i + self.batch_size, size))) for i in range(0, size, self.batch_size)]
         for indices in batch_indices:
-            yield collate_pretraining_batch([self.dataset[i] for i in indices])
+            yield self.dataset.collate([self.dataset[i] for i in indices])
 
 
 def heldout_text(instances: Sequence[PretrainingInstance], max_seq_len: int, max_predictions: int,

@@ -67,6 +67,21 @@ def test_a_packed_batch_has_the_loss_and_gradients_of_its_sequences_unpacked(att
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_evaluating_packed_rows_gives_the_metrics_of_their_sequences_unpacked():
+    from data.text.heldout import HeldOutText
+    from train.tasks import get_task
+    from train.tasks._registry import ONE_RANK
+
+    plain, packed = _datasets()
+    model = _model().eval()
+    with torch.no_grad():
+        metrics = [get_task("bert_pretraining").evaluate(model, HeldOutText(data, 5, 1, ""), None, ONE_RANK)
+                   for data in (plain, packed)]
+    assert metrics[0].keys() == metrics[1].keys() and metrics[1]["sequences"] == len(plain)
+    for key, value in metrics[0].items():
+        assert metrics[1][key] == pytest.approx(value, rel=1e-5), key
+
+
 def test_no_attention_crosses_packed_sequences():
     _, packed = _datasets()
     row = next(r for r in range(len(packed)) if len(packed.row(r)) >= 2)
