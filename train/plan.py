@@ -9,12 +9,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.errors import ConfigError
-from data import DataRequest
+from data import DataRequest, build_data
 from optim.schedule import ScheduleConfig
 from train.config import BatchGeometry, TrainerConfig, validate
+from train.distributed import check_local_workers
 from train.metrics import LoggerConfig
 from train.model_init import check_init_from, optimizer_checkpoint
 from train.precision import PrecisionConfig
+from train.run_dir_check import check_run_directory
 from train.tasks import TaskConfig
 
 
@@ -81,10 +83,21 @@ class RunPlan:
 
 def plan_run(cfg: DictConfig, run_dir: str | Path, notices: tuple[str, ...] = ()) -> RunPlan:
     """Check every value (`validate`) and the init weights' fit, resolve the init checkpoint, and freeze the result
-    for the workers, with the `notices` the launching process has for the run's log.
+    for the workers, with the `notices` the launching process has for the run's log; then check what the launch
+    needs: the local workers' count, the data's files (a dry build) and the checkpoints already in `run_dir`.
 
-    Raises `ConfigError` (one line naming the key) on a value that cannot work.
+    Raises a `UserError` in one line: `ConfigError` naming the key of a value that cannot work, a missing data
+    file, or `RunDirectoryError` for checkpoints this run must not or cannot continue.
     """
+    plan = _resolve(cfg, Path(run_dir), notices)
+    check_local_workers(plan.trainer.nproc_per_node, plan.trainer.device)
+    build_data(plan.data_config(), plan.data_request(rank=0), dry=True)  # paths and keys only: nothing is read
+    check_run_directory(plan)
+    return plan
+
+
+def _resolve(cfg: DictConfig, run_dir: Path, notices: tuple[str, ...]) -> RunPlan:
+    """The values checked (`validate`) and frozen into the plan."""
     checked = validate(cfg)
     trainer = cfg.trainer
     init_checkpoint = None
@@ -95,7 +108,7 @@ def plan_run(cfg: DictConfig, run_dir: str | Path, notices: tuple[str, ...] = ()
         notices = (*notices, init_line) if init_line is not None else notices
     group = OmegaConf.to_object  # a group's node as its schema's dataclass, interpolations resolved
     return RunPlan(
-        run_dir=Path(run_dir), geometry=checked.geometry,
+        run_dir=run_dir, geometry=checked.geometry,
         model=Choice(cfg.model.name, checked.model_options),
         optimizer=OptimizerChoice(cfg.optim.name, checked.optimizer_options),
         init_checkpoint=init_checkpoint,

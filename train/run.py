@@ -1,5 +1,5 @@
-"""`run(cfg)`: lock the run directory, check everything a user can get wrong, plan the run, record the accepted
-config, start workers that build from the plan, and train."""
+"""`run(cfg)`: lock the run directory, plan the run (where everything a user can get wrong is checked), record the
+accepted config, and start workers that build from the plan and train."""
 
 from __future__ import annotations
 
@@ -10,19 +10,13 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from core.errors import UserError
-from data import build_data
-from models import model_options_in_use
-from train.checkpoint import RunDirectoryError, check_world_size, newest_checkpoint_meta
-from train.config import BatchGeometry
 from train.distributed import (
     WorkerDied,
     adopt_slurm_environment,
-    check_local_workers,
     init_distributed,
     launch_local_workers,
     launch_rank,
@@ -45,9 +39,9 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None
     choices) recorded beside the checkpoints.
 
     Rank 0 (the launching process) holds the directory's lock for the run's life (`train.run_lock`): a second run
-    there is refused. Every user error is raised here, before anything is recorded or any worker starts:
-    `ConfigError` for values that cannot work, a missing data file, or a run directory whose checkpoints this run
-    cannot continue (`RunDirectoryError`). Only an accepted run rewrites the directory's recorded config, so it
+    there is refused. Every user error is raised by planning (`plan_run`), before anything is recorded or any worker
+    starts: `ConfigError` for values that cannot work, a missing data file, or a run directory whose checkpoints this
+    run cannot continue (`RunDirectoryError`). Only an accepted run rewrites the directory's recorded config, so it
     always describes its checkpoints, and a refused run leaves no directory it made behind.
     The workers get the plan (`RunPlan`), not the config: they build from it without checking anything again.
     """
@@ -55,10 +49,7 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None
     new = is_new_run_directory(run_dir)
     try:
         with _rank_zero_lock(run_dir) as notices:
-            plan = plan_run(cfg, run_dir, tuple(notices))
-            check_local_workers(cfg.trainer.nproc_per_node, cfg.trainer.device)
-            build_data(plan.data_config(), plan.data_request(rank=0), dry=True)  # paths and keys only: nothing is read
-            check_run_directory(cfg, run_dir, plan.geometry)
+            plan = plan_run(cfg, run_dir, tuple(notices))  # every check, the data's files and run_dir's included
             if launch_rank() == 0:
                 with writing(RunDir(run_dir).config_file):
                     RunDir(run_dir).record_config(cfg, overrides, choices)
@@ -92,64 +83,6 @@ def start_workers(plan: RunPlan) -> None:
         with contextlib.suppress(OSError, UserError):  # a full disk, say: the line itself is still reported
             record_stop(RunDir(plan.run_dir), str(died))
         raise
-
-
-def check_run_directory(cfg: DictConfig, run_dir: Path, geometry: BatchGeometry) -> None:
-    """Refuse, in one line, a run whose directory holds checkpoints it must not or cannot continue."""
-    newest = newest_checkpoint_meta(RunDir(run_dir).checkpoints_dir)
-    if newest is None:
-        return
-    checkpoint, meta = newest
-    if not cfg.trainer.resume:
-        raise RunDirectoryError(
-            f"{run_dir} already has checkpoint {checkpoint} and trainer.resume=false: pick another name=... or "
-            "remove the directory"
-        )
-    trained_with = meta["optimizer"]
-    if trained_with != cfg.optim.name:
-        raise RunDirectoryError(
-            f"optim.name={cfg.optim.name}: {run_dir} was trained with optim={trained_with} (checkpoint "
-            f"{checkpoint.name}); resume with optim={trained_with}, or start a new run (another name=...) with "
-            f"trainer.init_from={run_dir} to keep only the weights"
-        )
-    check_world_size(checkpoint, meta, geometry.world_size)
-    recorded = RunDir(run_dir).recorded_config()  # it describes the checkpoints: only accepted runs rewrite it
-    if recorded is not None:
-        check_same_seed(cfg, run_dir, checkpoint, recorded)
-        check_same_model(cfg, run_dir, checkpoint, recorded)
-
-
-def check_same_seed(cfg: DictConfig, run_dir: Path, checkpoint: Path, recorded: DictConfig) -> None:
-    """Refuse to continue checkpoints with another seed: the data order they are part-way through is the seed's."""
-    seed = OmegaConf.select(recorded, "trainer.seed")
-    if seed is not None and seed != cfg.trainer.seed:
-        raise RunDirectoryError(
-            f"trainer.seed={cfg.trainer.seed}: {run_dir} was trained with trainer.seed={seed} (checkpoint "
-            f"{checkpoint.name}), whose data order it is part-way through; resume with trainer.seed={seed}, or start "
-            f"a new run (another name=...) with trainer.init_from={run_dir} to keep only the weights"
-        )
-
-
-def check_same_model(cfg: DictConfig, run_dir: Path, checkpoint: Path, recorded_config: DictConfig) -> None:
-    """Refuse to continue checkpoints of another model (the recorded config's): their tensors would not load."""
-    recorded, wanted = (_model_in_use(OmegaConf.to_container(model, resolve=True))
-                        for model in (recorded_config.get("model", {}), cfg.model))
-    differing = sorted(k for k in recorded.keys() | wanted.keys() if recorded.get(k) != wanted.get(k))
-    if differing:
-        key = differing[0]
-        raise RunDirectoryError(
-            f"model.{key}={wanted.get(key)}: {run_dir} holds checkpoints of a model with model.{key}="
-            f"{recorded.get(key)} ({checkpoint.name}); resume with that model, or pick another name=... (another run "
-            "directory) for this one"
-        )
-
-
-def _model_in_use(model: dict[str, Any]) -> dict[str, Any]:
-    """A model group's values with each null as the builder fills it, so a refusal names the value in use."""
-    if "name" not in model:
-        return model
-    options = {key: value for key, value in model.items() if key != "name"}
-    return {"name": model["name"], **model_options_in_use(model["name"], options)}
 
 
 def train_worker(plan: RunPlan) -> None:
