@@ -39,6 +39,7 @@ def check_run_directory(plan: RunPlan) -> None:
     recorded = RunDir(run_dir).recorded_config()  # it describes the checkpoints: only accepted runs rewrite it
     if recorded is not None:
         _check_same_seed(plan, checkpoint, recorded)
+        _check_same_packing(plan, checkpoint, recorded)
         _check_same_model(plan, checkpoint, recorded)
 
 
@@ -50,6 +51,19 @@ def _check_same_seed(plan: RunPlan, checkpoint: Path, recorded: DictConfig) -> N
             f"trainer.seed={wanted}: {plan.run_dir} was trained with trainer.seed={seed} (checkpoint "
             f"{checkpoint.name}), whose data order it is part-way through; resume with trainer.seed={seed}, or start "
             f"a new run (another name=...) with trainer.init_from={plan.run_dir} to keep only the weights"
+        )
+
+
+def _check_same_packing(plan: RunPlan, checkpoint: Path, recorded: DictConfig) -> None:
+    """Refuse to continue checkpoints with another data.pack_sequences (unset: 1, no packing): their data position
+    counts rows of the packing they were trained with."""
+    packed = OmegaConf.select(recorded, "data.pack_sequences", default=1)
+    wanted = getattr(plan.data, "pack_sequences", 1)  # 1 for the data kinds that do not pack
+    if packed != wanted:
+        raise RunDirectoryError(
+            f"data.pack_sequences={wanted}: {plan.run_dir} was trained with data.pack_sequences={packed} (checkpoint "
+            f"{checkpoint.name}), whose rows its data position counts; resume with data.pack_sequences={packed}, or "
+            f"start a new run (another name=...) with trainer.init_from={plan.run_dir} to keep only the weights"
         )
 
 

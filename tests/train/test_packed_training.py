@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers.config import TINY, compose
 from helpers.runs import run_train
 from transformers import BertForPreTraining
 
+from train.checkpoint import RunDirectoryError
 from train.metrics import read_metrics
 from train.run import run
 
@@ -43,3 +45,12 @@ def test_a_bad_pack_sequences_is_one_line_and_exit_2(tmp_path):
     assert result.stderr.splitlines() == [
         "config error: data.pack_sequences=0 must be the most sequences per row: 1 (no packing) or more"]
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_checkpoints_continue_only_with_the_packing_they_were_trained_with(tmp_path):
+    """The data position counts rows: other rows would silently be other data (an unpacked run of an earlier version,
+    whose recorded config has no pack_sequences, counts sequences)."""
+    run(compose([*TINY, "trainer.max_steps=4", "trainer.steps_this_run=2"]), tmp_path)
+    with pytest.raises(RunDirectoryError, match=r"^data\.pack_sequences=2: .* was trained with data\.pack_sequences=1 "
+                                                 r"\(checkpoint step_00000002\), .*resume with data\.pack_sequences=1"):
+        run(compose([*TINY, "trainer.max_steps=4", "data.pack_sequences=2"]), tmp_path)
