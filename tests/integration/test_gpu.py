@@ -48,6 +48,19 @@ def test_fp16_overflow_steps_are_skipped_and_the_scale_drops(tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["phase1", "phase2_packed"])
+def test_the_bert_large_recipes_precision_compile_and_packing_train_on_cuda(tmp_path, packed):
+    """What the BERT-Large recipes set (fp16 O2 with loss scaling, torch.compile, phase 2 packed) on a tiny BERT."""
+    recipe = compose(["experiment=bert_large_phase2", "data.path=/unused"])
+    assert (recipe.precision.dtype, recipe.precision.weights, recipe.trainer.compile) == ("fp16", "half", True)
+    assert recipe.data.pack_sequences == 3
+    records = _train(tmp_path, "precision=fp16_o2", "trainer.compile=true", "data.max_seq_len=128",
+                     f"data.pack_sequences={recipe.data.pack_sequences if packed else 1}", "optim.lr=1e-3")
+    assert len(records) == 6 and all(torch.isfinite(torch.tensor([r["loss"] for r in records])))
+    assert "loss_scale" in records[-1]
+    assert ("sequences_per_row" in records[-1]) == packed
+
+
 CUDA_OPTIMIZERS = [name for name in runnable_optimizers() if name not in APEX_OPTIMIZERS]  # apex has no CPU step
 
 
