@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -26,6 +26,9 @@ from torch.utils._pytree import tree_leaves
 from optim import get_optimizer_spec
 from optim.memory import state_bytes
 from optim.zero_one_adam import zero_one_adam_step_kinds
+
+if TYPE_CHECKING:
+    from data.text.pretraining import PretrainingDataset
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_OPTIM = REPO / "conf" / "optim"
@@ -93,6 +96,16 @@ def bert_pretraining_batch(seq: int, micro_batch: int, padding: float = 0.0) -> 
         "masked_lm_labels": torch.randint(0, 30522, (micro_batch, predictions), generator=g),
         "next_sentence_label": torch.randint(0, 2, (micro_batch,), generator=g),
     }
+
+
+def demo_pretraining_dataset(seq: int) -> PretrainingDataset:
+    """The demo corpus's sequences at `seq` positions as `data=demo` builds them (dupe factor 5, short_seq_prob 0.1,
+    static masks, the phase recipes' max predictions), over every document: the training run holds out the first few
+    for evaluation, which leaves the mix of lengths as it is."""
+    from data.text.pretraining import build_demo_dataset  # here: the tokenizer's imports take seconds
+    from data.text.tokenizer import load_tokenizer
+
+    return build_demo_dataset(load_tokenizer(), max_seq_len=seq, max_predictions=predictions_per_row(seq))
 
 
 def config_kwargs(name: str, **overrides) -> dict:

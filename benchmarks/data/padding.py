@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, markdown_table
+from benchmarks.common import REPO, demo_pretraining_dataset, markdown_table
 from data.text.nsp import create_nsp_instances
 from data.text.packing import plan_rows
 from data.text.shards import ShardSet, read_manifest, resolve_phase_dir
@@ -77,10 +77,7 @@ def _padding(corpus: str, seq: int, shards: list[np.ndarray]) -> Padding:
 
 def demo_padding(seq: int) -> Padding:
     """The demo corpus as `data=demo` trains on it (dupe factor 5, short_seq_prob 0.1)."""
-    from data.text.pretraining import build_demo_dataset
-    from data.text.tokenizer import load_tokenizer
-
-    instances = build_demo_dataset(load_tokenizer(), max_seq_len=seq, max_predictions=PHASES[seq]).instances
+    instances = demo_pretraining_dataset(seq).instances
     return _padding("demo", seq, [np.array([len(inst.input_ids) for inst in instances])])
 
 

@@ -5,6 +5,7 @@ published per-GPU figures.
     python -m benchmarks.throughput.training --task bert --size large --seq 512 --precision bf16 --micro-batch 16 \
         --compile
     python -m benchmarks.throughput.training --task bert --size large --seq 512 --padding 0.3
+    python -m benchmarks.throughput.training --task bert --size large --seq 512 --lengths demo --pack 3
     python -m benchmarks.throughput.training --task bert --size large --seq 128 --precision bf16_o2 --micro-batch 64
     python -m benchmarks.throughput.training --task swin --size base --precision bf16 --micro-batch 64
     python -m benchmarks.throughput.training      # on CPU: tiny shapes, so the code path is exercised anywhere
@@ -13,10 +14,12 @@ A step is what the trainer runs per micro-batch on one device, built from the sa
 `models.create_model`, the task's loss (BERT: MLM on the masked positions only + NSP), autocast and the loss
 scaler of `train.precision` (or, with `--precision bf16_o2` / `fp16_o2`, O2's half copy of `train.half_weights`:
 half weights and activations, the optimizer on the fp32 masters), backward, and the optimizer from the registry
-(LAMB for BERT, AdamW for Swin, `--optim` for another). Batches are synthetic and already on the device, so data
-loading never stalls it; BERT's rows are full unless `--padding` pads each row's end, as prepared data does
-(`benchmarks.data.padding` measures how much), and the real (non-pad) tokens per second are counted from the
-attention mask beside the sequences.
+(LAMB for BERT, AdamW for Swin, `--optim` for another). Batches are already on the device, so data loading never
+stalls it. BERT's rows are synthetic and full unless `--padding` pads each row's end, or, with `--lengths demo`, they
+are the demo corpus's sequences at `--seq` as `data=demo` builds them (real lengths and masks; phase 2 pads about
+30 %, `benchmarks.data.padding`), one a row or packed `--pack` a row by the training's own plan (`data.text.packing`).
+The micro-batches cycle over the corpus in a seeded order, so every timed step sees its mix of lengths. Rows/s,
+sequences/s and the real (non-pad) tokens per second are counted from the attention masks of the timed micro-batches.
 FLOPs are counted, not estimated: `torch.utils.flop_counter` records one step's matmuls and attention
 (forward and backward), and MFU is those FLOPs per second over the device's dense peak for the precision.
 References: NVIDIA DeepLearningExamples BERT-Large pretraining, A100-80GB, mixed precision: 580 seq/s per GPU
@@ -26,6 +29,7 @@ at seq 128 and 210 at seq 512; Swin-B at 224 px: 278 img/s on a V100 (Liu et al.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -33,7 +37,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import bert_pretraining_batch, device_label, predictions_per_row, print_top_kernels
+from benchmarks.common import (
+    bert_pretraining_batch,
+    demo_pretraining_dataset,
+    device_label,
+    predictions_per_row,
+    print_top_kernels,
+)
 from models import create_model
 from optim import build_optimizer
 from train.half_weights import HalfCopy
@@ -65,20 +75,41 @@ SWIN_SIZES = {  # `tiny` shrinks Swin-B to a CPU-sized model with the same code 
 @dataclass
 class Workload:
     model: torch.nn.Module
-    batch: dict[str, torch.Tensor]
+    batches: list[dict[str, torch.Tensor]]  # the micro-batches, on the device, taken in turn
     task: str
     optim: str
     label: str
 
 
-def bert_workload(size: str, seq: int, micro_batch: int, device: torch.device, padding: float = 0.0) -> Workload:
-    """A BERT step on synthetic rows of `seq` positions whose last `padding` fraction is padding."""
+def bert_workload(size: str, seq: int, micro_batch: int, device: torch.device, padding: float = 0.0,
+                  lengths: str = "synthetic", pack: int = 1) -> Workload:
+    """A BERT step on synthetic rows of `seq` positions whose last `padding` fraction is padding, or on the demo
+    corpus's sequences (`lengths="demo"`), packed `pack` a row."""
     hidden, layers, heads, ffn = BERT_SIZES[size]
     model = create_model("bert_pretraining", size="large", hidden_size=hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, intermediate_size=ffn)
-    batch = bert_pretraining_batch(seq, micro_batch, padding)
-    return Workload(model, {k: v.to(device) for k, v in batch.items()}, "bert_pretraining", "lamb",
-                    f"BERT-{size} seq {seq}")
+    label = f"BERT-{size} seq {seq}"
+    if lengths == "demo":
+        batches = demo_micro_batches(seq, micro_batch, pack)
+        label += ", the demo corpus's sequences" + (f" packed {pack} a row" if pack > 1 else "")
+    else:
+        batches = [bert_pretraining_batch(seq, micro_batch, padding)]
+    return Workload(model, [{k: v.to(device) for k, v in batch.items()} for batch in batches], "bert_pretraining",
+                    "lamb", label)
+
+
+def demo_micro_batches(seq: int, micro_batch: int, pack: int = 1) -> list[dict[str, torch.Tensor]]:
+    """The demo corpus's sequences at `seq`, one a row or packed `pack` a row as `data.pack_sequences` packs them
+    (the same keys a packed loader yields), in one seeded order cut into micro-batches of `micro_batch` rows; the
+    remainder, fewer rows than a micro-batch, is left out."""
+    from data.text.packing import PackedPretrainingDataset  # here: synthetic runs skip the tokenizer's imports
+
+    dataset = demo_pretraining_dataset(seq)
+    if pack > 1:
+        dataset = PackedPretrainingDataset(dataset, pack, seed=0)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    return [dataset.collate([dataset[i] for i in order[start:start + micro_batch]])
+            for start in range(0, len(order) - micro_batch + 1, micro_batch)]
 
 
 def swin_workload(size: str, micro_batch: int, device: torch.device) -> Workload:
@@ -90,7 +121,7 @@ def swin_workload(size: str, micro_batch: int, device: torch.device) -> Workload
     batch = {"image": torch.randn(micro_batch, 3, img, img, generator=g),
              "target": torch.softmax(torch.randn(micro_batch, 1000, generator=g), -1),
              "label": torch.randint(0, 1000, (micro_batch,), generator=g)}
-    return Workload(model, {k: v.to(device) for k, v in batch.items()}, "image_classification", "adamw",
+    return Workload(model, [{k: v.to(device) for k, v in batch.items()}], "image_classification", "adamw",
                     f"Swin-{size} {img} px")
 
 
@@ -110,7 +141,13 @@ def main(argv: list[str] | None = None) -> None:
                         "published model on a GPU, tiny on CPU)")
     parser.add_argument("--seq", type=int, choices=[128, 512], default=128)
     parser.add_argument("--padding", type=float, default=0.0, metavar="FRACTION",
-                        help="bert: the fraction of each row that is padding (default 0: full rows)")
+                        help="bert: the fraction of each synthetic row that is padding (default 0: full rows)")
+    parser.add_argument("--lengths", choices=["synthetic", "demo"], default="synthetic",
+                        help="bert: synthetic rows (full, or --padding), or the demo corpus's sequences at --seq, "
+                        "with their real lengths")
+    parser.add_argument("--pack", type=int, default=1, metavar="K",
+                        help="with --lengths demo: pack up to K sequences a row, as data.pack_sequences=K does "
+                        "(default 1: one a row)")
     parser.add_argument("--precision", choices=[*PRECISIONS, "bf16_o2", "fp16_o2"], default=None,
                         help="autocast, or O2 (_o2: half weights, fp32 masters); default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: 64 on GPU (16 at seq 512), 4 on CPU")
@@ -136,6 +173,11 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.padding <= 1 - (predictions_per_row(args.seq) + 3) / args.seq:
         parser.error(f"--padding {args.padding}: give a fraction from 0 that leaves room for "
                      f"{predictions_per_row(args.seq)} predictions and [CLS] A [SEP] B [SEP] in {args.seq} positions")
+    if args.lengths == "demo" and (args.task != "bert" or args.padding):
+        parser.error("--lengths demo: BERT's rows only (--task bert), and their padding is the corpus's: leave out "
+                     "--padding")
+    if args.pack < 1 or (args.pack > 1 and args.lengths != "demo"):
+        parser.error(f"--pack {args.pack}: give 1 or more sequences a row; packing needs --lengths demo")
     if args.accumulation < 1:
         parser.error(f"--accumulation {args.accumulation}: give 1 or more micro-batches per optimizer step")
     precision = args.precision or ("bf16" if gpu else "fp32")
@@ -144,9 +186,11 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     if args.task == "bert":
-        work = bert_workload(size, args.seq, micro_batch, device, args.padding)
+        work = bert_workload(size, args.seq, micro_batch, device, args.padding, args.lengths, args.pack)
     else:
         work = swin_workload(size, micro_batch, device)
+    if not work.batches:
+        parser.error(f"--micro-batch {micro_batch}: the demo corpus makes fewer rows than that at --seq {args.seq}")
     model = work.model.to(device).train()
     optimizer = build_optimizer(model, args.optim or work.optim, {"lr": 1e-4})
     precision_cfg = _precision_config(precision)
@@ -157,11 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     eager = model if half is None else half.module
     step_fn = get_task(work.task).step
     train_model = torch.compile(eager) if args.compile else eager
+    micro_batches = itertools.cycle(work.batches)
 
     def step(forward: torch.nn.Module = train_model) -> None:
         for _ in range(args.accumulation):
             with training_autocast(precision_cfg, device):
-                loss = step_fn(forward, work.batch)["loss"]
+                loss = step_fn(forward, next(micro_batches))["loss"]
             scaler.scale(loss / args.accumulation).backward()
         if half is not None:
             half.grads_to_masters_()
@@ -194,14 +239,18 @@ def main(argv: list[str] | None = None) -> None:
     peak = device_peak_tflops(device, precision_cfg.dtype)
     where = device_label(device)
     params = sum(p.numel() for p in model.parameters())
-    unit = "seq/s" if args.task == "bert" else "img/s"
+    unit = "rows/s" if args.task == "bert" else "img/s"
     print(f"{work.label}, {params / 1e6:.1f}M params, micro-batch {micro_batch} x {args.accumulation}, {precision}"
           f"{', compiled' if args.compile else ''}, optimizer {args.optim or work.optim} | {where} | "
           f"torch {torch.__version__} | mean of {steps} steps after {args.warmup + 1} warm-up")
     print(f"throughput   {rate:10.2f} {unit}  ({seconds * 1e3:.1f} ms/step)")
-    if "attention_mask" in work.batch:  # BERT: real (non-pad) tokens, as the attention mask counts them
-        real_per_sample = work.batch["attention_mask"].sum().item() / micro_batch
-        print(f"real tokens  {rate * real_per_sample:10.0f} tokens/s  ({1 - real_per_sample / args.seq:.1%} padding)")
+    if args.task == "bert":  # sequences and real (non-pad) tokens, as the attention masks count them
+        rows = samples_per_step * steps
+        timed = timed_micro_batches(work.batches, (args.warmup + 1) * args.accumulation, steps * args.accumulation)
+        sequences, tokens = count_sequences_and_tokens(timed)
+        sequence_rate = rate * sequences / rows
+        print(f"sequences    {sequence_rate:10.2f} seq/s  ({sequences / rows:.2f} a row)")
+        print(f"real tokens  {rate * tokens / rows:10.0f} tokens/s  ({1 - tokens / (rows * args.seq):.1%} padding)")
     print(f"model FLOPs  {flops_per_step / samples_per_step / 1e9:10.2f} GFLOP per sample, "
           f"{achieved_tflops:.2f} TFLOP/s, "
           + (f"MFU {achieved_tflops / peak:.1%} of {peak:g} TFLOP/s" if peak else "MFU n/a (no known peak here)"))
@@ -210,11 +259,25 @@ def main(argv: list[str] | None = None) -> None:
     reference = REFERENCES.get((args.task, args.seq if args.task == "bert" else 224))
     if reference and size in ("large", "base") and size == ("large" if args.task == "bert" else "base"):
         what, figure = reference
-        print(f"vs {what}: {figure:g} {unit} -> ratio {rate / figure:.3f}")
+        measured, unit = (sequence_rate, "seq/s") if args.task == "bert" else (rate, unit)  # the figures' unit
+        print(f"vs {what}: {figure:g} {unit} -> ratio {measured / figure:.3f}")
     else:
         print("no published figure for this shape (tiny shapes exercise the code path; CPU times are noise)")
     if args.profile:
         print_top_kernels(step, device, args.profile)
+
+
+def timed_micro_batches(batches: list[dict[str, torch.Tensor]], start: int,
+                        count: int) -> list[dict[str, torch.Tensor]]:
+    """The `count` micro-batches the cycle over `batches` hands out from its `start`-th on."""
+    return [batches[(start + i) % len(batches)] for i in range(count)]
+
+
+def count_sequences_and_tokens(batches: list[dict[str, torch.Tensor]]) -> tuple[int, int]:
+    """Sequences and real tokens in BERT micro-batches: a row's attention mask numbers its sequences 1..K (packed)
+    or marks its tokens 1 (one sequence), and is 0 on padding."""
+    masks = [batch["attention_mask"] for batch in batches]
+    return sum(int(m.amax(-1).sum()) for m in masks), sum(int((m > 0).sum()) for m in masks)
 
 
 def _precision_config(precision: str) -> DictConfig:

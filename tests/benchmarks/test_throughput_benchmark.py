@@ -6,15 +6,18 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from benchmarks.optim.bandwidth_bound import main as bandwidth_bound
-from benchmarks.throughput.training import main
+from benchmarks.throughput.training import count_sequences_and_tokens, demo_micro_batches, main
+from data.text.packing import PACKED_BATCH_KEYS
 
 
 def test_bert_step_is_timed_and_its_flops_counted(capsys):
     main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch", "2"])
     out = capsys.readouterr().out
-    assert re.search(r"throughput\s+[\d.]+ seq/s", out)
+    rows = float(re.search(r"throughput\s+([\d.]+) rows/s", out).group(1))
+    assert float(re.search(r"sequences\s+([\d.]+) seq/s  \(1.00 a row\)", out).group(1)) == rows
     per_sample = float(re.search(r"([\d.]+) GFLOP per sample", out).group(1))
     # 6 x (encoder params x 128 tokens + MLM decoder x 20 predictions) for the 128-hidden, 2-layer demo BERT:
     # fwd + bwd matmuls, plus attention; within 15 %.
@@ -31,11 +34,54 @@ def test_swin_step_runs():
 def test_real_tokens_per_second_leave_the_padding_out(capsys):
     main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch", "2", "--padding", "0.25"])
     out = capsys.readouterr().out
-    rate = float(re.search(r"throughput\s+([\d.]+) seq/s", out).group(1))
+    rate = float(re.search(r"throughput\s+([\d.]+) rows/s", out).group(1))
     tokens = float(re.search(r"real tokens\s+(\d+) tokens/s  \(25.0% padding\)", out).group(1))
     assert tokens == pytest.approx(rate * 96, abs=2)  # 128 positions, 32 of them padding
     with pytest.raises(SystemExit):  # no room left for 20 predictions
         main(["--device", "cpu", "--padding", "0.9"])
+
+
+def _sequences(batches: list[dict[str, torch.Tensor]]) -> list[tuple[int, ...]]:
+    """Every sequence of these micro-batches as its token ids and NSP label, sorted: a row's attention mask numbers
+    its sequences (1 in an unpacked row)."""
+    found = []
+    for batch in batches:
+        for ids, mask, nsp in zip(batch["input_ids"], batch["attention_mask"],
+                                  batch["next_sentence_label"].reshape(len(batch["input_ids"]), -1), strict=True):
+            found += [(*ids[mask == number].tolist(), int(nsp[number - 1])) for number in range(1, int(mask.max()) + 1)]
+    return sorted(found)
+
+
+def test_packed_micro_batches_hold_the_unpacked_ones_sequences():
+    padded, packed = demo_micro_batches(512, 1), demo_micro_batches(512, 1, pack=3)
+    assert set(packed[0]) == set(PACKED_BATCH_KEYS)
+    assert len(packed) < len(padded) * 0.8  # rows: phase 2 of the demo pads about 30 % unpacked
+    assert _sequences(packed) == _sequences(padded)
+    assert count_sequences_and_tokens(packed) == count_sequences_and_tokens(padded)
+    # A micro-batch of several rows: the corpus's sequences in one seeded order, the remainder left out.
+    assert len(demo_micro_batches(512, 64)) == len(padded) // 64
+
+
+def _demo_run(capsys, *options: str) -> tuple[float, float, float]:
+    """rows/s, seq/s and the padding printed by a tiny run on the demo's phase-2 sequences."""
+    main(["--device", "cpu", "--seq", "512", "--steps", "1", "--warmup", "0", "--micro-batch", "4", "--lengths", "demo",
+          *options])
+    out = capsys.readouterr().out
+    return (float(re.search(r"throughput\s+([\d.]+) rows/s", out).group(1)),
+            float(re.search(r"sequences\s+([\d.]+) seq/s", out).group(1)),
+            float(re.search(r"tokens/s  \(([\d.]+)% padding\)", out).group(1)))
+
+
+def test_packing_the_demo_sequences_pads_less_and_fits_more_sequences_a_row(capsys):
+    rows, sequences, padding = _demo_run(capsys)
+    assert sequences == rows and padding > 15
+    rows, sequences, packed_padding = _demo_run(capsys, "--pack", "3")
+    assert sequences > 1.2 * rows and packed_padding < padding / 2
+    for wrong in (["--pack", "3"], ["--lengths", "demo", "--padding", "0.3"], ["--lengths", "demo", "--pack", "0"],
+                  ["--task", "swin", "--lengths", "demo"],
+                  ["--seq", "512", "--lengths", "demo", "--micro-batch", "5000"]):  # more rows than the corpus makes
+        with pytest.raises(SystemExit):
+            main(["--device", "cpu", *wrong])
 
 
 
