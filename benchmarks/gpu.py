@@ -1,10 +1,10 @@
-"""Everything a GPU is needed for, in one command: the GPU tests, the demo on CUDA, BERT-Large (autocast and O2, with
-and without torch.compile) and Swin-B training throughput, and the optimizer steps against their bandwidth bound,
-written to one dated Markdown page.
+"""Everything a GPU is needed for, in one command: the GPU tests, the demo on CUDA, BERT-Large (autocast, and O2 with
+torch.compile) and Swin-B training throughput, phase 2 on real sequence lengths padded and packed, and the optimizer
+steps against their bandwidth bound with a kernel profile, written to one dated Markdown page.
 
     python -m benchmarks.gpu                          # one GPU, about 8.5 minutes; the page goes to docs/results/
     python -m benchmarks.gpu --out /tmp/gpu-run --only phase1 phase2
-    python -m benchmarks.gpu --only phase1_compile phase2_compile step_cost   # the parts left out by default
+    python -m benchmarks.gpu --only phase1_o2 phase2_o2 phase1_compile phase2_compile step_cost   # left out by default
     python -m benchmarks.gpu --dry-run                # the same orchestration on the CPU with tiny sizes
 
 Each part runs in its own process (its own CUDA context and memory) under its own time limit, and all of them under
