@@ -28,43 +28,31 @@ def check_run_directory(plan: RunPlan) -> None:
             f"{run_dir} already has checkpoint {checkpoint} and trainer.resume=false: pick another name=... or "
             "remove the directory"
         )
-    trained_with, wanted = meta["optimizer"], plan.optimizer.name
-    if trained_with != wanted:
-        raise RunDirectoryError(
-            f"optim.name={wanted}: {run_dir} was trained with optim={trained_with} (checkpoint "
-            f"{checkpoint.name}); resume with optim={trained_with}, or start a new run (another name=...) with "
-            f"trainer.init_from={run_dir} to keep only the weights"
-        )
+    _check_same(plan, checkpoint, "optim.name", meta["optimizer"], plan.optimizer.name, spelled="optim")
     check_world_size(checkpoint, meta, plan.geometry.world_size)
     recorded = RunDir(run_dir).recorded_config()  # it describes the checkpoints: only accepted runs rewrite it
     if recorded is not None:
-        _check_same_seed(plan, checkpoint, recorded)
-        _check_same_packing(plan, checkpoint, recorded)
+        seed = OmegaConf.select(recorded, "trainer.seed")
+        _check_same(plan, checkpoint, "trainer.seed", seed, plan.trainer.seed,
+                    ", whose data order it is part-way through")
+        packed = OmegaConf.select(recorded, "data.pack_sequences", default=1)  # unset in an older record: 1
+        wanted = getattr(plan.data, "pack_sequences", 1)  # 1 for the data kinds that do not pack
+        _check_same(plan, checkpoint, "data.pack_sequences", packed, wanted, ", whose rows its data position counts")
         _check_same_model(plan, checkpoint, recorded)
 
 
-def _check_same_seed(plan: RunPlan, checkpoint: Path, recorded: DictConfig) -> None:
-    """Refuse to continue checkpoints with another seed: the data order they are part-way through is the seed's."""
-    seed, wanted = OmegaConf.select(recorded, "trainer.seed"), plan.trainer.seed
-    if seed is not None and seed != wanted:
-        raise RunDirectoryError(
-            f"trainer.seed={wanted}: {plan.run_dir} was trained with trainer.seed={seed} (checkpoint "
-            f"{checkpoint.name}), whose data order it is part-way through; resume with trainer.seed={seed}, or start "
-            f"a new run (another name=...) with trainer.init_from={plan.run_dir} to keep only the weights"
-        )
-
-
-def _check_same_packing(plan: RunPlan, checkpoint: Path, recorded: DictConfig) -> None:
-    """Refuse to continue checkpoints with another data.pack_sequences (unset: 1, no packing): their data position
-    counts rows of the packing they were trained with."""
-    packed = OmegaConf.select(recorded, "data.pack_sequences", default=1)
-    wanted = getattr(plan.data, "pack_sequences", 1)  # 1 for the data kinds that do not pack
-    if packed != wanted:
-        raise RunDirectoryError(
-            f"data.pack_sequences={wanted}: {plan.run_dir} was trained with data.pack_sequences={packed} (checkpoint "
-            f"{checkpoint.name}), whose rows its data position counts; resume with data.pack_sequences={packed}, or "
-            f"start a new run (another name=...) with trainer.init_from={plan.run_dir} to keep only the weights"
-        )
+def _check_same(plan: RunPlan, checkpoint: Path, key: str, trained_with: Any, wanted: Any, why: str = "",
+                spelled: str | None = None) -> None:
+    """Refuse to continue checkpoints trained with another value of `key` (None: not recorded, nothing to compare),
+    naming both and the way out; `spelled`: how the advice writes the key (the group's choice, say)."""
+    if trained_with is None or trained_with == wanted:
+        return
+    spelled = spelled or key
+    raise RunDirectoryError(
+        f"{key}={wanted}: {plan.run_dir} was trained with {spelled}={trained_with} (checkpoint {checkpoint.name})"
+        f"{why}; resume with {spelled}={trained_with}, or start a new run (another name=...) with "
+        f"trainer.init_from={plan.run_dir} to keep only the weights"
+    )
 
 
 def _check_same_model(plan: RunPlan, checkpoint: Path, recorded_config: DictConfig) -> None:
