@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.atomic import replace_directory, temporary_sibling
+from core.atomic import replace_directory, staging_directory
 
 COMPLETE_MARKER = ".complete"
 
@@ -43,7 +43,7 @@ def write_digits_imagefolder(root: str | Path | None = None, size: int = 32, val
     digits = load_digits()
     pixels = np.clip(digits.images * (255.0 / 16.0), 0, 255).astype(np.uint8)  # values are 0..16
     rng = np.random.default_rng(seed)
-    staging = temporary_sibling(root)
+    staging = staging_directory(root)  # (what a killed writer left beside it goes first)
     try:
         for label in range(10):
             members = rng.permutation(np.flatnonzero(digits.target == label))
