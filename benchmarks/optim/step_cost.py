@@ -17,15 +17,26 @@ Tensor lists are chunked as on a GPU (`optim._math.FOREACH_CHUNK_NUMEL`), whatev
 ops a GPU's step dispatches. A step that needs real tensors (it reads values back to the host, or calls a kernel
 with no meta version, as torch's fused SGD) is counted on the CPU instead, as is AdamW, whose fused kernel torch
 takes on real devices only; the table's device column says which.
+
+`--compiled` counts the steps with `compiled=True` (their math compiled by inductor, `optim._compiled`) on the CPU,
+since inductor compiles for real devices only: ops are the aten ops the dispatch mode still sees plus one per kernel
+a compiled graph runs, bytes theirs plus the bytes inductor counts for each compiled graph at every call of it
+(`CompiledTraffic`). Optimizers without the option are counted as they are, and say so in the `compiled` column.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
+import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+import torch._inductor.metrics as inductor_metrics
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 from benchmarks.common import (
     SIZES,
@@ -37,6 +48,7 @@ from benchmarks.common import (
     optimizer_stepper,
 )
 from optim import build_optimizer, get_optimizer_spec
+from optim._compiled import CompiledMath
 from optim._math import FOREACH_CHUNK_NUMEL
 from optim.apex import APEX_OPTIMIZERS, runnable_optimizers
 from optim.mirror_comm import MirrorComm
@@ -54,16 +66,88 @@ def counted_optimizers() -> list[str]:
     return [name for name in runnable_optimizers() if name not in APEX_OPTIMIZERS]
 
 
-def count_step_on(name: str, size: str, ranks: int, device: torch.device) -> dict[str, object]:
-    """`count_step` on `device`, or on the CPU where the step needs real tensors; `ranks` for the optimizers that
-    communicate (one rank for the others)."""
+def count_step_on(name: str, size: str, ranks: int, device: torch.device, compiled: bool = False) -> dict[str, object]:
+    """`count_step` on `device`, or on the CPU where the step needs real tensors (a compiled one always does);
+    `ranks` for the optimizers that communicate (one rank for the others)."""
     world = ranks if get_optimizer_spec(name).grad_sync == "self" else 1
-    if device.type == "meta" and name not in REAL_DEVICE_ONLY:
+    compiled = compiled and has_compiled_option(name)
+    if device.type == "meta" and name not in REAL_DEVICE_ONLY and not compiled:
         try:
             return count_step(name, size, world, device)
         except (NotImplementedError, RuntimeError):  # host reads, host-side draws, kernels without a meta version
             pass
-    return count_step(name, size, world, torch.device("cpu"))
+    return count_step(name, size, world, torch.device("cpu"), compiled)
+
+
+def has_compiled_option(name: str) -> bool:
+    """Whether optimizer `name` takes `compiled=True` (its math compiled by inductor)."""
+    return "compiled" in inspect.signature(get_optimizer_spec(name).cls).parameters
+
+
+class CompiledTraffic:
+    """While active, each call of a compiled function (`optim._compiled.CompiledMath`) adds to `traffic` (when set)
+    one op per kernel of the graph it runs and the bytes inductor counted for that graph.
+
+    Inductor counts a graph's kernels and their bytes once, when it compiles it (`GraphLowering.count_bytes`: every
+    buffer each fused kernel reads or writes, extern kernels included). The graph a call runs is keyed by the
+    function and its arguments' shapes, strides, dtypes and constants (what its compiled code is specialised to),
+    and costs what it cost in the call that compiled it. The dispatch mode is paused inside the compiled call: the
+    aten ops of the compiled code are inductor's count. Activating it forgets every compiled graph (`dynamo.reset`)
+    and turns off inductor's caches, so that each graph is compiled, hence counted, here.
+    """
+
+    def __init__(self) -> None:
+        self.traffic: StepTraffic | None = None
+        self.graphs: dict[tuple, tuple[int, int]] = {}  # key -> (kernels, bytes)
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> CompiledTraffic:
+        torch._dynamo.reset()
+        self._stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+        self._stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+        log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")  # on: inductor counts the bytes
+        saved = log.level, log.propagate
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        self._stack.callback(lambda: (log.setLevel(saved[0]), setattr(log, "propagate", saved[1])))
+        original = CompiledMath.__call__
+
+        def counted_call(math: CompiledMath, *args: Any, **kwargs: Any) -> Any:
+            key = (math.fn.__qualname__, *(_signature(leaf) for leaf in tree_leaves((args, kwargs))))
+            before = len(inductor_metrics.nodes_num_elem), inductor_metrics.num_bytes_accessed
+            with _disable_current_modes():
+                out = original(math, *args, **kwargs)
+            kernels = len(inductor_metrics.nodes_num_elem) - before[0]
+            if kernels:  # compiled in this call
+                self.graphs[key] = kernels, inductor_metrics.num_bytes_accessed - before[1]
+            if self.traffic is not None:
+                kernels, moved = self.graphs[key]
+                self.traffic.ops += kernels
+                self.traffic.bytes += moved
+            return out
+
+        self._stack.enter_context(_patched(CompiledMath, "__call__", counted_call))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def _patched(owner: type, name: str, value: Any) -> Iterator[None]:
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def _signature(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device.type
+    return leaf
 
 
 @contextlib.contextmanager
@@ -78,22 +162,26 @@ def gpu_chunks() -> Iterator[None]:
         FOREACH_CHUNK_NUMEL.update(saved)
 
 
-def count_step(name: str, size: str, world_size: int, device: torch.device) -> dict[str, object]:
-    """One row: optimizer `name`'s step on BERT-`size` parameters, counted after `SETTLING_STEPS` steps."""
+def count_step(name: str, size: str, world_size: int, device: torch.device, compiled: bool = False
+               ) -> dict[str, object]:
+    """One row: optimizer `name`'s step on BERT-`size` parameters, counted after `SETTLING_STEPS` steps (with
+    `compiled=True` when `compiled`: on the CPU)."""
     model = bert_parameters(size, device)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = {p: p.grad for p in params}
-    with gpu_chunks():
-        optimizer = build_optimizer(model, name, config_kwargs(name, **COMPRESSED_FROM.get(name, {})),
-                                    comm=MirrorComm(world_size))
+    options = COMPRESSED_FROM.get(name, {}) | ({"compiled": True} if compiled else {})
+    with gpu_chunks(), CompiledTraffic() as compiled_traffic:
+        optimizer = build_optimizer(model, name, config_kwargs(name, **options), comm=MirrorComm(world_size))
         step = optimizer_stepper(name, optimizer, grads, clock=lambda: 0.0)
         for _ in range(SETTLING_STEPS):
             step()
         with StepTraffic() as traffic:
+            compiled_traffic.traffic = traffic
             step()
     floor = bytes_touched(params, optimizer)
-    return {"optimizer": name, "device": device.type, "ranks": world_size, "tensors": len(params), "ops": traffic.ops,
-            "GB moved": traffic.bytes / 1e9, "GB floor": floor / 1e9, "x floor": traffic.bytes / floor}
+    return {"optimizer": name, "compiled": compiled, "device": device.type, "ranks": world_size,
+            "tensors": len(params), "ops": traffic.ops, "GB moved": traffic.bytes / 1e9, "GB floor": floor / 1e9,
+            "x floor": traffic.bytes / floor}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,13 +191,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["meta", "cpu"], default="meta",
                         help="meta: shapes only (fast), and the CPU for a step that needs real tensors")
     parser.add_argument("--optimizers", nargs="+", default=None, help="registered names (default: every one)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="count the steps with compiled=True where the optimizer takes it (on the CPU: slow)")
     args = parser.parse_args(argv)
     rows = []
     for name in args.optimizers or counted_optimizers():
-        rows.append(count_step_on(name, args.size, args.ranks, torch.device(args.device)))
+        rows.append(count_step_on(name, args.size, args.ranks, torch.device(args.device), args.compiled))
         print(f"counted {name}", flush=True)
     print(f"optimizer step traffic, BERT-{args.size} | torch {torch.__version__} | {args.device} | "
-          f"after {SETTLING_STEPS} steps")
+          f"after {SETTLING_STEPS} steps{' | compiled where the optimizer takes it' if args.compiled else ''}")
     print(markdown_table(rows))
 
 
