@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import io
 import os
 import tempfile
@@ -106,6 +107,11 @@ def demo_pretraining_dataset(seq: int) -> PretrainingDataset:
     from data.text.tokenizer import load_tokenizer
 
     return build_demo_dataset(load_tokenizer(), max_seq_len=seq, max_predictions=predictions_per_row(seq))
+
+
+def has_compiled_option(name: str) -> bool:
+    """Whether optimizer `name` takes `compiled=True` (its math compiled by inductor, `optim._compiled`)."""
+    return "compiled" in inspect.signature(get_optimizer_spec(name).cls).parameters
 
 
 def config_kwargs(name: str, **overrides) -> dict:

@@ -4,7 +4,7 @@ steps against their bandwidth bound with a kernel profile, written to one dated 
 
     python -m benchmarks.gpu                          # one GPU, about 8.5 minutes; the page goes to docs/results/
     python -m benchmarks.gpu --out /tmp/gpu-run --only phase1 phase2
-    python -m benchmarks.gpu --only phase1_o2 phase2_o2 phase1_compile phase2_compile step_cost   # left out by default
+    python -m benchmarks.gpu --only phase1_o2 phase2_o2 phase1_compile phase2_compile step_cost step_compiled
     python -m benchmarks.gpu --dry-run                # the same orchestration on the CPU with tiny sizes
 
 Each part runs in its own process (its own CUDA context and memory) under its own time limit, and all of them under
@@ -43,6 +43,7 @@ TINY_BERT = ("--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch"
 TINY_DEMO = ("trainer.device=cpu", "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
              "model.num_hidden_layers=1", "data.dupe_factor=1", "data.heldout_sequences=8", "data.eval_batch_size=8",
              "logger.progress_bar=false")
+COMPILED_OPTIMIZERS = ("lamb",)  # those with `compiled=True`, timed by the step_compiled part
 THROUGHPUT_FIGURES = r"[\d.]+ (?:seq|img)/s|\d+ tokens/s|MFU [\d.]+%"
 
 
@@ -113,6 +114,13 @@ PARTS = [  # in order of what matters most when the budget runs short
          (*THROUGHPUT, *TINY_BERT), THROUGHPUT_FIGURES, optional=True),
     Part("phase2_compile", "BERT-Large phase 2, bf16 autocast, torch.compile", (*PHASE2, "--compile"), 180,
          (*THROUGHPUT, "--seq", "512", *TINY_BERT), THROUGHPUT_FIGURES, optional=True),
+    # The steps compiled by inductor (`compiled=True`), against the bound and beside the eager steps of `bandwidth`:
+    # optional until a GPU run shows them worth their compile time (about a minute, not yet measured).
+    Part("step_compiled", "optimizer steps compiled by inductor against their memory-bandwidth bound, BERT-Large",
+         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--compiled", "--optimizers",
+          *COMPILED_OPTIMIZERS), 240,
+         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--compiled",
+          "--optimizers", "lamb", "--warmup", "1", "--repeats", "1"), r"copy bandwidth \d+ GB/s", optional=True),
     Part("step_cost", "optimizer steps counted: ops and bytes against one fused pass, BERT-Large, 2 ranks",
          ("python", "-m", "benchmarks.optim.step_cost", "--size", "large", "--ranks", "2"), 90,
          ("python", "-m", "benchmarks.optim.step_cost", "--size", "tiny", "--ranks", "2", "--optimizers", "lamb"),

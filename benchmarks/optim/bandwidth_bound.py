@@ -11,6 +11,9 @@ implementation could do. Optimizers that synchronise themselves take their multi
 communication layer (`optim.comm.MirrorComm` of one rank) whose collectives return at once (their compressed
 stages included), so no network time is counted; the 1-bit optimizers are timed after their warm-up stage, in the
 compressed one.
+
+`--compiled` times the optimizers that take `compiled=True` with it (their math compiled by inductor; the warm-up
+steps compile it), the others as they are; the `compiled` column says which.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from benchmarks.common import (
     chosen_device,
     config_kwargs,
     device_label,
+    has_compiled_option,
     print_top_kernels,
 )
 from optim import build_optimizer
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after each optimizer's timing, profile 3 of its steps and print the N kernels (CPU: ops) "
                         "that take most time: where a step's time goes when its bytes do not say")
+    parser.add_argument("--compiled", action="store_true",
+                        help="compiled=True for the optimizers that take it (the warm-up steps compile)")
     args = parser.parse_args(argv)
     device = chosen_device(parser, args.device)
     model = bert_parameters(args.size, device)
@@ -85,14 +91,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"optimizer step vs bandwidth bound, BERT-{args.size}: {numel / 1e6:.1f}M fp32 parameters in "
           f"{len(params)} tensors | {where} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e9:.0f} GB/s "
           f"(read + write) | min and median of {args.repeats} steps after {args.warmup}")
-    print(f"{'optimizer':<15} {'GB touched':>10} {'bound ms':>9} {'min ms':>8} {'median ms':>10} {'min x bound':>12}")
+    print(f"{'optimizer':<15} {'compiled':>8} {'GB touched':>10} {'bound ms':>9} {'min ms':>8} {'median ms':>10} "
+          f"{'min x bound':>12}")
     for name in args.optimizers:
-        optimizer = build_optimizer(model, name, config_kwargs(name, **COMPRESSED_FROM.get(name, {})),
-                                    comm=MirrorComm(1))
+        compiled = args.compiled and has_compiled_option(name)
+        options = COMPRESSED_FROM.get(name, {}) | ({"compiled": True} if compiled else {})
+        optimizer = build_optimizer(model, name, config_kwargs(name, **options), comm=MirrorComm(1))
         times = time_steps(optimizer, device, args.warmup, args.repeats)
         touched = bytes_touched(params, optimizer)
         bound = touched / bandwidth
-        print(f"{name:<15} {touched / 1e9:>10.3f} {bound * 1e3:>9.2f} {min(times) * 1e3:>8.2f} "
+        print(f"{name:<15} {compiled!s:>8} {touched / 1e9:>10.3f} {bound * 1e3:>9.2f} {min(times) * 1e3:>8.2f} "
               f"{statistics.median(times) * 1e3:>10.2f} {min(times) / bound:>12.2f}", flush=True)
         if args.profile:
             print_top_kernels(optimizer.step, device, args.profile)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -44,6 +43,7 @@ from benchmarks.common import (
     bert_parameters,
     bytes_touched,
     config_kwargs,
+    has_compiled_option,
     markdown_table,
     optimizer_stepper,
 )
@@ -77,11 +77,6 @@ def count_step_on(name: str, size: str, ranks: int, device: torch.device, compil
         except (NotImplementedError, RuntimeError):  # host reads, host-side draws, kernels without a meta version
             pass
     return count_step(name, size, world, torch.device("cpu"), compiled)
-
-
-def has_compiled_option(name: str) -> bool:
-    """Whether optimizer `name` takes `compiled=True` (its math compiled by inductor)."""
-    return "compiled" in inspect.signature(get_optimizer_spec(name).cls).parameters
 
 
 class CompiledTraffic:

@@ -8,8 +8,9 @@ import functools
 import pytest
 import torch
 
-from benchmarks.common import SIZES, StepTraffic
-from benchmarks.optim.step_cost import count_step_on, counted_optimizers
+from benchmarks.common import SIZES, StepTraffic, has_compiled_option
+from benchmarks.optim.step_cost import CompiledTraffic, count_step_on, counted_optimizers
+from optim._compiled import CompiledMath
 
 # Bytes moved per step / bytes of one fused pass (`x floor`), BERT-tiny shapes at 2 layers. The target where an issue
 # set one and the step meets it; otherwise the figure reached, rounded up, with the target and the gap. Lower a row
@@ -39,6 +40,10 @@ CEILINGS = {
     # moves with the layers drawn.
     "jointspar": 1.65,
 }
+# The same with `compiled=True` (`step_cost --compiled`), for the optimizers that take it: the issue's targets.
+COMPILED_CEILINGS = {
+    "lamb": 1.6,  # target 1.6, met: 1.43, two passes (moments and norms; the update formed again and applied)
+}
 NEW_OPTIMIZER_CEILING = 3.0  # an optimizer without a row: the loosest target the issue set (the 1-bit family's)
 
 SHALLOW, DEEP = 2, 4  # encoder layers of the two counts
@@ -46,11 +51,11 @@ VOCAB = 1024  # a small embedding, so that the layers weigh in the count and the
 
 
 @functools.cache
-def _count(name: str, layers: int) -> dict[str, object]:
+def _count(name: str, layers: int, compiled: bool = False) -> dict[str, object]:
     """The step_cost row of `name` on BERT-tiny with `layers` encoder layers (2 mirrored ranks where it talks)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(SIZES, "tiny_test", dict(SIZES["tiny"], num_hidden_layers=layers, vocab_size=VOCAB))
-        return count_step_on(name, "tiny_test", 2, torch.device("meta"))
+        return count_step_on(name, "tiny_test", 2, torch.device("meta"), compiled)
 
 
 def test_every_ceiling_names_a_counted_optimizer():
@@ -61,6 +66,41 @@ def test_every_ceiling_names_a_counted_optimizer():
 def test_bytes_per_step_within_the_ceiling(name):
     row = _count(name, SHALLOW)
     assert row["x floor"] <= CEILINGS.get(name, NEW_OPTIMIZER_CEILING), row
+
+
+def test_every_compiled_ceiling_names_an_optimizer_with_the_option():
+    assert all(has_compiled_option(name) for name in COMPILED_CEILINGS)
+
+
+@pytest.mark.slow  # compiles each pass for each chunk of tensors: about 20 s
+@pytest.mark.parametrize("name", sorted(COMPILED_CEILINGS))
+def test_compiled_bytes_per_step_within_the_ceiling(name):
+    row = _count(name, SHALLOW, compiled=True)
+    assert row["compiled"] and row["device"] == "cpu"
+    assert row["x floor"] <= COMPILED_CEILINGS[name], row
+    assert row["x floor"] < CEILINGS[name], (row, "no cheaper than the aten ops")
+
+
+def _adam_pass(p, g, m, v):
+    m.lerp_(g, 0.1)
+    v.mul_(0.999).addcmul_(g, g, value=0.001)
+    p.add_(m / (v.sqrt() + 1e-6) + 0.01 * p, alpha=-1e-3)
+
+
+def test_a_compiled_graph_counts_its_kernels_and_bytes_at_every_call():
+    """Adam's update compiles to one fused kernel that reads p, g, m, v and writes p, m, v (28 bytes an fp32
+    element), counted once per call although it compiles once; the aten ops outside it count as before."""
+    tensors = [torch.randn(1 << 12) for _ in range(4)]
+    step = CompiledMath(_adam_pass)
+    with CompiledTraffic() as compiled:
+        step(*tensors)  # compiles
+        with StepTraffic() as traffic:
+            compiled.traffic = traffic
+            step(*tensors)
+            step(*tensors)
+            tensors[0].mul_(2.0)
+    assert traffic.ops == 3
+    assert traffic.bytes == 2 * 28 * tensors[0].numel() + 2 * tensors[0].nbytes
 
 
 @pytest.mark.parametrize("name", counted_optimizers())
