@@ -90,6 +90,19 @@ class Results:
         own, reference = get(variant), get(self.reference)
         return own / reference if own is not None and reference else None
 
+    def replica_bits(self, variant: str) -> float | None:
+        """Bits per parameter per step of the replica averages for evaluation and export, counted apart."""
+        return self._mean_of(variant, "replica_average_bits")
+
+    def settings(self) -> list[tuple[str, str]]:
+        """(variant, its optimizer's preset) for every variant that changes a setting of a preset in the data."""
+        presets = set(self.data.variants())
+        return [(v, run.optimizer) for v in self.data.variants() if (run := self._first(v)).optimizer != v
+                and run.optimizer in presets]
+
+    def _first(self, variant: str) -> RunData:
+        return (self._runs(variant) or [self.data.mean_run(variant)])[0]
+
     def wall_minutes(self, variant: str) -> float | None:
         seconds = self._mean_of(variant, "wall_seconds")
         return seconds / 60 if seconds is not None else None
@@ -163,9 +176,23 @@ class Results:
                 f"% of {self.reference}'s": _percent(self.share(variant)),
                 "at 32 bits per value": _round(self.bits_fp32(variant), 3),
                 f"% of {self.reference}'s at 32 bits": _percent(self.share(variant, at_fp32=True)),
-                "replica averages (apart)": _round(self._mean_of(variant, "replica_average_bits"), 3),
+                "replica averages (apart)": _round(self.replica_bits(variant), 3),
             })
         return markdown_table(rows)
+
+    def settings_table(self, only: str | None = None, but: str | None = None) -> str:
+        """Each setting against its own preset on the same seeds: of preset `only`, or of every preset but `but`."""
+        rows = []
+        for variant, preset in self.settings():
+            if (only is not None and preset != only) or preset == but:
+                continue
+            rows.append({
+                "setting": f"`{variant}`", "against": f"`{preset}`",
+                "final per seed": " ".join(f"{v:.3f}" for v in self.per_seed(variant).values()),
+                "mean": f"{self.val(variant):.3f}", "difference per seed": self.pairs(variant, preset),
+                "verdict": self.verdict(variant, preset), "bits/param/step": _round(self.bits(variant), 3),
+            })
+        return markdown_table(rows) if rows else ""
 
     def verdicts(self) -> str:
         """One bullet per variant: its verdict against the reference at the final evaluation."""
@@ -178,11 +205,12 @@ class Results:
         tables = {"results": self.results_table, "paired": self.paired_table, "bytes": self.bytes_table}
         return {
             "meta": self.data.meta, "reference": self.reference, "val": self.val, "seed_val": self.seed_val,
+            "per_seed": self.per_seed, "replica_bits": self.replica_bits, "settings": self.settings,
             "gap": self.gap, "pairs": self.pairs, "verdict": self.verdict, "comparison": self.comparison,
             "bits": self.bits, "bits_fp32": self.bits_fp32, "share": self.share, "seeds": self.seeds,
             "steps": self.steps, "wall_minutes": self.wall_minutes, "squad": self.squad,
-            "table": lambda name: tables[name](), "verdicts": self.verdicts,
-            "abs": abs, "len": len, "min": min, "max": max, "str": str,
+            "table": lambda name: tables[name](), "settings_table": self.settings_table, "verdicts": self.verdicts,
+            "abs": abs, "len": len, "min": min, "max": max, "str": str, "sum": sum,
         }
 
     def render(self, template: str, **names: Any) -> str:

@@ -108,6 +108,18 @@ def test_results_pair_on_shared_seeds_and_render_a_template(tmp_path):
     assert StudyData.read(tmp_path / DATA_NAME).runs == results.data.runs  # the file holds the runs exactly
 
 
+def test_a_setting_is_paired_with_its_own_preset_not_with_lamb():
+    data = _study()
+    data.runs += [RunData("slamb H=20", "slamb", seed, (Point(4, 8.0, 7.05 + seed, 30),), ("optim.sync_interval=20",),
+                          bits_per_param_per_step=3.3, replica_average_bits=0.1) for seed in range(2)]
+    results = Results(data)
+    assert results.settings() == [("slamb H=20", "slamb")]
+    assert results.replica_bits("slamb H=20") == pytest.approx(0.1) and results.replica_bits("slamb") is None
+    table = results.settings_table(only="slamb")
+    assert "| `slamb H=20` | `slamb` | 7.050 8.050 | 7.550 | -0.050 and -0.050 | is ahead of slamb by 0.050" in table
+    assert results.settings_table(but="slamb") == ""  # no setting of another preset
+
+
 def test_the_shipped_page_is_its_template_rendered_from_the_shipped_data():
     results = Results(StudyData.read(SHIPPED / DATA_NAME))
     template = (SHIPPED / "convergence.md.in").read_text()
