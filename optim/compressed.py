@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from optim._compiled import CompiledMath
 from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm
 from optim.flat import FlatLayout, copy_in_chunks_
@@ -175,6 +176,42 @@ def compress_(z: Tensor, error: Tensor, packed: Tensor | None = None) -> Tensor:
     return scale
 
 
+# ------------------------------------------------------------------------------------------ compiled compression
+# The compressions as inductor compiles them (`compiled=True`): a pass that reduces the norm of the compressed vector,
+# reading what it is the sum of, and one that reads them again to write the error and the sign bits, where the aten
+# ops write the sum, its sign bits as bytes, then their packing and the error (about 8 passes, not 5).
+
+
+def _compress_into_(z: Tensor, error: Tensor, packed: Tensor) -> Tensor:
+    """`compress_`'s arithmetic for a traced `z` (never stored): `error = z - scale * sign(z)`, `packed` its signs."""
+    scale = torch.linalg.vector_norm(z) / math.sqrt(z.numel())
+    negative = torch.signbit(z)
+    error.copy_(z - torch.where(negative, -scale, scale))
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=z.device)
+    packed.copy_(torch.bitwise_left_shift(torch.logical_not(negative).view(-1, 8).to(torch.uint8), shifts)
+                 .sum(-1, dtype=torch.uint8))
+    return scale.reshape(1)
+
+
+def _worker_compress_(x: Tensor | None, error: Tensor, packed: Tensor) -> Tensor:
+    """The worker's compression of `x + error` (of `error` alone when it already holds the sum): its scale."""
+    return _compress_into_(error if x is None else x + error, error, packed)
+
+
+def _server_compress_(signs: Tensor, weights: Tensor, error: Tensor, packed: Tensor) -> Tensor:
+    """The server's compression of `sum_j weights[j] * signs[j] + error`, `signs` the W ranks' packed rows of its
+    chunk (`_decode_sum`'s sum, formed in the same pass): its scale."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=signs.device)
+    set_bits = torch.bitwise_right_shift(signs.unsqueeze(-1), shifts).bitwise_and(1).bool()  # (W, n / 8, 8)
+    column = weights.to(error.dtype).reshape(-1, 1, 1)
+    decoded = torch.where(set_bits, column, -column).sum(0).reshape(-1)
+    return _compress_into_(decoded + error, error, packed)
+
+
+_WORKER_COMPRESS = CompiledMath(_worker_compress_)
+_SERVER_COMPRESS = CompiledMath(_server_compress_)
+
+
 def _block_numel(buffer: Tensor) -> int:
     """Elements per block of the compression's passes: the device's foreach chunk, a multiple of 8 (whole bytes)."""
     return max(8, (FOREACH_CHUNK_NUMEL.get(buffer.device.type) or buffer.numel()) // 8 * 8)
@@ -194,8 +231,8 @@ def _split_scale(rows: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm, *,
-                          fed_back: bool = False, divisor: float | None = None, zeroed: Tensor | None = None
-                          ) -> Tensor:
+                          fed_back: bool = False, divisor: float | None = None, zeroed: Tensor | None = None,
+                          compiled: bool = False) -> Tensor:
     """Replace the padded flat `buffer` (N' elements) by the 1-bit compressed mean over ranks, in place.
 
     `worker_error` (N') and `server_error` (N'/W) are this rank's persistent error buffers. The result is
@@ -206,7 +243,9 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     rather than `x`, one pass fewer), and `buffer` only receives the result. `divisor`: the result divided by it,
     folded into the decoding table (exactly `result / divisor`: the table holds `+-scale / divisor`). `zeroed`:
     `zero_codes_` of the elements to set to +0.0 as the result is decoded (no masked fill after it); with one rank,
-    which decodes nothing, the caller zeroes them.
+    which decodes nothing, the caller zeroes them. `compiled`: the worker's and the server's compressions compiled
+    by inductor (`_worker_compress_`, `_server_compress_`: two passes each, the sum never stored), rounded apart from
+    the aten ops' within a few units in the last place (the norm's sum in another order).
     """
     world = comm.world_size
     if not comm.distributed or buffer.numel() == 0:
@@ -227,10 +266,12 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     # 2.9B parameters a decoded copy of the buffer would be 11.6 GB.
     block = _block_numel(buffer)
     # Phase 1: worker compression, chunk j of the signs (and this rank's scale) to rank j.
-    z = worker_error if fed_back else buffer.add_(worker_error)
     send = torch.empty(world, chunk // 8 + _SCALE_BYTES, dtype=torch.uint8, device=buffer.device)
     packed = torch.empty(buffer.numel() // 8, dtype=torch.uint8, device=buffer.device)
-    worker_scale = compress_(z, worker_error, packed)
+    if compiled:
+        worker_scale = _WORKER_COMPRESS(None if fed_back else buffer, worker_error, packed)
+    else:
+        worker_scale = compress_(worker_error if fed_back else buffer.add_(worker_error), worker_error, packed)
     send[:, :chunk // 8].copy_(packed.view(world, chunk // 8))
     _put_scale(send, worker_scale)
     del packed
@@ -241,13 +282,16 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     # Server stage on this rank's chunk: the scale-weighted mean of the W sign vectors, compressed again, a
     # block of columns at a time.
     weights = scales.to(buffer.dtype) * (1.0 / world)  # DeepSpeed multiplies by 1/W rather than dividing
-    tables = _weighted_tables(weights, buffer.dtype)
-    server = buffer[:chunk]  # the buffer is free until phase 2 decodes into it: the server's vector lives there
-    for a in range(0, chunk, block):
-        torch.add(_decode_sum(signs[:, a // 8:(a + block) // 8], tables), server_error[a:a + block],
-                  out=server[a:a + block])
     mine = torch.empty(1, chunk // 8 + _SCALE_BYTES, dtype=torch.uint8, device=buffer.device)
-    server_scale = compress_(server, server_error, mine[0, :chunk // 8])
+    if compiled:
+        server_scale = _SERVER_COMPRESS(signs, weights, server_error, mine[0, :chunk // 8])
+    else:
+        tables = _weighted_tables(weights, buffer.dtype)
+        server = buffer[:chunk]  # the buffer is free until phase 2 decodes into it: the server's vector lives there
+        for a in range(0, chunk, block):
+            torch.add(_decode_sum(signs[:, a // 8:(a + block) // 8], tables), server_error[a:a + block],
+                      out=server[a:a + block])
+        server_scale = compress_(server, server_error, mine[0, :chunk // 8])
     _put_scale(mine, server_scale)
     # Phase 2: every rank gets every compressed chunk and decodes the same bytes, straight into the buffer.
     gathered = torch.empty(world, mine.shape[1], dtype=torch.uint8, device=buffer.device)
@@ -283,11 +327,12 @@ class CompressedBuckets:
     buffer is in DeepSpeed (the tail holds the previous decompressed output, which feeds the next compression
     and its scale); without it the tail is zeroed before every call, as DeepSpeed's per-tensor padding. The
     errors and (with `keep_tail`) the tails are rank-specific state: checkpoint them with `state_dict()`.
+    `compiled`: the compressions compiled by inductor (see `compressed_allreduce_`).
     """
 
     def __init__(self, layout: FlatLayout, comm: Comm, device: torch.device, dtype: torch.dtype = torch.float32,
-                 keep_tail: bool = False) -> None:
-        self.layout, self.comm, self.keep_tail = layout, comm, keep_tail
+                 keep_tail: bool = False, compiled: bool = False) -> None:
+        self.layout, self.comm, self.keep_tail, self.compiled = layout, comm, keep_tail, compiled
         world = comm.world_size
         if any((b.end - b.start) % (8 * world) for b in layout.buckets):
             raise ValueError(f"CompressedBuckets: buckets must be padded for {world} ranks (use padded_numel)")
@@ -320,7 +365,7 @@ class CompressedBuckets:
                 buffer[bucket.size:].zero_()
             compressed_allreduce_(buffer, worker, server, self.comm, fed_back=fed_back,
                                   divisor=None if divisors is None else divisors[index],
-                                  zeroed=None if zeroed is None else zeroed[index])
+                                  zeroed=None if zeroed is None else zeroed[index], compiled=self.compiled)
 
     def bytes_per_call(self) -> int:
         """What one `allreduce_` costs this rank in Comm's bytes, all buckets together."""

@@ -60,6 +60,9 @@ def check_onebit_family_options(options: dict[str, Any], bucketings: Sequence[st
     check_choice("bucketing", repr(options["bucketing"]), [repr(b) for b in bucketings])  # quoted: a string
     check_flags(options, "init_noop_step", "mask_zero_variance")
     check_choice("dense_comm_dtype", repr(options["dense_comm_dtype"]), [repr(d) for d in WIRE_DTYPES])
+    check_flags(options, "compiled")
+    require(not (options["compiled"] and options["bucketing"] == "per_tensor"), "compiled", True,
+            "compiles a graph per bucket: take bucketing per_group (or flat_scaled where offered), or compiled false")
 
 
 def check_onebit_adam_options(options: dict[str, Any]) -> None:
@@ -88,14 +91,15 @@ class OneBitFamily(torch.optim.Optimizer):
     state is loaded. After `step()` the gradients hold scratch values: their storage is reused for the update.
 
     Roundings: on the CPU every op rounds as DeepSpeed's (its trajectories are matched bit for bit there); on
-    other devices (a GPU, and the `meta` device the step-cost count uses) the momentum is one `lerp` and the
+    other devices (a GPU, and the `meta` device the step-cost count uses), and wherever `compiled` (which rounds
+    its compressions otherwise anyway), the momentum is one `lerp` and the
     Adam update the fused AdamW form `w (1 - lr wd) - lr m / denom`: fewer passes over memory, trajectories
     within 1e-5 relative of the CPU's (5e-7 measured; see `deepspeed_roundings`).
     """
 
     def __init__(self, params: Any, defaults: dict[str, Any], comm: Comm | None, bucketing: str,
-                 init_noop_step: bool, mask_zero_variance: bool, dense_comm_dtype: str, keep_tail: bool = False,
-                 flat_keys: Sequence[str] = ("exp_avg_sq",)) -> None:
+                 init_noop_step: bool, mask_zero_variance: bool, dense_comm_dtype: str, compiled: bool = False,
+                 keep_tail: bool = False, flat_keys: Sequence[str] = ("exp_avg_sq",)) -> None:
         super().__init__(params, defaults)
         for group in self.param_groups:  # empty tensors would give NaN scales
             group["params"] = [p for p in group["params"] if p.numel() > 0]
@@ -120,9 +124,9 @@ class OneBitFamily(torch.optim.Optimizer):
         self._state_keys = ("exp_avg", *flat_keys)
         for key in self._state_keys:
             self.flat.add(key, params, self.state)
-        self.buckets = CompressedBuckets(layout, self.comm, device, dtype, keep_tail=keep_tail)
-        # DeepSpeed's roundings where its trajectories are checked (the CPU); fewer passes elsewhere
-        self.deepspeed_roundings = device.type == "cpu"
+        self.buckets = CompressedBuckets(layout, self.comm, device, dtype, keep_tail=keep_tail, compiled=compiled)
+        # DeepSpeed's roundings where its trajectories are checked (the CPU, eager); fewer passes elsewhere
+        self.deepspeed_roundings = device.type == "cpu" and not compiled
         self.step_count = 0
         self._stale = {"denom": True, "zero_variance": True}  # caches of v, rebuilt after v changed
         self._zero_codes: list[Tensor] | None = None
@@ -334,6 +338,9 @@ class OneBitAdam(OneBitFamily):
         mask_zero_variance: zero communicated momentum where :math:`v = 0` (see the differences below).
         dense_comm_dtype: wire dtype of the full-precision gradient averages (warm-up): ``fp32``, or ``fp16``
             / ``bf16`` for half the bytes, as DeepSpeed's fp16 engine sends (the sum is in the wire dtype).
+        compiled: the compressed all-reduce's compressions compiled by torch.compile (inductor): two passes
+            each where the aten ops take about eight (`optim.compressed.compressed_allreduce_`); the first
+            compressed step compiles (a graph per bucket). Not with ``per_tensor`` bucketing.
         comm: the communication layer (given by `build_optimizer`); None means one process.
     """
 
@@ -342,14 +349,16 @@ class OneBitAdam(OneBitFamily):
     def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100000, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, dense_comm_dtype: str = "fp32",
-                 comm: Comm | None = None) -> None:
+                 compiled: bool = False, comm: Comm | None = None) -> None:
         run_check(type(self).__name__, check_onebit_adam_options, dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, bucketing=bucketing,
             init_noop_step=init_noop_step, mask_zero_variance=mask_zero_variance, dense_comm_dtype=dense_comm_dtype,
+            compiled=compiled,
         ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.freeze_step = freeze_step
-        super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance, dense_comm_dtype)
+        super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance, dense_comm_dtype,
+                         compiled)
 
     def compressing(self, t: int) -> bool:
         """Whether step `t` is in the compression stage."""

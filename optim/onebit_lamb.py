@@ -77,7 +77,7 @@ class OneBitLAMB(OneBitFamily):
         factor_max, factor_min, factor_threshold: clamps of the compression-stage factor.
         bucketing: ``flat_scaled`` (DeepSpeed: one call over all momenta, with scaling coefficients),
             ``per_group`` or ``per_tensor``.
-        init_noop_step, mask_zero_variance, dense_comm_dtype, comm: as in `OneBitAdam`.
+        init_noop_step, mask_zero_variance, dense_comm_dtype, compiled, comm: as in `OneBitAdam`.
     """
 
     __doc__ = (__doc__ or "") + DIFFERENCES_FROM_DEEPSPEED + """
@@ -89,19 +89,20 @@ class OneBitLAMB(OneBitFamily):
                  weight_decay: float = 0.0, freeze_step: int = 100000, max_coeff: float = 10.0,
                  min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, bucketing: str = "flat_scaled", init_noop_step: bool = True,
-                 mask_zero_variance: bool = True, dense_comm_dtype: str = "fp32", comm: Comm | None = None) -> None:
+                 mask_zero_variance: bool = True, dense_comm_dtype: str = "fp32", compiled: bool = False,
+                 comm: Comm | None = None) -> None:
         run_check(type(self).__name__, check_onebit_lamb_options, dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, max_coeff=max_coeff,
             min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
             factor_threshold=factor_threshold, bucketing=bucketing, init_noop_step=init_noop_step,
-            mask_zero_variance=mask_zero_variance, dense_comm_dtype=dense_comm_dtype,
+            mask_zero_variance=mask_zero_variance, dense_comm_dtype=dense_comm_dtype, compiled=compiled,
         ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                         min_coeff=min_coeff)
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance, dense_comm_dtype,
-                         keep_tail=bucketing == "flat_scaled", flat_keys=("exp_avg_sq", "exp_avg_sq_fresh"))
+                         compiled, keep_tail=bucketing == "flat_scaled", flat_keys=("exp_avg_sq", "exp_avg_sq_fresh"))
         self.scaled = bucketing == "flat_scaled"
         self._lamb_coeffs: list[Tensor] = []
         numel = sum(p.numel() for p in self._params())

@@ -13,7 +13,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from core.options import InvalidOption
-from optim import LAMB, param_groups_weight_decay
+from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, param_groups_weight_decay
+from optim.mirror_comm import MirrorComm
 
 # Inductor orders the sums of a norm otherwise than aten's kernels, and forms the update in other roundings: the
 # compiled steps stay within this of the eager ones over a few steps.
@@ -93,3 +94,62 @@ def test_a_checkpoint_resumes_in_either_mode(saved_by, loaded_by):
 def test_compiled_needs_the_multi_tensor_path():
     with pytest.raises(InvalidOption, match="compiled"):
         LAMB([nn.Parameter(torch.ones(2))], foreach=False, compiled=True)
+
+
+# ------------------------------------------------------------------------------------------ the 1-bit family
+# Past each warm-up by a few compressed steps (0/1 Adam: its 1-bit gradient steps, local steps and syncs), on 2
+# mirrored ranks: the compressed all-reduce runs its multi-rank path.
+ONEBIT = {
+    "onebit_adam": (OneBitAdam, dict(lr=0.01, freeze_step=3)),
+    "onebit_lamb": (OneBitLAMB, dict(lr=0.01, freeze_step=3, max_coeff=0.3)),
+    "zero_one_adam": (ZeroOneAdam, dict(lr=0.01, var_freeze_step=4, var_update_scaler=1, local_step_scaler=1,
+                                        local_step_clipper=2)),
+}
+ONEBIT_STEPS = 9
+
+
+def _onebit(name: str, model: nn.Module, compiled: bool):
+    cls, kwargs = ONEBIT[name]
+    optimizer = cls(param_groups_weight_decay(model, 0.01), comm=MirrorComm(2), compiled=compiled, **kwargs)
+    optimizer.deepspeed_roundings = False  # the eager path a GPU takes, which compiled=True also takes
+    return optimizer
+
+
+@pytest.mark.parametrize("name", list(ONEBIT))
+def test_compiled_onebit_family_matches_eager(name):
+    eager, compiled = small_mlp(8, 16, 4), small_mlp(8, 16, 4)
+    mlp_steps(eager, _onebit(name, eager, False), range(ONEBIT_STEPS))
+    optimizer = _onebit(name, compiled, True)
+    mlp_steps(compiled, optimizer, range(ONEBIT_STEPS - 1))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    mlp_steps(compiled, optimizer, range(ONEBIT_STEPS - 1, ONEBIT_STEPS))
+    assert counters["stats"]["unique_graphs"] == graphs  # compiled in the first compressed steps, not after
+    _assert_close(eager, compiled)
+
+
+@pytest.mark.parametrize("name", list(ONEBIT))
+def test_a_onebit_checkpoint_resumes_in_either_mode(name):
+    model = small_mlp(8, 16, 4)
+    optimizer = _onebit(name, model, True)
+    mlp_steps(model, optimizer, range(ONEBIT_STEPS - 3))
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    mlp_steps(model, optimizer, range(ONEBIT_STEPS - 3, ONEBIT_STEPS))
+    for compiled in (True, False):
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=True)
+        resumed = small_mlp(8, 16, 4)
+        resumed.load_state_dict(saved["model"])
+        resumed_optimizer = _onebit(name, resumed, compiled)
+        resumed_optimizer.load_state_dict(saved["optimizer"])
+        mlp_steps(resumed, resumed_optimizer, range(ONEBIT_STEPS - 3, ONEBIT_STEPS))
+        if compiled:
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters(), strict=True))
+        else:
+            _assert_close(model, resumed)
+
+
+def test_compiled_onebit_refuses_a_bucket_per_tensor():
+    with pytest.raises(InvalidOption, match="compiled"):
+        OneBitAdam([nn.Parameter(torch.ones(8))], bucketing="per_tensor", compiled=True)
