@@ -127,6 +127,7 @@ class OneBitFamily(torch.optim.Optimizer):
         self.buckets = CompressedBuckets(layout, self.comm, device, dtype, keep_tail=keep_tail, compiled=compiled)
         # DeepSpeed's roundings where its trajectories are checked (the CPU, eager); fewer passes elsewhere
         self.deepspeed_roundings = device.type == "cpu" and not compiled
+        self.compiled = compiled
         self.step_count = 0
         self._stale = {"denom": True, "zero_variance": True}  # caches of v, rebuilt after v changed
         self._zero_codes: list[Tensor] | None = None
