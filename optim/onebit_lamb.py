@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from core.options import check_non_negative, check_positive, require
+from optim._compiled import CompiledMath
 from optim._math import (
     clamped_trust_ratio,
     foreach_adam_update,
@@ -175,6 +176,9 @@ class OneBitLAMB(OneBitFamily):
         if "scaling_coeff" not in self.state[params[0]]:
             self._init_scaling_coeffs(params)
         scaling, momenta = self._per_param("scaling_coeff"), self._states("exp_avg")
+        if self.compiled:
+            self._compiled_compressed_step(params, grads, scaling, momenta)
+            return
         if self.deepspeed_roundings:
             self._swap_in_momenta_(grads)
             torch._foreach_mul_(momenta, scaling)
@@ -201,6 +205,41 @@ class OneBitLAMB(OneBitFamily):
                 factor_max=self.factor_max, factor_min=self.factor_min, factor_threshold=self.factor_threshold,
                 deepspeed_roundings=self.deepspeed_roundings,
             )
+            self._lamb_coeffs.extend(coeffs.unbind())
+
+    def _compiled_compressed_step(self, params: list[Tensor], grads: list[Tensor], scaling: list[Tensor],
+                                  momenta: list[Tensor]) -> None:
+        """`_compressed_step` with the fused roundings in three compiled passes per chunk of a group's tensors around
+        the compressed call: the scaled new momentum into the worker error and the old one into the gradients'
+        storage (g, m and the error read, the error and g written: 5, where the aten ops take 8); the momentum
+        unscaled and masked, the fresh variance, the per-tensor maxima of the ratio and the norms of the update
+        (m, the old momentum, the fresh variance, the denominator and w read, m and the fresh variance written: 8,
+        not about 26); the update formed again and applied (4)."""
+        errors, fresh, denoms = self.buckets.worker_views, self._states("exp_avg_sq_fresh"), self._denominators()
+        chunks = [(group, [slice(slice_.start + c.start, slice_.start + c.stop) for c in foreach_chunks(
+            params[slice_])]) for slice_, group in self._groups()]
+        for group, pieces in chunks:
+            for piece in pieces:
+                _FEED_MOMENTUM(grads[piece], momenta[piece], errors[piece], scaling[piece], beta1=group["betas"][0])
+        self._compressed_mean_("exp_avg", fed_back=True)
+        freezes, last_factors = self._per_param("lamb_coeff_freeze"), self._per_param("last_factor")
+        self._lamb_coeffs = []
+        for group, pieces in chunks:
+            if not pieces[0].stop > pieces[0].start:
+                continue
+            constants = dict(eps=group["eps"], weight_decay=group["weight_decay"])
+            stats = torch.cat([_REFRESH_AND_NORMS(momenta[p], scaling[p], group.get("exp_avg_mask"), grads[p],
+                                                  fresh[p], denoms[p], params[p], betas=group["betas"], **constants)
+                               for p in pieces], dim=1)
+            norms = stats[1:] if group["weight_decay"] > 0 else (None, None)
+            span = slice(pieces[0].start, pieces[-1].stop)
+            coeffs = frozen_coefficients(stats[0], *norms, freezes[span], last_factors[span],
+                                         factor_max=self.factor_max, factor_min=self.factor_min,
+                                         factor_threshold=self.factor_threshold)
+            steps = (coeffs * -group["lr"]).float()
+            for p in pieces:
+                _APPLY_UPDATE(params[p], momenta[p], denoms[p], steps[p.start - span.start:p.stop - span.start],
+                              weight_decay=group["weight_decay"])
             self._lamb_coeffs.extend(coeffs.unbind())
 
     def _swap_in_momenta_(self, grads: list[Tensor]) -> None:
@@ -321,9 +360,9 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
     """
     if not params:
         return torch.empty(0, dtype=torch.float64)
-    factor = ratio_maxima.double()
     torch._foreach_zero_(work)
     torch._foreach_addcdiv_(work, exp_avgs, denoms)  # update_prelim = m / denom (0 + m / denom: one rounding)
+    prelim_norm = update_norm = None
     if weight_decay > 0:
         prelim_norm = torch.stack(torch._foreach_norm(work))
         if deepspeed_roundings:  # update = update_prelim + (weight_decay w), rounded apart
@@ -331,13 +370,8 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
         else:
             torch._foreach_add_(work, params, alpha=weight_decay)
         update_norm = torch.stack(torch._foreach_norm(work))
-        ratio = torch.where(update_norm > 0, prelim_norm / update_norm, 1.0).double().clamp(max=1.0)
-        factor = factor * ratio + (1.0 - ratio)
-    factor = factor.clamp(min=factor_min, max=factor_max)
-    last = torch.stack(last_factors)
-    factor = torch.minimum(torch.maximum(factor, last * (1.0 - factor_threshold)), last * (1.0 + factor_threshold))
-    torch._foreach_copy_(last_factors, list(factor.unbind()))
-    coeffs = torch.stack(coeff_freezes) * factor
+    coeffs = frozen_coefficients(ratio_maxima, prelim_norm, update_norm, coeff_freezes, last_factors,
+                                 factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
     steps = list((coeffs * -lr).float().unbind())
     if deepspeed_roundings:  # w + round(-lr c u): the product rounded before the sum
         torch._foreach_mul_(work, steps)
@@ -345,6 +379,71 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
     else:  # one multiply-add (its kernel may round once)
         torch._foreach_addcmul_(params, work, steps)
     return coeffs
+
+
+def frozen_coefficients(ratio_maxima: Tensor, prelim_norm: Tensor | None, update_norm: Tensor | None,
+                        coeff_freezes: list[Tensor], last_factors: list[Tensor], *, factor_max: float,
+                        factor_min: float, factor_threshold: float) -> Tensor:
+    """Each tensor's compression-stage coefficient, `lamb_coeff_freeze * factor` (float64), from the maxima of its
+    variance ratio and, with weight decay, the norms of `m / denom` and of the update; `last_factors` take the
+    factors. Stacked 0-d tensors on the device: nothing is read on the host."""
+    factor = ratio_maxima.double()
+    if prelim_norm is not None:
+        ratio = torch.where(update_norm > 0, prelim_norm / update_norm, 1.0).double().clamp(max=1.0)
+        factor = factor * ratio + (1.0 - ratio)
+    factor = factor.clamp(min=factor_min, max=factor_max)
+    last = torch.stack(last_factors)
+    factor = torch.minimum(torch.maximum(factor, last * (1.0 - factor_threshold)), last * (1.0 + factor_threshold))
+    torch._foreach_copy_(last_factors, list(factor.unbind()))
+    return torch.stack(coeff_freezes) * factor
+
+
+# ------------------------------------------------------------------------------------------ compiled passes
+# `compiled=True`'s compression stage, traced for inductor: the fused roundings' ops, in three passes.
+
+
+def _feed_momentum_(grads: list[Tensor], momenta: list[Tensor], errors: list[Tensor], scaling: list[Tensor], *,
+                    beta1: float) -> None:
+    """The new momentum, scaled, added to the worker error; the old one kept in the gradients' storage."""
+    for g, m, error, s in zip(grads, momenta, errors, scaling, strict=True):
+        error.add_(torch.lerp(g, m, beta1) * s)
+        g.copy_(m)
+
+
+def _refresh_and_norms(momenta: list[Tensor], scaling: list[Tensor], mask: Tensor | None, olds: list[Tensor],
+                       fresh: list[Tensor], denoms: list[Tensor], params: list[Tensor], *, betas: Sequence[float],
+                       eps: float, weight_decay: float) -> Tensor:
+    """The all-reduced momentum unscaled (and masked), `v_fresh` refreshed from the reconstructed gradient, and per
+    tensor (a column) the largest `denom / (sqrt(v_fresh) + eps)` and, with weight decay, the norm of `m / denom`
+    and that of the update (the maxima again without: the weights are not read)."""
+    beta1, beta2 = betas
+    stats = []
+    for m, s, old, v_fresh, denom, w in zip(momenta, scaling, olds, fresh, denoms, params, strict=True):
+        m.div_(s)
+        if mask is not None:
+            m.mul_(mask)
+        v_fresh.lerp_(torch.lerp(old, m, 1.0 / (1.0 - beta1)).pow(2), 1.0 - beta2)
+        maximum = torch.amax(denom / (v_fresh.sqrt() + eps))
+        if weight_decay > 0:
+            prelim = m / denom
+            stats.append(torch.stack([maximum, torch.linalg.vector_norm(prelim),
+                                      torch.linalg.vector_norm(prelim + weight_decay * w)]))
+        else:
+            stats.append(maximum.expand(3))
+    return torch.stack(stats, dim=1)
+
+
+def _apply_update_(params: list[Tensor], momenta: list[Tensor], denoms: list[Tensor], steps: Tensor, *,
+                   weight_decay: float) -> None:
+    """`w += step * u`, the update `u = m / denom + weight_decay w` formed again."""
+    for w, m, denom, step in zip(params, momenta, denoms, steps.unbind(), strict=True):
+        update = m / denom
+        w.add_((update + weight_decay * w if weight_decay > 0 else update) * step)
+
+
+_FEED_MOMENTUM = CompiledMath(_feed_momentum_)
+_REFRESH_AND_NORMS = CompiledMath(_refresh_and_norms, options={"realize_reads_threshold": 1})
+_APPLY_UPDATE = CompiledMath(_apply_update_)
 
 
 register_optimizer(OptimSpec(
