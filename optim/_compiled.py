@@ -13,15 +13,21 @@ numbers, which would be baked into the graph and recompile it each step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from optim.flat import foreach_chunks
+
 # Graphs one compiled function may hold (dynamo's default is 8, after which it silently runs eagerly): one per
 # chunk of distinct shapes, and BERT-XL's groups have dozens of chunks on the CPU.
 GRAPHS_PER_FUNCTION = 256
+# Tensors per list of a compiled graph. In larger graphs inductor leaves some tensors' passes unfused (LAMB's first
+# pass, 64K-element tensors on the CPU: up to 12 a graph, each in one kernel; 16, one of them reads its weights
+# twice; 24, 17 of them do; BERT-Large's chunks, all).
+TENSORS_PER_GRAPH = 12
 
 
 class CompiledMath:
@@ -41,6 +47,14 @@ class CompiledMath:
             self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, options=self.options)
         with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_FUNCTION):
             return self._compiled(*args, **kwargs)
+
+
+def graph_chunks(tensors: Sequence[Tensor]) -> list[slice]:
+    """`foreach_chunks` of `tensors`, each cut into runs of at most `TENSORS_PER_GRAPH`: the slices of a tensor list
+    that one call of a compiled function takes."""
+    return [slice(start, min(start + TENSORS_PER_GRAPH, chunk.stop))
+            for chunk in foreach_chunks(tensors) for start in range(chunk.start, max(chunk.stop, chunk.start + 1),
+                                                                     TENSORS_PER_GRAPH)]
 
 
 def device_scalars(device: torch.device, *values: float) -> list[Tensor]:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from core.options import require
-from optim._compiled import CompiledMath, device_scalars
+from optim._compiled import CompiledMath, device_scalars, graph_chunks
 from optim._math import (
     adam_direction,
     adam_moments_,
@@ -382,7 +382,7 @@ def compiled_lamb_update_(
     adapt: bool,
     **constants: Any,
 ) -> None:
-    """`lamb_update_` of trust-ratio tensors (`adapt`) in two compiled passes over one chunk: 10 tensor-sized reads
+    """`lamb_update_` of trust-ratio tensors (`adapt`) in two compiled passes over a chunk: 10 tensor-sized reads
     and writes, the least a trust ratio allows (its norms need the whole update before any weight changes).
 
     The first pass reads g, m, v and w, writes m and v and reduces the norms (6); the second reads w, m and v and
@@ -390,9 +390,11 @@ def compiled_lamb_update_(
     """
     # t = inf: both corrections exactly 1 (beta ** inf = 0), bias correction off without another graph
     t, rate = device_scalars(params[0].device, float(step) if bias_correction else math.inf, lr)
-    ratios = _LAMB_MOMENTS_AND_RATIOS(params, grads, exp_avgs, exp_avg_sqs, grad_divisor, t, **constants)
-    constants.pop("max_ratio")
-    _LAMB_APPLY(params, exp_avgs, exp_avg_sqs, ratios, rate, t, **constants)
+    max_ratio = constants.pop("max_ratio")
+    for run in graph_chunks(params):
+        ratios = _LAMB_MOMENTS_AND_RATIOS(params[run], grads[run], exp_avgs[run], exp_avg_sqs[run], grad_divisor, t,
+                                          max_ratio=max_ratio, **constants)
+        _LAMB_APPLY(params[run], exp_avgs[run], exp_avg_sqs[run], ratios, rate, t, **constants)
 
 
 def _lamb_direction(w: Tensor, m: Tensor, v: Tensor, t: Tensor, *, beta1: float, beta2: float, eps: float,

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from core.options import check_non_negative, check_positive, require
-from optim._compiled import CompiledMath
+from optim._compiled import CompiledMath, graph_chunks
 from optim._math import (
     clamped_trust_ratio,
     foreach_adam_update,
@@ -216,7 +216,7 @@ class OneBitLAMB(OneBitFamily):
         (m, the old momentum, the fresh variance, the denominator and w read, m and the fresh variance written: 8,
         not about 26); the update formed again and applied (4)."""
         errors, fresh, denoms = self.buckets.worker_views, self._states("exp_avg_sq_fresh"), self._denominators()
-        chunks = [(group, [slice(slice_.start + c.start, slice_.start + c.stop) for c in foreach_chunks(
+        chunks = [(group, [slice(slice_.start + c.start, slice_.start + c.stop) for c in graph_chunks(
             params[slice_])]) for slice_, group in self._groups()]
         for group, pieces in chunks:
             for piece in pieces:

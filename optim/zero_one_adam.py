@@ -10,10 +10,9 @@ import torch
 from torch import Tensor
 
 from core.options import require
-from optim._compiled import CompiledMath, device_scalars
+from optim._compiled import CompiledMath, device_scalars, graph_chunks
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import Comm
-from optim.flat import foreach_chunks
 from optim.memory import onebit_family_bytes
 from optim.onebit_adam import (
     DIFFERENCES_FROM_DEEPSPEED,
@@ -244,7 +243,7 @@ class ZeroOneAdam(OneBitFamily):
         device = self.flat.device
         for slice_, group in self._groups():
             lr, = device_scalars(device, group["lr"])
-            for chunk in foreach_chunks(params[slice_]):
+            for chunk in graph_chunks(params[slice_]):
                 tensors = (params, grads, momenta, anchors, denoms, errors)
                 _SYNC_ERROR(*(t[slice_][chunk] for t in tensors), lr, beta1=group["betas"][0],
                             weight_decay=group["weight_decay"])
@@ -253,7 +252,7 @@ class ZeroOneAdam(OneBitFamily):
         self._mask_("exp_avg")
         for (slice_, _), lr_sum in zip(self._groups(), self.lr_sums, strict=True):
             total, = device_scalars(device, lr_sum)
-            for chunk in foreach_chunks(params[slice_]):
+            for chunk in graph_chunks(params[slice_]):
                 _SYNC_WEIGHTS(params[slice_][chunk], anchors[slice_][chunk], momenta[slice_][chunk],
                               denoms[slice_][chunk], total)
         self.lr_sums = [0.0] * len(self.param_groups)
