@@ -21,8 +21,8 @@ from torch import Tensor
 
 from optim.flat import foreach_chunks
 
-# Graphs one compiled function may hold (dynamo's default is 8, after which it silently runs eagerly): one per
-# chunk of distinct shapes, and BERT-XL's groups have dozens of chunks on the CPU.
+# Graphs one compiled function may hold (dynamo's default is 8, after which it silently runs eagerly): one per run
+# of tensors of distinct shapes (a model's identical layers share them), a few dozen for BERT-Large.
 GRAPHS_PER_FUNCTION = 256
 # Tensors per list of a compiled graph. In larger graphs inductor leaves some tensors' passes unfused (LAMB's first
 # pass, 64K-element tensors on the CPU: up to 12 a graph, each in one kernel; 16, one of them reads its weights
