@@ -178,8 +178,10 @@ def compress_(z: Tensor, error: Tensor, packed: Tensor | None = None) -> Tensor:
 
 # ------------------------------------------------------------------------------------------ compiled compression
 # The compressions as inductor compiles them (`compiled=True`): a pass that reduces the norm of the compressed vector,
-# reading what it is the sum of, and one that reads them again to write the error and the sign bits, where the aten
-# ops write the sum, its sign bits as bytes, then their packing and the error (about 8 passes, not 5).
+# reading what it is the sum of, and one that reads them again to write the error and the sign bits; the sum is never
+# stored. Inductor packs the signs (a reduction over each 8) in a loop of its own that reads the summands once more:
+# about 7 reads and writes of the vector (`x + error`), where the aten ops write the sum, its sign bits as bytes,
+# their packing and the error (about 8).
 
 
 def _compress_into_(z: Tensor, error: Tensor, packed: Tensor) -> Tensor:
@@ -244,7 +246,7 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     folded into the decoding table (exactly `result / divisor`: the table holds `+-scale / divisor`). `zeroed`:
     `zero_codes_` of the elements to set to +0.0 as the result is decoded (no masked fill after it); with one rank,
     which decodes nothing, the caller zeroes them. `compiled`: the worker's and the server's compressions compiled
-    by inductor (`_worker_compress_`, `_server_compress_`: two passes each, the sum never stored), rounded apart from
+    by inductor (`_worker_compress_`, `_server_compress_`: the norm, then the error and the signs), rounded apart from
     the aten ops' within a few units in the last place (the norm's sum in another order).
     """
     world = comm.world_size

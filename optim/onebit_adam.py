@@ -339,8 +339,8 @@ class OneBitAdam(OneBitFamily):
         mask_zero_variance: zero communicated momentum where :math:`v = 0` (see the differences below).
         dense_comm_dtype: wire dtype of the full-precision gradient averages (warm-up): ``fp32``, or ``fp16``
             / ``bf16`` for half the bytes, as DeepSpeed's fp16 engine sends (the sum is in the wire dtype).
-        compiled: the compressed all-reduce's compressions compiled by torch.compile (inductor): two passes
-            each where the aten ops take about eight (`optim.compressed.compressed_allreduce_`); the first
+        compiled: the compressed all-reduce's compressions compiled by torch.compile (inductor), fewer passes
+            than the aten ops (`optim.compressed.compressed_allreduce_`), on the fused roundings; the first
             compressed step compiles (a graph per bucket). Not with ``per_tensor`` bucketing.
         comm: the communication layer (given by `build_optimizer`); None means one process.
     """
