@@ -15,6 +15,8 @@ from torch._dynamo.utils import counters
 
 from core.options import InvalidOption
 from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, get_optimizer_spec, param_groups_weight_decay
+from optim._compiled import TENSORS_PER_GRAPH, CompiledMath, graph_chunks
+from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm
 from optim.mirror_comm import MirrorComm
 
@@ -36,6 +38,29 @@ def fresh_compiles():
     counters.clear()
     yield
     torch._dynamo.reset()
+
+
+def _double_(x: torch.Tensor) -> None:
+    x.mul_(2.0)
+
+
+def test_a_compiled_function_holds_a_graph_per_shape_past_dynamos_default_limit():
+    """Dynamo runs a function eagerly, silently, after 8 graphs: BERT-Large's passes need a few dozen."""
+    double = CompiledMath(_double_)
+    for n in range(1, 13):
+        x = torch.ones(n)
+        double(x)
+        assert torch.equal(x, torch.full((n,), 2.0))
+    assert counters["stats"]["unique_graphs"] == 12
+
+
+def test_graph_chunks_cut_the_device_chunks_into_runs_of_a_few_tensors(monkeypatch):
+    monkeypatch.setitem(FOREACH_CHUNK_NUMEL, "cpu", 100)
+    tensors = [torch.empty(10)] * 30 + [torch.empty(500)] + [torch.empty(10)] * 5
+    chunks = graph_chunks(tensors)
+    assert [i for c in chunks for i in range(len(tensors))[c]] == list(range(len(tensors)))
+    assert all(0 < c.stop - c.start <= TENSORS_PER_GRAPH for c in chunks)
+    assert all(sum(t.numel() for t in tensors[c]) <= 100 or c.stop - c.start == 1 for c in chunks)
 
 
 def _lamb(model: nn.Module, compiled: bool, **kwargs) -> LAMB:
