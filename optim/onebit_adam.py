@@ -257,13 +257,18 @@ class OneBitFamily(torch.optim.Optimizer):
         """Multiply flat buffer `key` by each group's `exp_avg_mask` (DeepSpeed's momentum mask), where one is set."""
         views = self._states(key)
         for slice_, group in self._groups():
-            group_mask = group.get("exp_avg_mask")
+            group_mask = self._group_mask(group)
             if group_mask is None:
                 continue
-            if group_mask.device != views[slice_.start].device:
-                group["exp_avg_mask"] = group_mask = group_mask.to(views[slice_.start].device)
             for view in views[slice_]:
                 view.mul_(group_mask)  # in place (DeepSpeed PR #1278)
+
+    def _group_mask(self, group: dict[str, Any]) -> Tensor | None:
+        """The group's `exp_avg_mask`, moved to the state's device once (None where the group sets none)."""
+        group_mask = group.get("exp_avg_mask")
+        if group_mask is not None and group_mask.device != self.flat.device:
+            group["exp_avg_mask"] = group_mask = group_mask.to(self.flat.device)
+        return group_mask
 
     def _adam_update_(self, scratch: list[Tensor]) -> None:
         """Every group's `w <- w - lr (m / (sqrt(v) + eps) + weight_decay w)`; `scratch` (dead gradients)."""

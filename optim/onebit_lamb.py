@@ -228,7 +228,7 @@ class OneBitLAMB(OneBitFamily):
             if not pieces[0].stop > pieces[0].start:
                 continue
             constants = dict(eps=group["eps"], weight_decay=group["weight_decay"])
-            stats = torch.cat([_REFRESH_AND_NORMS(momenta[p], scaling[p], group.get("exp_avg_mask"), grads[p],
+            stats = torch.cat([_REFRESH_AND_NORMS(momenta[p], scaling[p], self._group_mask(group), grads[p],
                                                   fresh[p], denoms[p], params[p], betas=group["betas"], **constants)
                                for p in pieces], dim=1)
             norms = stats[1:] if group["weight_decay"] > 0 else (None, None)

@@ -178,6 +178,21 @@ def test_a_onebit_checkpoint_resumes_in_either_mode(name):
             _assert_close(model, resumed)
 
 
+def test_compiled_onebit_lamb_applies_a_groups_momentum_mask():
+    """DeepSpeed's `exp_avg_mask` of a group multiplies the averaged momentum inside the compiled pass too."""
+    models = small_mlp(8, 16, 4), small_mlp(8, 16, 4)
+    mask = torch.ones(16, 8)
+    mask[::3] = 0.0
+    for model, compiled in zip(models, (False, True), strict=True):
+        first, *rest = model.parameters()
+        optimizer = OneBitLAMB([{"params": [first], "exp_avg_mask": mask}, {"params": rest}], lr=0.01,
+                               freeze_step=3, comm=MirrorComm(2), compiled=compiled)
+        optimizer.deepspeed_roundings = False
+        mlp_steps(model, optimizer, range(ONEBIT_STEPS))
+        assert torch.equal(optimizer.state[first]["exp_avg"][::3], torch.zeros(6, 8))
+    _assert_close(*models)
+
+
 def test_compiled_onebit_refuses_a_bucket_per_tensor():
     with pytest.raises(InvalidOption, match="compiled"):
         OneBitAdam([nn.Parameter(torch.ones(8))], bucketing="per_tensor", compiled=True)
