@@ -3,10 +3,9 @@ scaler (not the kernel) deciding overflow skips, and resuming exactly."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
+from helpers.round_trip import resumed_alongside
 from torch import nn
 
 from optim import build_optimizer
@@ -64,19 +63,9 @@ def test_the_loss_scaler_skips_an_overflowing_step_itself():
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "default"])
 def test_state_dict_round_trip_continues_exactly(fused):
-    model = _model()
-    optimizer = adamw(model.parameters(), fused=fused, **OPTIONS)
-    _steps(model, optimizer, range(3))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    _steps(model, optimizer, range(3, 6))
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    resumed = _model()
-    resumed.load_state_dict(saved["model"])
-    resumed_optimizer = adamw(resumed.parameters(), **OPTIONS)  # the checkpoint's `fused` is the one that runs
-    resumed_optimizer.load_state_dict(saved["optimizer"])
+    model, _, resumed, resumed_optimizer = resumed_alongside(
+        _model, lambda m: adamw(m.parameters(), fused=fused, **OPTIONS), range(3), range(3, 6), steps=_steps,
+        make_resumed_optimizer=lambda m: adamw(m.parameters(), **OPTIONS))  # the checkpoint's `fused` runs
     assert resumed_optimizer.param_groups[0]["fused"] is fused
-    _steps(resumed, resumed_optimizer, range(3, 6))
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers.distributed_harness import run_on_ranks
 from helpers.mlp import mlp_steps, small_mlp
+from helpers.round_trip import resumed_alongside
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -98,20 +99,9 @@ def test_compiled_lamb_compiles_in_the_first_step_only():
 def test_a_checkpoint_resumes_in_either_mode(saved_by, loaded_by):
     """A checkpoint's state is the same tensors in both modes: resuming in the same mode continues exactly, in the
     other within the tolerance."""
-    model = small_mlp(8, 16, 4)
-    optimizer = _lamb(model, saved_by, lr=1e-2)
-    mlp_steps(model, optimizer, range(3))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    mlp_steps(model, optimizer, range(3, 6))
-
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    resumed = small_mlp(8, 16, 4)
-    resumed.load_state_dict(saved["model"])
-    resumed_optimizer = _lamb(resumed, loaded_by, lr=1e-2)
-    resumed_optimizer.load_state_dict(saved["optimizer"])
-    mlp_steps(resumed, resumed_optimizer, range(3, 6))
+    model, _, resumed, _ = resumed_alongside(lambda: small_mlp(8, 16, 4), lambda m: _lamb(m, saved_by, lr=1e-2),
+                                          range(3), range(3, 6),
+                                          make_resumed_optimizer=lambda m: _lamb(m, loaded_by, lr=1e-2))
     if saved_by == loaded_by:
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters(), strict=True))
     else:

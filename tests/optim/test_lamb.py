@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers.mlp import mlp_steps, small_mlp
 from helpers.models import pretraining_batches, tiny_bert_for_pretraining
+from helpers.round_trip import resumed_alongside
 from helpers.threads import one_thread
 from timm.optim import Lamb as TimmLamb
 from torch import nn
@@ -135,22 +136,11 @@ def test_pre_normalisation_leaves_grads_alone():
 @pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
 def test_state_dict_round_trip_continues_exactly(foreach):
     kwargs = dict(lr=1e-2, max_grad_norm=0.05, foreach=foreach)
-    model = small_mlp(8, 16, 4)
-    optimizer = LAMB(param_groups_weight_decay(model, 0.01), **kwargs)
-    mlp_steps(model, optimizer, range(5))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    mlp_steps(model, optimizer, range(5, 10))
-
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    resumed = small_mlp(8, 16, 4)
-    resumed.load_state_dict(saved["model"])
-    resumed_optimizer = LAMB(param_groups_weight_decay(resumed, 0.01), **kwargs)
-    resumed_optimizer.load_state_dict(saved["optimizer"])
+    model, _, resumed, resumed_optimizer = resumed_alongside(
+        lambda: small_mlp(8, 16, 4), lambda m: LAMB(param_groups_weight_decay(m, 0.01), **kwargs), range(5),
+        range(5, 10))
     state = resumed_optimizer.state[resumed[0].weight]
-    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"].item() == 5
-    mlp_steps(resumed, resumed_optimizer, range(5, 10))
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"].item() == 10
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
 

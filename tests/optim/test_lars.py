@@ -3,11 +3,10 @@ the trust-ratio fallbacks, no host reads in the step, exact resume."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from helpers.host_reads import count_host_reads
+from helpers.round_trip import resumed_alongside
 from timm.optim import Lars as TimmLars
 from torch import nn
 
@@ -143,19 +142,8 @@ def test_state_dict_round_trip_continues_exactly():
             optimizer.step()
             optimizer.zero_grad()
 
-    model = _small_model()
-    optimizer = LARS(param_groups_weight_decay(model, 1e-2), lr=2.0)
-    run(model, optimizer, range(3))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    run(model, optimizer, range(3, 6))
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    resumed = _small_model()
-    resumed.load_state_dict(saved["model"])
-    resumed_optimizer = LARS(param_groups_weight_decay(resumed, 1e-2), lr=2.0)
-    resumed_optimizer.load_state_dict(saved["optimizer"])
-    run(resumed, resumed_optimizer, range(3, 6))
+    model, _, resumed, _ = resumed_alongside(_small_model, lambda m: LARS(param_groups_weight_decay(m, 1e-2), lr=2.0),
+                                          range(3), range(3, 6), steps=run)
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
 

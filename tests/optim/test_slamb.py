@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import io
 import math
 import os
 import signal
@@ -16,6 +15,7 @@ from helpers.dispatched_ops import dispatched_ops, per_tensor_foreach_ops
 from helpers.distributed_harness import run_on_ranks
 from helpers.host_reads import count_host_reads
 from helpers.mlp import mlp_steps, small_mlp
+from helpers.round_trip import resumed_alongside
 from helpers.runs import popen_train, run_train, wait_for_step
 from helpers.slamb_cases import BETA1, BETA2, BETA3, MIN_NUMEL, N_STEPS, SHAPES, H, K, grad, initial_params
 from helpers.threads import one_thread
@@ -260,25 +260,12 @@ def test_freshness_from_a_checkpoint_of_an_earlier_version_is_adopted(written_as
 
 @pytest.mark.parametrize("mask", ["bernoulli", "cyclic"])
 def test_state_dict_round_trip_continues_exactly(mask):
-    model = SMALL_MLP()
-    optimizer = _slamb(model, mask=mask, seed=5)
-    mlp_steps(model, optimizer, range(5))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    mlp_steps(model, optimizer, range(5, 10))
-
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    resumed = SMALL_MLP()
-    resumed.load_state_dict(saved["model"])
-    resumed_optimizer = _slamb(resumed, mask=mask, seed=0)  # the seed comes from the checkpoint
-    resumed_optimizer.load_state_dict(saved["optimizer"])
-    assert resumed_optimizer.state["slamb"] == {"step": 5, "seed": 5}
-    assert set(resumed_optimizer.state[resumed[0].weight]) == {"exp_avg", "exp_avg_sq", "scaled_freshness"}
-    mlp_steps(resumed, resumed_optimizer, range(5, 10))
+    model, optimizer, resumed, resumed_optimizer = resumed_alongside(
+        SMALL_MLP, lambda m: _slamb(m, mask=mask, seed=5), range(5), range(5, 10),
+        make_resumed_optimizer=lambda m: _slamb(m, mask=mask, seed=0))  # the seed comes from the checkpoint
+    assert resumed_optimizer.state["slamb"] == {"step": 10, "seed": 5}
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
-    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         for key in ("exp_avg", "exp_avg_sq", "scaled_freshness"):
             assert torch.equal(optimizer.state[p][key], resumed_optimizer.state[q][key])
 
