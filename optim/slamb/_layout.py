@@ -289,18 +289,19 @@ class Layout:
         """The chunk's part of a flat buffer, padded: what its masks' rows index."""
         return buffer[chunk.start:chunk.start + chunk.padded]
 
-    def gather_weights(self, chunk: Chunk, mask: Mask, out: Tensor, staged: bool) -> None:
+    def gather_weights(self, chunk: Chunk, mask: Mask, out: Tensor, staged: bool, direct: bool = False) -> None:
         """out <- the masked weights at the selected coordinates (in fp32).
 
         The weights are separate tensors. When the direction space holds them (`staged`), or where each call costs
         host time (a GPU), they are gathered by one row gather per row size from the direction space, where they
         are copied in fp32 by one foreach copy unless they are there already. On a CPU calls are cheap and that
         copy, a pass over every masked weight, is not (about 10 % of a BERT-base step): unless staged, each
-        tensor's rows are gathered from it directly.
+        tensor's rows are gathered from it directly, as they are anywhere when `direct` (a compiled step, whose
+        passes are bound by memory, not by calls).
         """
         if not chunk.masked:
             return
-        if staged or not self.geometry.per_tensor:
+        if staged or not (direct or self.geometry.per_tensor):
             direction = self.work[:chunk.padded]
             if not staged:
                 always = len(chunk.slots) - len(chunk.masked)

@@ -287,7 +287,10 @@ class SLAMB(torch.optim.Optimizer):
         to_freshness = self._refresh(layout, chunk, mask, step)
         scratch = layout.scratch(chunk, mask)
 
-        norms = self._local_directions(layout, chunk, mask, scratch, factor, eps, decay_in_norms, adapt)
+        # A chunk with a frozen or strided (channels_last) tensor steps eagerly: the compiled passes take every
+        # tensor, the update through row views.
+        compiled = self.compiled and all(s.param.grad is not None and s.param.is_contiguous() for s in chunk.slots)
+        norms = self._local_directions(layout, chunk, mask, scratch, factor, eps, decay_in_norms, adapt, compiled)
         local_norms = None
         if self.comm.distributed or (adapt and chunk.masked):
             layout.gather(chunk, mask, scratch.compact)  # the local momentum at S_t
@@ -318,7 +321,8 @@ class SLAMB(torch.optim.Optimizer):
             bases, slopes = stale_coef, (fresh_coef - stale_coef) * to_freshness
         else:  # naive: coef = -clamp(phi_U + r (phi_F - phi_U)) (lr_stale + r (lr_fresh - lr_stale))
             bases, slopes = stale, (fresh - stale) * to_freshness
-        self._update(layout, chunk, fresh_coef, bases, slopes, (lr_stale - lr_fresh) * to_freshness, lr_stale, adapt)
+        self._update(layout, chunk, fresh_coef, bases, slopes, (lr_stale - lr_fresh) * to_freshness, lr_stale, adapt,
+                     compiled)
 
     def _refresh(self, layout: Layout, chunk: Chunk, mask: Mask, step: int) -> float:
         """The chunk's freshness at `step` (q = 1 / to_freshness where synced now); returns to_freshness, r / q."""
@@ -331,20 +335,20 @@ class SLAMB(torch.optim.Optimizer):
         return 1.0 / synced  # r = q / synced (1 to fp32 rounding where synced now), in the coefficients
 
     def _local_directions(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, factor: float,
-                          eps: float, decay_in_norms: bool, adapt: bool) -> tuple[Tensor, Tensor] | None:
+                          eps: float, decay_in_norms: bool, adapt: bool,
+                          compiled: bool) -> tuple[Tensor, Tensor] | None:
         """m, v and the direction buffer of the chunk's slots from the local gradients, by one call of torch's fused
         Adam kernel; and the masked weights at S_t, which the fresh weight norms and, with the decay in the norms,
         the fresh direction need. With the decay in the norms the weights are copied into the buffer first, which
         serves their gather too.
 
-        `compiled` (where every slot has a gradient): one compiled pass instead (`_compiled_local_pass`), which
-        also returns the norms of the weights and of the local direction per slot; eagerly, None."""
+        `compiled`: one compiled pass instead (`_compiled_local_pass`), which also returns the norms of the weights
+        and of the local direction per slot (eagerly, None); the weights at S_t gathered from the tensors."""
         for s in chunk.slots:
             if s.param.grad is not None and s.param.grad.is_sparse:
                 raise RuntimeError("SLAMB does not support sparse gradients")
-        compiled = self.compiled and all(s.param.grad is not None for s in chunk.slots)
         if adapt and (compiled or not decay_in_norms):  # before the pass: a GPU's gather copies weights to the buffer
-            layout.gather_weights(chunk, mask, scratch.weights, staged=False)
+            layout.gather_weights(chunk, mask, scratch.weights, staged=False, direct=compiled)
         if compiled:
             return self._compiled_local_pass(chunk, factor, eps, decay_in_norms)
         if decay_in_norms:
@@ -472,17 +476,25 @@ class SLAMB(torch.optim.Optimizer):
         return fresh, stale
 
     def _update(self, layout: Layout, chunk: Chunk, fresh_coef: Tensor, bases: Tensor, slopes: Tensor,
-                lr_slope: float, lr_stale: float, clamp: bool) -> None:
+                lr_slope: float, lr_stale: float, clamp: bool, compiled: bool) -> None:
         """w -= coef * u over the chunk's slots that have a gradient: coef per slot over the always-synced ones (r
         is 1 there: plain LAMB steps with the fresh ratio), per row over the masked ones (`_coefficients`).
 
         Where ops per tensor are cheap (a CPU) each row's coefficient is broadcast over its row by one foreach
         multiply-add. Elsewhere (a GPU) the direction buffer is scaled in place, by one op per span of rows and one
-        over the always-synced slots, and one foreach addition of equal shapes updates every weight.
+        over the always-synced slots, and one foreach addition of equal shapes updates every weight. `compiled`:
+        the CPU's form, in compiled passes of a few tensors each (read w and u, write w).
         """
         always = len(chunk.slots) - len(chunk.masked)
         per_tensor = layout.geometry.per_tensor
         coef = self._coefficients(layout, chunk, bases, slopes, lr_slope, lr_stale, clamp) if chunk.masked else None
+        if compiled:
+            params = [s.param for s in chunk.slots[:always]] + [s.param.view(-1, s.row_size) for s in chunk.masked]
+            directions = chunk.directions[:always] + chunk.direction_rows
+            factors = list(fresh_coef[:always].unbind()) + chunk.coefs
+            for run in graph_chunks(params):
+                _APPLY(params[run], directions[run], factors[run])
+            return
         if not per_tensor:
             direction = layout.work[:chunk.padded]
             if always:
@@ -619,8 +631,15 @@ def _local_pass(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     return torch.stack(weight_norms), torch.stack(direction_norms)
 
 
+def _apply(params: list[Tensor], directions: list[Tensor], factors: list[Tensor]) -> None:
+    """The compiled update: `w += factor * u`, a factor per tensor (0-d) or per row of it (a column)."""
+    for w, u, factor in zip(params, directions, factors, strict=True):
+        w.add_(u * factor)
+
+
 # Store the new moments once and let the buffer and its norm read them in the same loop (as LAMB's first pass).
 _LOCAL_PASS = CompiledMath(_local_pass, options={"realize_reads_threshold": 1})
+_APPLY = CompiledMath(_apply)
 
 
 def _fresh_norms(mask: Mask, scratch: Scratch) -> Tensor:
