@@ -43,7 +43,7 @@ TINY_BERT = ("--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch"
 TINY_DEMO = ("trainer.device=cpu", "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
              "model.num_hidden_layers=1", "data.dupe_factor=1", "data.heldout_sequences=8", "data.eval_batch_size=8",
              "logger.progress_bar=false")
-COMPILED_OPTIMIZERS = ("lamb", "onebit_lamb", "zero_one_adam")  # with `compiled=True`: the step_compiled part
+COMPILED_OPTIMIZERS = ("lamb", "onebit_lamb", "zero_one_adam", "slamb")  # with `compiled=True`: the step_compiled part
 THROUGHPUT_FIGURES = r"[\d.]+ (?:seq|img)/s|\d+ tokens/s|MFU [\d.]+%"
 
 
