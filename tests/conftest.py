@@ -52,3 +52,16 @@ def swin_digits_run(digits: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     run_dir = tmp_path_factory.mktemp("runs") / "swin"
     run(compose(swin_digits_overrides(digits, run_dir)), run_dir)
     return run_dir
+
+
+@pytest.fixture
+def fresh_compiles():
+    """torch.compile's caches and counters emptied before and after the test: it compiles its own graphs and counts
+    them from zero."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

@@ -8,6 +8,7 @@ import io
 
 import pytest
 import torch
+from helpers.compiled_parity import RTOL, assert_continues, assert_weights_close
 from helpers.distributed_harness import run_on_ranks
 from helpers.mlp import mlp_steps, small_mlp
 from helpers.round_trip import resumed_alongside
@@ -23,7 +24,6 @@ from optim.mirror_comm import MirrorComm
 
 # Inductor orders the sums of a norm otherwise than aten's kernels, and forms the update in other roundings: the
 # compiled steps stay within this of the eager ones over a few steps.
-RTOL = 1e-5
 
 LAMB_CONFIGS = {
     "nvlamb": dict(lr=1e-2, max_grad_norm=0.05),
@@ -31,14 +31,7 @@ LAMB_CONFIGS = {
     "always_adapt": dict(lr=1e-2, max_grad_norm=None, always_adapt=True),
 }
 
-
-@pytest.fixture(autouse=True)
-def fresh_compiles():
-    """Each test compiles its own graphs, and counts them from zero."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiles")  # each test compiles its own graphs
 
 
 def _double_(x: torch.Tensor) -> None:
@@ -68,17 +61,13 @@ def _lamb(model: nn.Module, compiled: bool, **kwargs) -> LAMB:
     return LAMB(param_groups_weight_decay(model, 0.01), compiled=compiled, **kwargs)
 
 
-def _assert_close(a: nn.Module, b: nn.Module) -> None:
-    for p, q in zip(a.parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=RTOL, atol=RTOL * p.abs().max().item())
-
 
 @pytest.mark.parametrize("config", list(LAMB_CONFIGS))
 def test_compiled_lamb_matches_eager(config):
     eager, compiled = small_mlp(8, 16, 4), small_mlp(8, 16, 4)
     mlp_steps(eager, _lamb(eager, False, **LAMB_CONFIGS[config]), range(4))
     mlp_steps(compiled, _lamb(compiled, True, **LAMB_CONFIGS[config]), range(4))
-    _assert_close(eager, compiled)
+    assert_weights_close(eager, compiled)
     assert any(not torch.equal(p, q) for p, q in zip(eager.parameters(), compiled.parameters(), strict=True)), \
         "the compiled path did not run"
 
@@ -102,10 +91,7 @@ def test_a_checkpoint_resumes_in_either_mode(saved_by, loaded_by):
     model, _, resumed, _ = resumed_alongside(lambda: small_mlp(8, 16, 4), lambda m: _lamb(m, saved_by, lr=1e-2),
                                           range(3), range(3, 6),
                                           make_resumed_optimizer=lambda m: _lamb(m, loaded_by, lr=1e-2))
-    if saved_by == loaded_by:
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters(), strict=True))
-    else:
-        _assert_close(model, resumed)
+    assert_continues(model, resumed, exactly=saved_by == loaded_by)
 
 
 def test_compiled_needs_the_multi_tensor_path():
@@ -143,7 +129,7 @@ def test_compiled_onebit_family_matches_eager(name):
     assert graphs > 0
     mlp_steps(compiled, optimizer, range(ONEBIT_STEPS - 1, ONEBIT_STEPS))
     assert counters["stats"]["unique_graphs"] == graphs  # compiled in the first compressed steps, not after
-    _assert_close(eager, compiled)
+    assert_weights_close(eager, compiled)
 
 
 @pytest.mark.parametrize("name", list(ONEBIT))
@@ -162,10 +148,7 @@ def test_a_onebit_checkpoint_resumes_in_either_mode(name):
         resumed_optimizer = _onebit(name, resumed, compiled)
         resumed_optimizer.load_state_dict(saved["optimizer"])
         mlp_steps(resumed, resumed_optimizer, range(ONEBIT_STEPS - 3, ONEBIT_STEPS))
-        if compiled:
-            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters(), strict=True))
-        else:
-            _assert_close(model, resumed)
+        assert_continues(model, resumed, exactly=compiled)
 
 
 def test_compiled_onebit_lamb_applies_a_groups_momentum_mask():
@@ -180,7 +163,7 @@ def test_compiled_onebit_lamb_applies_a_groups_momentum_mask():
         optimizer.deepspeed_roundings = False
         mlp_steps(model, optimizer, range(ONEBIT_STEPS))
         assert torch.equal(optimizer.state[first]["exp_avg"][::3], torch.zeros(6, 8))
-    _assert_close(*models)
+    assert_weights_close(*models)
 
 
 def test_compiled_onebit_refuses_a_bucket_per_tensor():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.compiled_parity import RTOL, assert_continues, assert_weights_close
 from helpers.distributed_harness import run_on_ranks
 from helpers.mlp import mlp_steps
 from helpers.round_trip import resumed_alongside
@@ -18,7 +19,6 @@ from optim.comm import Comm
 from optim.mirror_comm import MirrorComm
 from optim.slamb import _layout
 
-RTOL = 1e-5  # inductor orders the norms' sums otherwise than aten's kernels
 STEPS = 6  # dense averages after steps 1 and 4 (sync_interval 3)
 OPTIONS = {
     "default": {},
@@ -28,14 +28,7 @@ OPTIONS = {
     "nvlamb_no_decay_groups": dict(always_adapt=False),
 }
 
-
-@pytest.fixture(autouse=True)
-def fresh_compiles():
-    """Each test compiles its own graphs, and counts them from zero."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiles")  # each test compiles its own graphs
 
 
 def _model() -> nn.Module:
@@ -50,10 +43,6 @@ def _slamb(model: nn.Module, compiled: bool, comm: Comm | None = None, **kwargs)
     return SLAMB(param_groups_weight_decay(model, 0.01), comm=comm or MirrorComm(2), compiled=compiled, **options)
 
 
-def _assert_close(a: nn.Module, b: nn.Module) -> None:
-    for p, q in zip(a.parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=RTOL, atol=RTOL * p.abs().max().item())
-
 
 @pytest.mark.parametrize("gpu_layout", [False, True])
 @pytest.mark.parametrize("config", list(OPTIONS))
@@ -64,7 +53,7 @@ def test_compiled_slamb_matches_eager(monkeypatch, config, gpu_layout):
     eager_optimizer, optimizer = _slamb(eager, False, **OPTIONS[config]), _slamb(compiled, True, **OPTIONS[config])
     mlp_steps(eager, eager_optimizer, range(STEPS))
     mlp_steps(compiled, optimizer, range(STEPS))
-    _assert_close(eager, compiled)
+    assert_weights_close(eager, compiled)
     assert any(not torch.equal(p, q) for p, q in zip(eager.parameters(), compiled.parameters(), strict=True)), \
         "the compiled path did not run"
     for got, want in zip(optimizer.freshness(), eager_optimizer.freshness(), strict=True):
@@ -98,10 +87,7 @@ def test_a_slot_without_a_gradient_steps_its_chunk_eagerly():
 def test_a_checkpoint_resumes_in_either_mode(saved_by, loaded_by):
     model, _, resumed, _ = resumed_alongside(_model, lambda m: _slamb(m, saved_by), range(3), range(3, STEPS),
                                           make_resumed_optimizer=lambda m: _slamb(m, loaded_by))
-    if saved_by == loaded_by:
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters(), strict=True))
-    else:
-        _assert_close(model, resumed)
+    assert_continues(model, resumed, exactly=saved_by == loaded_by)
 
 
 def test_compiled_must_be_a_flag():
