@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import unittest.mock
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,22 +122,12 @@ class CompiledTraffic:
                 self.traffic.bytes += moved
             return out
 
-        self._stack.enter_context(_patched(CompiledMath, "__call__", counted_call))
+        self._stack.enter_context(unittest.mock.patch.object(CompiledMath, "__call__", counted_call))
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
         torch._dynamo.reset()
-
-
-@contextlib.contextmanager
-def _patched(owner: type, name: str, value: Any) -> Iterator[None]:
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
 
 
 def _signature(leaf: Any) -> Any:
