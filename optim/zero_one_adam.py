@@ -243,18 +243,18 @@ class ZeroOneAdam(OneBitFamily):
         device = self.flat.device
         for slice_, group in self._groups():
             lr, = device_scalars(device, group["lr"])
-            for chunk in graph_chunks(params[slice_]):
-                tensors = (params, grads, momenta, anchors, denoms, errors)
-                _SYNC_ERROR(*(t[slice_][chunk] for t in tensors), lr, beta1=group["betas"][0],
+            lists = [t[slice_] for t in (params, grads, momenta, anchors, denoms, errors)]
+            for chunk in graph_chunks(lists[0]):
+                _SYNC_ERROR(*(t[chunk] for t in lists), lr, beta1=group["betas"][0],
                             weight_decay=group["weight_decay"])
         self._compressed_mean_("exp_avg", fed_back=True,
                                divisors=[-self.lr_sums[group] for group in self.bucket_groups])
         self._mask_("exp_avg")
         for (slice_, _), lr_sum in zip(self._groups(), self.lr_sums, strict=True):
             total, = device_scalars(device, lr_sum)
-            for chunk in graph_chunks(params[slice_]):
-                _SYNC_WEIGHTS(params[slice_][chunk], anchors[slice_][chunk], momenta[slice_][chunk],
-                              denoms[slice_][chunk], total)
+            lists = [t[slice_] for t in (params, anchors, momenta, denoms)]
+            for chunk in graph_chunks(lists[0]):
+                _SYNC_WEIGHTS(*(t[chunk] for t in lists), total)
         self.lr_sums = [0.0] * len(self.param_groups)
 
     def replicas_agree_after(self, step: int) -> bool:
