@@ -28,7 +28,6 @@ from optim.flat import FlatLayout, copy_in_chunks_
 
 _SCALE_BYTES = 4  # one float32 scale per chunk on the wire
 _SIGN_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # byte -> its 8 signs, MSB first
-_NIBBLE_TABLES: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}  # `_nibble_table`'s
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -78,79 +77,78 @@ def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
     return _SIGN_TABLES[key]
 
 
-def _nibble_table(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(256, 4) values and their zeroed cells: row `16 z + s` holds the 4 signs of nibble `s` (+1 for a set bit,
-    MSB first), 0 where nibble `z` has the bit set (an element that the result zeroes). Built on the device."""
-    key = (dtype, device)
-    if key not in _NIBBLE_TABLES:
-        rows, shifts = torch.arange(256, device=device).unsqueeze(1), 3 - torch.arange(4, device=device)
-        signs = rows.bitwise_and(15).bitwise_right_shift(shifts).bitwise_and(1)
-        zeroed = rows.bitwise_right_shift(4).bitwise_right_shift(shifts).bitwise_and(1).bool()
-        _NIBBLE_TABLES[key] = signs.to(dtype).mul_(2).sub_(1).masked_fill_(zeroed, 0.0), zeroed
-    return _NIBBLE_TABLES[key]
-
-
 def zero_codes_(flags: Tensor) -> Tensor:
     """What `compressed_allreduce_` takes to zero elements of its result, made in place of their bool `flags` (a
-    multiple of 8, contiguous), which it overwrites: per byte of 8 flags, those of its first and of its last 4
-    elements packed MSB first into a high nibble, `(numel / 8, 2)` uint8 over the first quarter of the flags' bytes.
+    multiple of 8, contiguous), which it overwrites: the flags packed 8 to a byte, MSB first, a set bit where a flag
+    is set, `numel / 8` uint8 over the first eighth of the flags' bytes.
 
     A block of the device's foreach chunk at a time (bounded temporaries); block k's codes land on bytes of blocks
     before it or on its own, which are read by then.
     """
     flat, block = flags.reshape(-1), _block_numel(flags)
-    codes = flat.view(torch.uint8)[:flat.numel() // 4].view(-1, 2)
+    codes = flat.view(torch.uint8)[:flat.numel() // 8]
     for a in range(0, flat.numel(), block):
         packed = torch.empty(min(block, flat.numel() - a) // 8, dtype=torch.uint8, device=flags.device)
         _pack_negative_(torch.logical_not(flat[a:a + block]), packed)  # a set bit where a flag is set
-        rows = codes[a // 8:a // 8 + packed.numel()]
-        torch.bitwise_and(packed, 0xF0, out=rows[:, 0])
-        torch.bitwise_left_shift(packed, 4, out=rows[:, 1])
+        codes[a // 8:a // 8 + packed.numel()].copy_(packed)
     return codes
 
 
 def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Inverse of `pack_signs`: +1 for a set bit, -1 for a clear one, 8 values per byte, in order."""
+    """Inverse of `pack_signs`: +1 for a set bit, -1 for a clear one, 8 values per byte, in order.
+
+    A look-up in a (256, 8) table: the plain reading of the format, kept as the reference the decoders are tested
+    against (on a GPU a gather of 32-byte rows runs far below bandwidth, which is why the decoders compute).
+    """
     return _sign_table(dtype, packed.device)[packed.reshape(-1).int()].reshape(-1)
 
 
-def _decode_into(out: Tensor, packed: Tensor, scales: Tensor, zeroed: Tensor | None = None) -> None:
-    """`out[j] = scales[j] * unpack_signs(packed[j])` for each row j, looked up straight into `out` (rows, n).
+def _bits(packed: Tensor) -> Tensor:
+    """The bits of `packed` (uint8, n bytes) as bools, MSB first: (n, 8), two elementwise passes."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
+    return torch.bitwise_right_shift(packed.unsqueeze(-1), shifts).bitwise_and_(1).view(torch.bool)
 
-    A table of `scale * (+-1)` per row is exact, so this equals unpacking and then scaling, in one pass. With
-    `zeroed` (`zero_codes_` of `out`'s elements) the flagged elements are +0.0 instead, as a masked fill after would
-    make them: each nibble of signs, with its nibble of flags, picks a row of 4 values (`_nibble_table`).
+
+def _decode_into(out: Tensor, packed: Tensor, scales: Tensor, zeroed: Tensor | None = None,
+                 compiled: bool = False) -> None:
+    """`out[j] = scales[j] * unpack_signs(packed[j])` for each row j of `out` (rows, n), computed from the bits (a
+    choice between `+scale` and `-scale`, so bit for bit the table's `+-1 * scale`). With `zeroed` (`zero_codes_`
+    of `out`'s elements) the flagged elements are +0.0, as a masked fill after would make them.
+
+    Eager: a block of the device's foreach chunk at a time (bounded temporaries), unpacking, choosing and (with
+    `zeroed`) filling in passes of their own. `compiled`: each row in one fused pass (`_decode_row_`).
     """
-    if zeroed is None:
-        table = _sign_table(out.dtype, out.device)
-        for row, (bytes_, scale) in enumerate(zip(packed, scales, strict=True)):
-            torch.index_select(table * scale, 0, bytes_.int(), out=out[row].view(-1, 8))
-        return
-    table, cells = _nibble_table(out.dtype, out.device)
-    for row, (bytes_, scale, codes) in enumerate(zip(packed, scales, zeroed.view(out.shape[0], -1, 2), strict=True)):
-        nibbles = torch.empty(bytes_.numel(), 2, dtype=torch.uint8, device=out.device)
-        torch.bitwise_right_shift(bytes_, 4, out=nibbles[:, 0])
-        torch.bitwise_and(bytes_, 15, out=nibbles[:, 1])
-        rows = nibbles.bitwise_or_(codes).view(-1).int()
-        scaled = (table * scale).masked_fill_(cells, 0.0)  # +0.0 whatever the sign of the scale
-        torch.index_select(scaled, 0, rows, out=out[row].view(-1, 4))
+    codes = None if zeroed is None else zeroed.view(out.shape[0], -1)
+    for row, (bytes_, scale) in enumerate(zip(packed, scales, strict=True)):
+        zero = None if codes is None else codes[row]
+        if compiled:
+            _DECODE_ROW(out[row], bytes_, scale, zero)
+            continue
+        block = _block_numel(out[row]) // 8
+        for a in range(0, bytes_.numel(), block):
+            target = out[row, 8 * a:8 * (a + block)].view(-1, 8)
+            torch.where(_bits(bytes_[a:a + block]), scale, -scale, out=target)
+            if zero is not None:
+                target.masked_fill_(_bits(zero[a:a + block]), 0.0)
 
 
-def _weighted_tables(weights: Tensor, dtype: torch.dtype) -> Tensor:
-    """(W * 256, 8): rows 256 j to 256 j + 255 are `_sign_table` times `weights[j]` (exact: +-weight)."""
-    world = weights.numel()
-    return (weights.to(dtype).reshape(world, 1, 1) * _sign_table(dtype, weights.device)).reshape(world * 256, 8)
+def _decode_row_(out: Tensor, packed: Tensor, scale: Tensor, zero: Tensor | None) -> None:
+    """`_decode_into`'s arithmetic for one row, for inductor: read the bytes, write the values, nothing between."""
+    values = torch.where(_bits(packed), scale, -scale)
+    if zero is not None:
+        values = torch.where(_bits(zero), 0.0, values)
+    out.copy_(values.reshape(-1))
 
 
-def _decode_sum(packed: Tensor, tables: Tensor) -> Tensor:
-    """`sum_j weights[j] * unpack_signs(packed[j])` over the rows j of `packed` (W, n/8), `tables` from
-    `_weighted_tables`: one lookup per byte of each row, summed row after row in one `embedding_bag`, without the
-    W decoded rows (the sum is in row order, as `torch.sum` over them takes it)."""
-    world = packed.shape[0]
-    rows = torch.empty(packed.shape[1], world, dtype=torch.int32, device=packed.device)
-    offsets = torch.arange(0, 256 * world, 256, dtype=torch.int32, device=packed.device)
-    torch.add(packed.t(), offsets, out=rows)  # byte b of rank j -> table row 256 j + b
-    return torch.nn.functional.embedding_bag(rows, tables, mode="sum").reshape(-1)
+def _decode_sum_into_(out: Tensor, packed: Tensor, weights: Tensor) -> None:
+    """`out = sum_j weights[j] * unpack_signs(packed[j])` over the rows j of `packed` (W, n/8), in row order (as
+    `torch.sum` over the decoded rows takes it), one decoded row of temporary at a time."""
+    for row, (bytes_, weight) in enumerate(zip(packed, weights, strict=True)):
+        bits = _bits(bytes_).reshape(-1)
+        if row == 0:
+            torch.where(bits, weight, -weight, out=out)
+        else:
+            out.add_(torch.where(bits, weight, -weight))
 
 
 def compress_(z: Tensor, error: Tensor, packed: Tensor | None = None) -> Tensor:
@@ -203,15 +201,14 @@ def _worker_compress_(x: Tensor | None, error: Tensor, packed: Tensor) -> Tensor
 def _server_compress_(signs: Tensor, weights: Tensor, error: Tensor, packed: Tensor) -> Tensor:
     """The server's compression of `sum_j weights[j] * signs[j] + error`, `signs` the W ranks' packed rows of its
     chunk (`_decode_sum`'s sum, formed in the same pass): its scale."""
-    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=signs.device)
-    set_bits = torch.bitwise_right_shift(signs.unsqueeze(-1), shifts).bitwise_and(1).bool()  # (W, n / 8, 8)
     column = weights.to(error.dtype).reshape(-1, 1, 1)
-    decoded = torch.where(set_bits, column, -column).sum(0).reshape(-1)
+    decoded = torch.where(_bits(signs), column, -column).sum(0).reshape(-1)  # _bits: (W, n / 8, 8)
     return _compress_into_(decoded + error, error, packed)
 
 
 _WORKER_COMPRESS = CompiledMath(_worker_compress_)
 _SERVER_COMPRESS = CompiledMath(_server_compress_)
+_DECODE_ROW = CompiledMath(_decode_row_)
 
 
 def _block_numel(buffer: Tensor) -> int:
@@ -243,11 +240,11 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
 
     `fed_back`: the caller has already added its vector to `worker_error` (its last pass wrote `x + error` there
     rather than `x`, one pass fewer), and `buffer` only receives the result. `divisor`: the result divided by it,
-    folded into the decoding table (exactly `result / divisor`: the table holds `+-scale / divisor`). `zeroed`:
-    `zero_codes_` of the elements to set to +0.0 as the result is decoded (no masked fill after it); with one rank,
-    which decodes nothing, the caller zeroes them. `compiled`: the worker's and the server's compressions compiled
-    by inductor (`_worker_compress_`, `_server_compress_`: the norm, then the error and the signs), rounded apart from
-    the aten ops' within a few units in the last place (the norm's sum in another order).
+    folded into the decoding (exactly `result / divisor`: each value is `+-scale / divisor`). `zeroed`: `zero_codes_`
+    of the elements to set to +0.0 as the result is decoded; with one rank, which decodes nothing, the caller zeroes
+    them. `compiled`: the worker's and the server's compressions and the decoding compiled by inductor
+    (`_worker_compress_`, `_server_compress_`: the norm, then the error and the signs; `_decode_row_`), rounded
+    apart from the aten ops' within a few units in the last place (the norm's sum in another order).
     """
     world = comm.world_size
     if not comm.distributed or buffer.numel() == 0:
@@ -288,11 +285,10 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     if compiled:
         server_scale = _SERVER_COMPRESS(signs, weights, server_error, mine[0, :chunk // 8])
     else:
-        tables = _weighted_tables(weights, buffer.dtype)
         server = buffer[:chunk]  # the buffer is free until phase 2 decodes into it: the server's vector lives there
         for a in range(0, chunk, block):
-            torch.add(_decode_sum(signs[:, a // 8:(a + block) // 8], tables), server_error[a:a + block],
-                      out=server[a:a + block])
+            _decode_sum_into_(server[a:a + block], signs[:, a // 8:(a + block) // 8], weights)
+            server[a:a + block].add_(server_error[a:a + block])
         server_scale = compress_(server, server_error, mine[0, :chunk // 8])
     _put_scale(mine, server_scale)
     # Phase 2: every rank gets every compressed chunk and decodes the same bytes, straight into the buffer.
@@ -300,7 +296,7 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     comm.all_gather_into_tensor(gathered, mine)
     signs, scales = _split_scale(gathered)
     scales = scales.to(buffer.dtype)
-    _decode_into(buffer.view(world, chunk), signs, scales if divisor is None else scales / divisor, zeroed)
+    _decode_into(buffer.view(world, chunk), signs, scales if divisor is None else scales / divisor, zeroed, compiled)
     return buffer
 
 

@@ -202,7 +202,7 @@ class ZeroOneAdam(OneBitFamily):
 
         The weights are overwritten by the sync, so the update need not land in them: with `m' = lerp(m, g)`,
         `q = (w' - w_a) d = (w - w_a) d - lr m' - lr wd w d` goes straight into the worker error (`fed_back`), and
-        the weights hold `w - w_a` meanwhile. The decoding table divides by `-sum(lr)`, so the momentum buffer
+        the weights hold `w - w_a` meanwhile. The decoding divides by `-sum(lr)`, so the momentum buffer
         receives `m = -q_bar / sum(lr)` (bit for bit DeepSpeed's), and `w_a + q_bar / d` is formed from it.
 
         Bytes, in passes over one fp32 vector of N (BERT-Large, 2 ranks; the floor, 9: w, m, v, w_a read and

@@ -10,9 +10,12 @@ import pytest
 import torch
 from helpers.distributed_harness import run_on_ranks
 
+from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm, average_tensors_
 from optim.compressed import (
     CompressedBuckets,
+    _decode_into,
+    _decode_sum_into_,
     bucket_layout,
     compress_,
     compressed_allreduce_,
@@ -43,6 +46,33 @@ def test_both_zeros_count_as_plus_one():
     signs = unpack_signs(pack_signs(z))
     assert signs.tolist() == [1.0, 1.0, -1.0, -1.0, -1.0, -1.0, -1.0, 1.0]
     assert torch.equal(error, z - scale * signs)
+
+
+@pytest.mark.parametrize("block", [8, 64, None])
+def test_decoding_from_the_bits_is_the_table_look_up_bit_for_bit(monkeypatch, block):
+    """The decoders compute `+-scale` from the unpacked bits (a table look-up's gather crawls on a GPU): the values
+    of `unpack_signs` times each row's scale, signed zeros included, for any scale, in blocks or whole; a zeroed
+    element +0.0; and the server's weighted sum that of the looked-up rows, in rank order."""
+    if block is not None:
+        monkeypatch.setitem(FOREACH_CHUNK_NUMEL, "cpu", block)
+    generator = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (4, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.tensor([[0.75], [-1.5], [0.0], [-0.0]])
+    looked_up = torch.stack([unpack_signs(row) for row in packed])
+    out = torch.full((4, 128), float("nan"))
+    _decode_into(out, packed, scales)
+    expected = looked_up * scales
+    assert torch.equal(out, expected) and torch.equal(torch.signbit(out), torch.signbit(expected))
+
+    flags = torch.rand(4 * 128, generator=generator) < 0.3
+    _decode_into(out, packed, scales, zero_codes_(flags.clone()))
+    expected = expected.masked_fill(flags.view(4, 128), 0.0)
+    assert torch.equal(out, expected) and not torch.signbit(out[flags.view(4, 128)]).any()
+
+    weights = torch.tensor([[0.3], [-1.7], [2.5], [0.1]])
+    total = torch.empty(128)
+    _decode_sum_into_(total, packed, weights)
+    assert torch.equal(total, (looked_up * weights).sum(0))
 
 
 @pytest.mark.parametrize(("numel", "world_size", "padded"), [(1000, 2, 1008), (1000, 3, 1008), (1000, 4, 1024),
@@ -100,9 +130,9 @@ def test_zeroed_and_divided_in_the_decoding_as_after_it(divisor, fed_back):
     assert not folded[0][flags].any() and folded[0][~flags].all()
 
 
-def test_zero_codes_pack_each_nibble_of_flags_high():
+def test_zero_codes_pack_the_flags_8_to_a_byte():
     flags = torch.tensor([1, 0, 0, 1, 0, 1, 1, 0] * 2, dtype=torch.bool)
-    assert zero_codes_(flags).tolist() == [[0x90, 0x60]] * 2
+    assert zero_codes_(flags).tolist() == [0x96] * 2
 
 
 def _reference(inputs: torch.Tensor, worker_errors: torch.Tensor, server_errors: torch.Tensor) -> torch.Tensor:
