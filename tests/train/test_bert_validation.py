@@ -59,6 +59,7 @@ def _shared_evaluation(rank: int, world_size: int) -> dict[str, float]:
                                          EvalShard(rank, world_size, Comm().group))
 
 
+@pytest.mark.slow  # two gloo ranks: the slow tier's
 def test_ranks_sharing_the_evaluation_report_what_one_rank_alone_does():
     model, heldout = _model_and_heldout(3)
     with torch.no_grad():

@@ -40,6 +40,7 @@ def _worker(rank: int, world_size: int, run_dir: str) -> dict:
     return {"agreed_at_start": agreed_at_start, "own": own, "average": average, "after": after}
 
 
+@pytest.mark.slow  # two gloo ranks: the slow tier's
 def test_between_syncs_the_run_evaluates_and_exports_the_replicas_average(tmp_path):
     ranks = run_on_ranks(_worker, 2, str(tmp_path))
     assert all(rank["agreed_at_start"] for rank in ranks)  # equal weights: evaluated as they are, no copy
