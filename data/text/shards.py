@@ -23,6 +23,7 @@ column                   type          meaning
 ``next_sentence_label``  int8          0: B continues A, 1: B is random
 ``masked_lm_positions``  list<int32>   static masking only: the predicted positions (k <= P, sorted)
 ``masked_lm_labels``     list<int32>   static masking only: the original ids at those positions
+``length``               int32         tokens in ``input_ids``: what packing plans from, read alone
 =======================  ============  ===========================================================
 
 Reading (:class:`ShardSet`) checks at open that every shard exists with its recorded size, and checks each
@@ -94,6 +95,7 @@ def instances_table(instances: Sequence[PretrainingInstance], masked: bool) -> p
         "input_ids": _list_array([inst.input_ids for inst in instances]),
         "segment_b": pa.array([int(np.argmax(inst.token_type_ids)) for inst in instances], type=pa.int32()),
         "next_sentence_label": pa.array([inst.next_sentence_label for inst in instances], type=pa.int8()),
+        "length": pa.array([len(inst.input_ids) for inst in instances], type=pa.int32()),
     }
     if masked:
         used = [inst.masked_lm_labels != IGNORE_INDEX for inst in instances]
@@ -290,9 +292,23 @@ class ShardSet(Sequence[PretrainingInstance]):
         return _DecodedShard(table)
 
     def sequence_lengths(self, shard: int) -> np.ndarray:
-        """The token count of each row of one shard (verified and decoded, not cached): what packing plans from."""
-        decoded = self._decode(self.records[shard])
-        return np.diff(decoded.id_offsets)
+        """The token count of each row of one shard: what packing plans from, for every shard before training starts.
+
+        Read from the shard's `length` column alone, a small part of the file, so a packed run does not read its
+        data twice (its sha256 is checked when training loads the shard); shards written before that column are
+        decoded whole (and verified).
+        """
+        record = self.records[shard]
+        path = self.directory / record["file"]
+        try:
+            if "length" not in pq.read_schema(path).names:
+                return np.diff(self._decode(record).id_offsets)
+            lengths = pq.read_table(path, columns=["length"]).column("length").to_numpy().astype(np.int64)
+        except (pa.ArrowException, OSError) as err:
+            raise ShardError(f"shard {path} cannot be decoded: {err}") from err
+        if len(lengths) != record["instances"]:
+            raise ShardError(f"shard {path} has {len(lengths)} rows, the manifest records {record['instances']}")
+        return lengths
 
     def heldout_instances(self) -> list[PretrainingInstance] | None:
         """The held-out instances (verified), or None when the directory was prepared without a held-out set."""

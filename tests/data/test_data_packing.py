@@ -3,6 +3,8 @@ as it is unpacked (tokens, segments, positions, masks, NSP label)."""
 
 from __future__ import annotations
 
+import unittest.mock
+
 import numpy as np
 import pytest
 import torch
@@ -107,7 +109,7 @@ def test_shards_are_packed_from_their_own_lengths_and_read_by_the_resumable_load
 
     from data import ResumableLoader
     from data.corpus.pipeline import PhaseConfig, prepare
-    from data.text.shards import load_prepared_dataset
+    from data.text.shards import ShardSet, load_prepared_dataset
     from data.text.tokenizer import DEFAULT_VOCAB_PATH, load_tokenizer
 
     corpus = write_corpus(tmp_path / "corpus", num_docs=30)  # several shards
@@ -120,7 +122,9 @@ def test_shards_are_packed_from_their_own_lengths_and_read_by_the_resumable_load
     assert len(sizes) > 1
     lengths = np.concatenate([shards.instances.sequence_lengths(s) for s in range(len(sizes))])
     np.testing.assert_array_equal(lengths, [len(shards.instances[i].input_ids) for i in range(len(shards))])
-    packed = PackedPretrainingDataset(shards, 3, seed=3, shard_sizes=sizes)
+    # The plan reads each shard's length column, no shard whole: the data is read once, by training.
+    with unittest.mock.patch.object(ShardSet, "_verified_bytes", side_effect=AssertionError("a shard read whole")):
+        packed = PackedPretrainingDataset(shards, 3, seed=3, shard_sizes=sizes)
     loader = ResumableLoader(packed, 4, 0, 1, seed=3, shard_sizes=packed.shard_sizes)
     first = [next(loader) for _ in range(3)]
     state = loader.state_dict()
@@ -132,3 +136,26 @@ def test_shards_are_packed_from_their_own_lengths_and_read_by_the_resumable_load
     resumed = next(loader)
     assert all(torch.equal(after[key], resumed[key]) for key in PACKED_BATCH_KEYS)
     assert all((b["attention_mask"] > 0).sum() > 0 for b in first)
+
+
+def test_shards_written_before_the_length_column_are_planned_from_their_decoded_rows(tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+    from helpers.corpora import small_config, write_corpus
+
+    from data.corpus.pipeline import PhaseConfig, prepare
+    from data.text.shards import MANIFEST_NAME, ShardSet, sha256_file
+
+    corpus = write_corpus(tmp_path / "corpus", num_docs=10)
+    prepare(small_config(corpus, tmp_path / "out", phases={"seq128": PhaseConfig(128, 20)}, masking="dynamic",
+                         dupe_factor=1, heldout_sequences=0))
+    phase = next(path.parent for path in (tmp_path / "out").rglob(MANIFEST_NAME))
+    expected = ShardSet(phase).sequence_lengths(0)
+    manifest = json.loads((phase / MANIFEST_NAME).read_text())
+    record = manifest["shards"][0]
+    path = phase / record["file"]
+    pq.write_table(pq.read_table(path).drop_columns(["length"]), path)  # as the shards of older versions were
+    record.update(bytes=path.stat().st_size, sha256=sha256_file(path))
+    (phase / MANIFEST_NAME).write_text(json.dumps(manifest))
+    np.testing.assert_array_equal(ShardSet(phase).sequence_lengths(0), expected)
