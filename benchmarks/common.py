@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 from torch import nn
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -205,18 +206,56 @@ _ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten:
                 "aten::new_empty_strided"}
 
 
+# torch's CUDA multi-tensor kernels (`multi_tensor_apply`): tensors per launch by the number of tensor lists a kernel
+# walks, and chunks of 65,536 elements per launch (320 blocks).
+_TENSORS_PER_LAUNCH = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
+_CHUNK_NUMEL, _CHUNKS_PER_LAUNCH = 65536, 320
+
+
+def cuda_launches(name: str, arguments: dict[str, Any]) -> int:
+    """Kernels an op launches on a CUDA device, by torch's rules for its multi-tensor ops (`_foreach_*` and the fused
+    optimizer kernels); one for any other op.
+
+    A multi-tensor op takes torch's fast route, a launch per few dozen tensors, only when the tensors at each index
+    of its lists have the same sizes and strides, each list one dtype (one for all lists but a copy's), and every
+    tensor is dense. Otherwise it loops over the index, a kernel per tensor: a list of per-tensor 0-d factors (a
+    trust ratio each) beside the tensors they scale takes that loop, whatever the count of ops says. The fused
+    optimizer kernels read their step counts as per-tensor scalars, not as a list.
+    """
+    if not (name.startswith("aten::_foreach_") or name in _FUSED_STEPS):
+        return 1
+    lists = [list(v) for v in arguments.values()
+             if isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v)]
+    if name in _FUSED_STEPS:  # the step counts ride along as per-tensor scalars, not as a list walked
+        lists = [tensors for tensors in lists if tensors[0].dim() > 0]
+    if not lists:
+        return 1
+    count = len(lists[0])
+    dtypes = [{t.dtype for t in tensors} for tensors in lists]
+    fast = (all(len(tensors) == count for tensors in lists) and all(len(d) == 1 for d in dtypes)
+            and (name == "aten::_foreach_copy_" or len(set().union(*dtypes)) == 1)
+            and all(len({(t.shape, t.stride()) for t in alike}) == 1 and is_non_overlapping_and_dense_or_false(alike[0])
+                    for alike in zip(*lists, strict=True)))
+    if not fast:
+        return count
+    chunks = sum(-(-t.numel() // _CHUNK_NUMEL) for t in lists[0])
+    return max(1, -(-count // _TENSORS_PER_LAUNCH[min(len(lists), 5)]), -(-chunks // _CHUNKS_PER_LAUNCH))
+
+
 class StepTraffic(TorchDispatchMode):
-    """Counts the ops dispatched while it is active and the bytes they read and write.
+    """Counts the ops dispatched while it is active, the kernels they would launch on a CUDA device
+    (`cuda_launches`) and the bytes they read and write.
 
     An op reads every tensor it takes and writes every tensor it returns fresh or mutates (its schema says which),
     so `bytes` is the memory traffic of unfused kernels: what a GPU moves for the same ops, caches aside. Views move
-    nothing, and allocations (`empty`) write nothing; collectives (c10d) are the network's, not the step's memory
-    traffic, and are left out of both counts.
+    nothing and launch nothing, and allocations (`empty`) write nothing and launch nothing; collectives (c10d) are
+    the network's, not the step's memory traffic, and are left out of every count.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.launches = 0
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -230,6 +269,7 @@ class StepTraffic(TorchDispatchMode):
             return out
         write_only = schema.name in _WRITE_ONLY
         named = {a.name: args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)}
+        self.launches += cuda_launches(schema.name, named)
         for argument in schema.arguments:
             value = named[argument.name]
             size = sum(t.nbytes for t in tree_leaves(value) if isinstance(t, torch.Tensor))

@@ -119,6 +119,7 @@ class CompiledTraffic:
             if self.traffic is not None:
                 kernels, moved = self.graphs[key]
                 self.traffic.ops += kernels
+                self.traffic.launches += kernels
                 self.traffic.bytes += moved
             return out
 
@@ -166,8 +167,8 @@ def count_step(name: str, size: str, world_size: int, device: torch.device, comp
             step()
     floor = bytes_touched(params, optimizer)
     return {"optimizer": name, "compiled": compiled, "device": device.type, "ranks": world_size,
-            "tensors": len(params), "ops": traffic.ops, "GB moved": traffic.bytes / 1e9, "GB floor": floor / 1e9,
-            "x floor": traffic.bytes / floor}
+            "tensors": len(params), "ops": traffic.ops, "launches": traffic.launches,
+            "GB moved": traffic.bytes / 1e9, "GB floor": floor / 1e9, "x floor": traffic.bytes / floor}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -115,6 +115,33 @@ def test_ops_per_step_do_not_grow_with_the_number_of_tensors(name):
     assert deep["ops"] == shallow["ops"], (shallow, deep)
 
 
+def test_a_multi_tensor_op_off_torchs_fast_route_launches_a_kernel_per_tensor():
+    """On a CUDA device a foreach op launches a kernel per few dozen tensors only when each index's tensors share
+    sizes, strides and dtype: per-tensor 0-d factors, transposed strides or a second dtype loop over the tensors. A
+    copy may change dtype; the fused Adam kernel's step counts ride along."""
+    def tensors(dtype=torch.float32, shape=(64, 32)):
+        return [torch.empty(shape, device="meta", dtype=dtype) for _ in range(100)]
+
+    def launches(op, *lists):
+        with StepTraffic() as traffic:
+            op(*lists)
+        return traffic.launches
+
+    weights, others, factors = tensors(), tensors(), tensors(shape=())
+    assert launches(lambda: torch._foreach_mul_(weights, 2.0)) == 1  # 110 tensors a launch
+    assert launches(lambda: torch._foreach_mul_(weights, factors[0])) == 1  # one 0-d tensor: a scalar
+    assert launches(lambda: torch._foreach_add_(weights, others)) == 2  # two lists: 64 a launch
+    assert launches(lambda: torch._foreach_addcmul_(weights, others, factors)) == 100
+    assert launches(lambda: torch._foreach_add_(weights, [t.t() for t in tensors(shape=(32, 64))])) == 100
+    assert launches(lambda: torch._foreach_add_(weights, tensors(torch.bfloat16))) == 100
+    assert launches(lambda: torch._foreach_copy_(tensors(torch.bfloat16), weights)) == 2
+    adam = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-6, amsgrad=False, maximize=False)
+    assert launches(lambda: torch._fused_adam_(weights, others, tensors(), tensors(), [], factors, **adam)) == 3
+    with StepTraffic() as traffic:
+        torch.empty(4, device="meta").add_(1.0)
+    assert traffic.launches == 1  # the allocation launches nothing
+
+
 def test_an_indexed_op_moves_the_slices_its_index_names():
     """A gather reads its selected rows, a scatter writes them (not the whole tensor), an index that repeats rows
     reads the tensor once."""
