@@ -130,6 +130,14 @@ PARTS = [  # in order of what matters most when the budget runs short
           *COMPILED_OPTIMIZERS), 360,
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--compiled",
           "--optimizers", "lamb", "--warmup", "1", "--repeats", "1"), r"copy bandwidth \d+ GB/s", optional=True),
+    # The same with inductor's combo kernels (one launch runs many tensors' kernels), for the two steps that a kernel
+    # per tensor and pass made slower: compiled LAMB launches about 550 kernels a step where its aten ops launch 313.
+    Part("step_compiled_combo", "LAMB and SLAMB compiled with combo kernels against their memory-bandwidth bound",
+         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--compiled", "--optimizers", "lamb",
+          "slamb", "--inductor", "combo_kernels=True"), 300,
+         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--compiled",
+          "--optimizers", "lamb", "--warmup", "1", "--repeats", "1", "--inductor", "combo_kernels=True"),
+         r"copy bandwidth \d+ GB/s", optional=True),
     Part("step_cost", "optimizer steps counted: ops and bytes against one fused pass, BERT-Large, 2 ranks",
          ("python", "-m", "benchmarks.optim.step_cost", "--size", "large", "--ranks", "2"), 90,
          ("python", "-m", "benchmarks.optim.step_cost", "--size", "tiny", "--ranks", "2", "--optimizers", "lamb"),

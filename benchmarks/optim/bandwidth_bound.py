@@ -19,6 +19,7 @@ steps compile it), the others as they are; the `compiled` column says which.
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import time
 from collections.abc import Callable
@@ -81,7 +82,33 @@ def main(argv: list[str] | None = None) -> None:
                         "that take most time: where a step's time goes when its bytes do not say")
     parser.add_argument("--compiled", action="store_true",
                         help="compiled=True for the optimizers that take it (the warm-up steps compile)")
+    parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE", type=_inductor_setting,
+                        help="with --compiled: torch._inductor.config settings for the compiles, e.g. "
+                        "combo_kernels=True (a launch for many tensors' kernels) or triton.cudagraphs=True")
     args = parser.parse_args(argv)
+    if args.inductor and not args.compiled:
+        parser.error("--inductor: its settings apply to compiled steps; add --compiled")
+    with torch._inductor.config.patch(dict(args.inductor)):
+        _time_optimizers(args, parser)
+
+
+def _inductor_setting(text: str) -> tuple[str, object]:
+    """`KEY=VALUE` for `torch._inductor.config.patch`: the value read as a Python literal (True, 4, "name")."""
+    key, sep, value = text.partition("=")
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        parsed = None
+    if not sep or parsed is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: give KEY=VALUE with a Python literal value, e.g. "
+                                         "combo_kernels=True")
+    if key not in torch._inductor.config.get_config_copy():
+        raise argparse.ArgumentTypeError(f"{key!r} is no torch._inductor.config setting of torch {torch.__version__}")
+    return key, parsed
+
+
+def _time_optimizers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The table: each optimizer's step timed against its bandwidth bound."""
     device = chosen_device(parser, args.device)
     model = bert_parameters(args.size, device)
     params = list(model.parameters())

@@ -112,3 +112,24 @@ def test_bandwidth_bound_counts_the_bytes_a_fused_step_must_touch(capsys):
     for name in ("lamb", "adamw"):
         assert float(rows[name]["GB touched"]) * 1e9 == pytest.approx(28 * numel, rel=0.01)
         assert float(rows[name]["min x bound"]) > 0 and rows[name]["compiled"] == "False"
+
+
+@pytest.mark.parametrize(("settings", "says"), [
+    (["--inductor", "combo_kernels=True"], "add --compiled"),
+    (["--compiled", "--inductor", "combo_kernels"], "give KEY=VALUE"),
+    (["--compiled", "--inductor", "no_such_setting=1"], "is no torch._inductor.config setting"),
+])
+def test_bandwidth_bound_refuses_inductor_settings_it_cannot_apply_in_one_line(settings, says, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bandwidth_bound(["--size", "tiny", "--device", "cpu", *settings])
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_bandwidth_bound_times_the_compiled_steps_under_the_inductor_settings_given(monkeypatch):
+    import torch
+
+    seen = []
+    monkeypatch.setattr("benchmarks.optim.bandwidth_bound._time_optimizers",
+                        lambda args, parser: seen.append(torch._inductor.config.combo_kernels))
+    bandwidth_bound(["--size", "tiny", "--device", "cpu", "--compiled", "--inductor", "combo_kernels=True"])
+    assert seen == [True] and torch._inductor.config.combo_kernels is False
