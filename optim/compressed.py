@@ -200,7 +200,7 @@ def _worker_compress_(x: Tensor | None, error: Tensor, packed: Tensor) -> Tensor
 
 def _server_compress_(signs: Tensor, weights: Tensor, error: Tensor, packed: Tensor) -> Tensor:
     """The server's compression of `sum_j weights[j] * signs[j] + error`, `signs` the W ranks' packed rows of its
-    chunk (`_decode_sum`'s sum, formed in the same pass): its scale."""
+    chunk (`_decode_sum_into_`'s sum, formed in the same pass): its scale."""
     column = weights.to(error.dtype).reshape(-1, 1, 1)
     decoded = torch.where(_bits(signs), column, -column).sum(0).reshape(-1)  # _bits: (W, n / 8, 8)
     return _compress_into_(decoded + error, error, packed)
