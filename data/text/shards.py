@@ -301,11 +301,14 @@ class ShardSet(Sequence[PretrainingInstance]):
         record = self.records[shard]
         path = self.directory / record["file"]
         try:
-            if "length" not in pq.read_schema(path).names:
-                return np.diff(self._decode(record).id_offsets)
-            lengths = pq.read_table(path, columns=["length"]).column("length").to_numpy().astype(np.int64)
+            with pq.ParquetFile(path) as shard_file:  # its footer, read once: the schema, then the one column
+                has_lengths = "length" in shard_file.schema_arrow.names
+                if has_lengths:
+                    lengths = shard_file.read(columns=["length"]).column("length").to_numpy().astype(np.int64)
         except (pa.ArrowException, OSError) as err:
             raise ShardError(f"shard {path} cannot be decoded: {err}") from err
+        if not has_lengths:
+            return np.diff(self._decode(record).id_offsets)
         if len(lengths) != record["instances"]:
             raise ShardError(f"shard {path} has {len(lengths)} rows, the manifest records {record['instances']}")
         return lengths
