@@ -96,12 +96,12 @@ def _inductor_setting(text: str) -> tuple[str, object]:
     """`KEY=VALUE` for `torch._inductor.config.patch`: the value read as a Python literal (True, 4, "name")."""
     key, sep, value = text.partition("=")
     try:
-        parsed = ast.literal_eval(value)
+        if not sep:
+            raise ValueError(text)
+        parsed = ast.literal_eval(value)  # None too: some settings take it
     except (ValueError, SyntaxError):
-        parsed = None
-    if not sep or parsed is None:
         raise argparse.ArgumentTypeError(f"{text!r}: give KEY=VALUE with a Python literal value, e.g. "
-                                         "combo_kernels=True")
+                                         "combo_kernels=True") from None
     if key not in torch._inductor.config.get_config_copy():
         raise argparse.ArgumentTypeError(f"{key!r} is no torch._inductor.config setting of torch {torch.__version__}")
     return key, parsed
