@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from core.options import require
 from optim._compiled import CompiledMath, device_scalars, graph_chunks
@@ -64,6 +67,12 @@ class LAMB(torch.optim.Optimizer):
             when a group's tensors share device and dtype, False takes the for-loop reference. It runs over
             chunks of a bounded number of elements (see `optim._math.FOREACH_CHUNK_NUMEL`) and rounds apart
             from the reference within a few units in the last place per step.
+        triton: run the multi-tensor path's trust-ratio tensors in three Triton kernels per chunk
+            (`optim._triton_lamb`): the moments and each block's sums for the norms, the ratios, the update formed
+            again and applied. 10 tensor-sized reads and writes in 3 launches, however many tensors (the aten ops: 14,
+            and a launch per tensor for the ratios). CUDA tensors only (or Triton's interpreter, `TRITON_INTERPRET=1`,
+            for tests); the update rounds apart from the aten ops' within 1e-5 relative (other orders of the norms'
+            sums). Needs `foreach` true or null, and not `compiled`.
         compiled: run the multi-tensor path's decayed tensors in two passes compiled by torch.compile (inductor):
             one writes the moments and reduces the norms of the weights and the update, the other forms the
             update again and writes the weights (10 tensor-sized reads and writes where the aten ops take 14).
@@ -100,6 +109,7 @@ class LAMB(torch.optim.Optimizer):
         always_adapt: bool = False,
         foreach: bool | None = None,
         compiled: bool = False,
+        triton: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -112,6 +122,7 @@ class LAMB(torch.optim.Optimizer):
             always_adapt=always_adapt,
             foreach=foreach,
             compiled=compiled,
+            triton=triton,
         )
         run_check("LAMB", check_lamb_options, defaults)
         super().__init__(params, defaults)
@@ -129,6 +140,7 @@ class LAMB(torch.optim.Optimizer):
             group.setdefault("always_adapt", False)
             group.setdefault("foreach", None)
             group.setdefault("compiled", False)
+            group.setdefault("triton", False)
             if "step" not in group:  # written when the step was counted per parameter: see the class docstring
                 counts = [float(self.state[p]["step"]) for p in group["params"] if "step" in self.state.get(p, {})]
                 if counts:
@@ -188,6 +200,7 @@ class LAMB(torch.optim.Optimizer):
                 always_adapt=group["always_adapt"],
                 foreach=group["foreach"],
                 compiled=group["compiled"],
+                triton=group["triton"],
             )
         return loss
 
@@ -211,6 +224,7 @@ def lamb(
     always_adapt: bool,
     foreach: bool | None = None,
     compiled: bool = False,
+    triton: bool = False,
 ) -> None:
     """Functional LAMB over one param group (see `LAMB`); `grad_divisor` is NVLAMB's pre-normalisation.
 
@@ -226,6 +240,11 @@ def lamb(
     if compiled and not uniform:
         raise ValueError("LAMB(compiled=True) runs the multi-tensor path, which needs each group's tensors on one "
                          "device and dtype, with gradients laid out as their parameters; set compiled=False")
+    if triton:
+        refusal = triton_refusal(params[0].device) or (None if uniform else "needs each group's tensors on one device "
+                                                       "and dtype, with gradients laid out as their parameters")
+        if refusal is not None:
+            raise ValueError(f"LAMB(triton=True) {refusal}; set triton=False")
     options = dict(
         grad_divisor=grad_divisor,
         lr=lr,
@@ -243,7 +262,7 @@ def lamb(
     for chunk in foreach_chunks(params):
         _multi_tensor_lamb(
             params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], state_steps[chunk],
-            step=step, bias_correction=bias_correction, compiled=compiled, **options,
+            step=step, bias_correction=bias_correction, compiled=compiled, triton=triton, **options,
         )
 
 
@@ -259,6 +278,25 @@ def check_lamb_options(options: dict[str, Any]) -> None:
     check_flags(options, "compiled")
     require(not (options["compiled"] and foreach is False), "compiled", True,
             "needs the multi-tensor path: set foreach to true or null, or compiled to false")
+    check_flags(options, "triton")
+    if options["triton"]:
+        require(foreach is not False, "triton", True,
+                "needs the multi-tensor path: set foreach to true or null, or triton to false")
+        require(not options["compiled"], "triton", True, "and compiled are two ways to fuse the step: choose one")
+        refusal = triton_refusal(None)
+        require(refusal is None, "triton", True, f"{refusal}; set it to false")
+
+
+def triton_refusal(device: torch.device | None) -> str | None:
+    """Why `triton=True` cannot step tensors on `device` (None: on this machine at all), or None when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "needs the triton package (torch's Linux wheels bring it)"
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # host tensors through Triton's interpreter
+    if device is None and not (interpreted or torch.cuda.is_available()):
+        return "needs a CUDA GPU (its kernels are Triton's)"
+    if device is not None and device.type not in ("cuda", "meta") and not interpreted:
+        return f"needs CUDA tensors (its kernels are Triton's), not {device.type} ones"
+    return None
 
 
 def _uniform(params: list[Tensor], *lists: list[Tensor]) -> bool:
@@ -311,11 +349,22 @@ def _multi_tensor_lamb(
     grad_divisor: Tensor | None,
     lr: float,
     compiled: bool,
+    triton: bool,
     **update: Any,
 ) -> None:
     """The update counts, NVLAMB's pre-normalisation, then `lamb_update_` (a fixed number of ops per chunk), or, for
-    decayed tensors when `compiled`, `compiled_lamb_update_` with the pre-normalisation in its first pass."""
+    trust-ratio tensors, `compiled_lamb_update_` (`compiled`) or the Triton kernels (`triton`, dense tensors), with
+    the pre-normalisation in their first pass."""
     torch._foreach_add_(state_steps, 1)
+    if triton and update["adapt"] and all(is_non_overlapping_and_dense_or_false(p) for p in params):
+        from optim._triton_lamb import triton_lamb_update_  # imports triton: only where `triton_refusal` allowed it
+
+        corrections = bias_corrections(update.pop("step"), update["beta1"], update["beta2"],
+                                       update.pop("bias_correction"))
+        update.pop("adapt")
+        triton_lamb_update_(params, grads, exp_avgs, exp_avg_sqs, grad_divisor=grad_divisor, lr=lr,
+                            corrections=corrections, **update)
+        return
     if compiled and update["adapt"]:
         compiled_lamb_update_(params, grads, exp_avgs, exp_avg_sqs, grad_divisor=grad_divisor, lr=lr, **update)
         return

@@ -11,6 +11,10 @@ from helpers.config import compose, swin_digits_overrides
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+if not Path("/dev/nvidiactl").exists():
+    # No GPU: Triton's kernels (LAMB's `triton=True`) run in its interpreter on host tensors. Triton reads this when
+    # it is imported, so it is set here, before any test imports it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:
