@@ -110,9 +110,16 @@ def demo_pretraining_dataset(seq: int) -> PretrainingDataset:
     return build_demo_dataset(load_tokenizer(), max_seq_len=seq, max_predictions=predictions_per_row(seq))
 
 
-def has_compiled_option(name: str) -> bool:
-    """Whether optimizer `name` takes `compiled=True` (its math compiled by inductor, `optim._compiled`)."""
-    return "compiled" in inspect.signature(get_optimizer_spec(name).cls).parameters
+def takes_option(name: str, option: str) -> bool:
+    """Whether optimizer `name` takes `option`: `compiled` (its math compiled by inductor, `optim._compiled`) or
+    `triton` (Triton kernels of its own, `optim._triton_lamb`)."""
+    return option in inspect.signature(get_optimizer_spec(name).cls).parameters
+
+
+def kernel_options(name: str, compiled: bool = False, triton: bool = False) -> dict[str, bool]:
+    """The settings that turn on `compiled` or `triton` where optimizer `name` takes them (none where it does not)."""
+    wanted = {"compiled": compiled, "triton": triton}
+    return {option: True for option, on in wanted.items() if on and takes_option(name, option)}
 
 
 def config_kwargs(name: str, **overrides) -> dict:

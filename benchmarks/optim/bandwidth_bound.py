@@ -13,7 +13,8 @@ stages included), so no network time is counted; the 1-bit optimizers are timed 
 compressed one.
 
 `--compiled` times the optimizers that take `compiled=True` with it (their math compiled by inductor; the warm-up
-steps compile it), the others as they are; the `compiled` column says which.
+steps compile it), the others as they are; the `compiled` column says which. `--triton` does the same with
+`triton=True` (LAMB's Triton kernels: CUDA only), in the `triton` column.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from benchmarks.common import (
     chosen_device,
     config_kwargs,
     device_label,
-    has_compiled_option,
+    kernel_options,
     print_top_kernels,
 )
 from optim import build_optimizer
@@ -85,7 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE", type=_inductor_setting,
                         help="with --compiled: torch._inductor.config settings for the compiles, e.g. "
                         "combo_kernels=True (a launch for many tensors' kernels) or triton.cudagraphs=True")
+    parser.add_argument("--triton", action="store_true",
+                        help="triton=True for the optimizers that take it (LAMB's Triton kernels; CUDA only)")
     args = parser.parse_args(argv)
+    if args.compiled and args.triton:
+        parser.error("--compiled and --triton are two ways to fuse a step: choose one")
     if args.inductor and not args.compiled:
         parser.error("--inductor: its settings apply to compiled steps; add --compiled")
     with torch._inductor.config.patch(dict(args.inductor)):
@@ -118,17 +123,19 @@ def _time_optimizers(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     print(f"optimizer step vs bandwidth bound, BERT-{args.size}: {numel / 1e6:.1f}M fp32 parameters in "
           f"{len(params)} tensors | {where} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e9:.0f} GB/s "
           f"(read + write) | min and median of {args.repeats} steps after {args.warmup}")
-    print(f"{'optimizer':<15} {'compiled':>8} {'GB touched':>10} {'bound ms':>9} {'min ms':>8} {'median ms':>10} "
-          f"{'min x bound':>12}")
+    print(f"{'optimizer':<15} {'compiled':>8} {'triton':>6} {'GB touched':>10} {'bound ms':>9} {'min ms':>8} "
+          f"{'median ms':>10} {'min x bound':>12}")
     for name in args.optimizers:
-        compiled = args.compiled and has_compiled_option(name)
-        options = COMPRESSED_FROM.get(name, {}) | ({"compiled": True} if compiled else {})
+        kernels = kernel_options(name, args.compiled, args.triton)
+        options = COMPRESSED_FROM.get(name, {}) | kernels
         optimizer = build_optimizer(model, name, config_kwargs(name, **options), comm=MirrorComm(1))
         times = time_steps(optimizer, device, args.warmup, args.repeats)
         touched = bytes_touched(params, optimizer)
         bound = touched / bandwidth
-        print(f"{name:<15} {compiled!s:>8} {touched / 1e9:>10.3f} {bound * 1e3:>9.2f} {min(times) * 1e3:>8.2f} "
-              f"{statistics.median(times) * 1e3:>10.2f} {min(times) / bound:>12.2f}", flush=True)
+        compiled, triton = "compiled" in kernels, "triton" in kernels
+        print(f"{name:<15} {compiled!s:>8} {triton!s:>6} {touched / 1e9:>10.3f} {bound * 1e3:>9.2f} "
+              f"{min(times) * 1e3:>8.2f} {statistics.median(times) * 1e3:>10.2f} {min(times) / bound:>12.2f}",
+              flush=True)
         if args.profile:
             print_top_kernels(optimizer.step, device, args.profile)
         del optimizer

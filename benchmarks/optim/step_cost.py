@@ -22,6 +22,10 @@ takes on real devices only; the table's device column says which.
 since inductor compiles for real devices only: ops are the aten ops the dispatch mode still sees plus one per kernel
 a compiled graph runs, bytes theirs plus the bytes inductor counts for each compiled graph at every call of it
 (`CompiledTraffic`). Optimizers without the option are counted as they are, and say so in the `compiled` column.
+
+`--triton` counts the steps with `triton=True` (LAMB's Triton kernels, `optim._triton_lamb`) on the meta device: each
+kernel is a torch custom op, which the dispatch mode counts as one op and one launch moving the tensors it takes and
+mutates; on meta tensors it runs no kernel, so no GPU is needed. The `triton` column says which rows have it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import unittest.mock
 from collections.abc import Iterator
 from typing import Any
@@ -44,7 +49,7 @@ from benchmarks.common import (
     bert_parameters,
     bytes_touched,
     config_kwargs,
-    has_compiled_option,
+    kernel_options,
     markdown_table,
     optimizer_stepper,
 )
@@ -67,11 +72,16 @@ def counted_optimizers() -> list[str]:
     return [name for name in runnable_optimizers() if name not in APEX_OPTIMIZERS]
 
 
-def count_step_on(name: str, size: str, ranks: int, device: torch.device, compiled: bool = False) -> dict[str, object]:
-    """`count_step` on `device`, or on the CPU where the step needs real tensors (a compiled one always does);
-    `ranks` for the optimizers that communicate (one rank for the others)."""
+def count_step_on(name: str, size: str, ranks: int, device: torch.device, compiled: bool = False,
+                  triton: bool = False) -> dict[str, object]:
+    """`count_step` on `device`, or on the CPU where the step needs real tensors (a compiled one always does; one with
+    Triton kernels never: it is counted on meta); `ranks` for the optimizers that communicate (one rank for the
+    others)."""
     world = ranks if get_optimizer_spec(name).grad_sync == "self" else 1
-    compiled = compiled and has_compiled_option(name)
+    kernels = kernel_options(name, compiled, triton)
+    compiled = "compiled" in kernels
+    if "triton" in kernels:
+        return count_step(name, size, world, torch.device("meta"), triton=True)
     if device.type == "meta" and name not in REAL_DEVICE_ONLY and not compiled:
         try:
             return count_step(name, size, world, device)
@@ -149,15 +159,17 @@ def gpu_chunks() -> Iterator[None]:
         FOREACH_CHUNK_NUMEL.update(saved)
 
 
-def count_step(name: str, size: str, world_size: int, device: torch.device, compiled: bool = False
-               ) -> dict[str, object]:
+def count_step(name: str, size: str, world_size: int, device: torch.device, compiled: bool = False,
+               triton: bool = False) -> dict[str, object]:
     """One row: optimizer `name`'s step on BERT-`size` parameters, counted after `SETTLING_STEPS` steps (with
-    `compiled=True` when `compiled`: on the CPU)."""
+    `compiled=True` when `compiled`: on the CPU; with `triton=True` when `triton`: on meta)."""
     model = bert_parameters(size, device)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = {p: p.grad for p in params}
-    options = COMPRESSED_FROM.get(name, {}) | ({"compiled": True} if compiled else {})
-    with gpu_chunks(), CompiledTraffic() as compiled_traffic:
+    options = COMPRESSED_FROM.get(name, {}) | kernel_options(name, compiled, triton)
+    # Meta tensors run no Triton kernel: the option's refusal on a machine without a GPU does not apply to them.
+    machine = unittest.mock.patch.dict(os.environ, TRITON_INTERPRET="1") if triton else contextlib.nullcontext()
+    with gpu_chunks(), CompiledTraffic() as compiled_traffic, machine:
         optimizer = build_optimizer(model, name, config_kwargs(name, **options), comm=MirrorComm(world_size))
         step = optimizer_stepper(name, optimizer, grads, clock=lambda: 0.0)
         for _ in range(SETTLING_STEPS):
@@ -166,7 +178,7 @@ def count_step(name: str, size: str, world_size: int, device: torch.device, comp
             compiled_traffic.traffic = traffic
             step()
     floor = bytes_touched(params, optimizer)
-    return {"optimizer": name, "compiled": compiled, "device": device.type, "ranks": world_size,
+    return {"optimizer": name, "compiled": compiled, "triton": triton, "device": device.type, "ranks": world_size,
             "tensors": len(params), "ops": traffic.ops, "launches": traffic.launches,
             "GB moved": traffic.bytes / 1e9, "GB floor": floor / 1e9, "x floor": traffic.bytes / floor}
 
@@ -180,13 +192,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizers", nargs="+", default=None, help="registered names (default: every one)")
     parser.add_argument("--compiled", action="store_true",
                         help="count the steps with compiled=True where the optimizer takes it (on the CPU: slow)")
+    parser.add_argument("--triton", action="store_true",
+                        help="count the steps with triton=True where the optimizer takes it (LAMB; on meta)")
     args = parser.parse_args(argv)
+    if args.compiled and args.triton:
+        parser.error("--compiled and --triton are two ways to fuse a step: choose one")
     rows = []
     for name in args.optimizers or counted_optimizers():
-        rows.append(count_step_on(name, args.size, args.ranks, torch.device(args.device), args.compiled))
+        rows.append(count_step_on(name, args.size, args.ranks, torch.device(args.device), args.compiled, args.triton))
         print(f"counted {name}", flush=True)
+    fused = (" | compiled where the optimizer takes it" if args.compiled else
+             " | Triton kernels where the optimizer takes them" if args.triton else "")
     print(f"optimizer step traffic, BERT-{args.size} | torch {torch.__version__} | {args.device} | "
-          f"after {SETTLING_STEPS} steps{' | compiled where the optimizer takes it' if args.compiled else ''}")
+          f"after {SETTLING_STEPS} steps{fused}")
     print(markdown_table(rows))
 
 

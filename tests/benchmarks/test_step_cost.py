@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from benchmarks.common import SIZES, StepTraffic, has_compiled_option
+from benchmarks.common import SIZES, StepTraffic, takes_option
 from benchmarks.optim.step_cost import CompiledTraffic, count_step_on, counted_optimizers
 from optim._compiled import CompiledMath
 
@@ -49,6 +49,10 @@ COMPILED_CEILINGS = {
     "onebit_lamb": 3.0,
     "zero_one_adam": 3.0,
 }
+# With `triton=True` (`step_cost --triton`, counted on meta), for the optimizers that take it.
+TRITON_CEILINGS = {
+    "lamb": 1.45,  # target 1.6, met: 1.43, the moments with the norms' block sums, then the update formed again
+}
 NEW_OPTIMIZER_CEILING = 3.0  # an optimizer without a row: the loosest target the issue set (the 1-bit family's)
 
 SHALLOW, DEEP = 2, 4  # encoder layers of the two counts
@@ -56,11 +60,11 @@ VOCAB = 1024  # a small embedding, so that the layers weigh in the count and the
 
 
 @functools.cache
-def _count(name: str, layers: int, compiled: bool = False) -> dict[str, object]:
+def _count(name: str, layers: int, compiled: bool = False, triton: bool = False) -> dict[str, object]:
     """The step_cost row of `name` on BERT-tiny with `layers` encoder layers (2 mirrored ranks where it talks)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(SIZES, "tiny_test", dict(SIZES["tiny"], num_hidden_layers=layers, vocab_size=VOCAB))
-        return count_step_on(name, "tiny_test", 2, torch.device("meta"), compiled)
+        return count_step_on(name, "tiny_test", 2, torch.device("meta"), compiled, triton)
 
 
 def test_every_ceiling_names_a_counted_optimizer():
@@ -74,7 +78,7 @@ def test_bytes_per_step_within_the_ceiling(name):
 
 
 def test_every_compiled_ceiling_names_an_optimizer_with_the_option():
-    assert all(has_compiled_option(name) for name in COMPILED_CEILINGS)
+    assert all(takes_option(name, "compiled") for name in COMPILED_CEILINGS)
 
 
 @pytest.mark.slow  # compiles each pass for each chunk of tensors: 10 to 20 s each
@@ -84,6 +88,24 @@ def test_compiled_bytes_per_step_within_the_ceiling(name):
     assert row["compiled"] and row["device"] == "cpu"
     assert row["x floor"] <= COMPILED_CEILINGS[name], row
     assert row["x floor"] < CEILINGS[name], (row, "no cheaper than the aten ops")
+
+
+def test_every_triton_ceiling_names_an_optimizer_with_the_option():
+    assert all(takes_option(name, "triton") for name in TRITON_CEILINGS)
+
+
+@pytest.mark.parametrize("name", sorted(TRITON_CEILINGS))
+def test_triton_kernels_within_the_ceiling_in_launches_flat_in_the_tensors(name):
+    """Each kernel counts as one op and one launch that moves the tensors it takes and mutates, whatever their
+    number: at 4 layers the step dispatches as many ops as at 2, and launches at most one kernel more per dozens of
+    tensors (torch's multi-tensor route for the rest), not one per tensor."""
+    shallow, deep = _count(name, SHALLOW, triton=True), _count(name, DEEP, triton=True)
+    assert shallow["triton"] and shallow["device"] == "meta"
+    assert shallow["x floor"] <= TRITON_CEILINGS[name], shallow
+    assert shallow["x floor"] < CEILINGS[name] and shallow["launches"] < _count(name, SHALLOW)["launches"]
+    added = deep["tensors"] - shallow["tensors"]
+    assert added > 0 and deep["ops"] == shallow["ops"], (shallow, deep)
+    assert deep["launches"] - shallow["launches"] <= added / 16, (shallow, deep)
 
 
 def _adam_pass(p, g, m, v):
