@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +24,7 @@ from optim._math import (
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.flat import foreach_chunks
-from optim.option_checks import check_adam_hyperparameters, check_flags
+from optim.option_checks import check_adam_hyperparameters, check_flags, check_triton, triton_refusal
 
 
 class LAMB(torch.optim.Optimizer):
@@ -278,25 +276,9 @@ def check_lamb_options(options: dict[str, Any]) -> None:
     check_flags(options, "compiled")
     require(not (options["compiled"] and foreach is False), "compiled", True,
             "needs the multi-tensor path: set foreach to true or null, or compiled to false")
-    check_flags(options, "triton")
-    if options["triton"]:
-        require(foreach is not False, "triton", True,
-                "needs the multi-tensor path: set foreach to true or null, or triton to false")
-        require(not options["compiled"], "triton", True, "and compiled are two ways to fuse the step: choose one")
-        refusal = triton_refusal(None)
-        require(refusal is None, "triton", True, f"{refusal}; set it to false")
-
-
-def triton_refusal(device: torch.device | None) -> str | None:
-    """Why `triton=True` cannot step tensors on `device` (None: on this machine at all), or None when it can."""
-    if importlib.util.find_spec("triton") is None:
-        return "needs the triton package (torch's Linux wheels bring it)"
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # host tensors through Triton's interpreter
-    if device is None and not (interpreted or torch.cuda.is_available()):
-        return "needs a CUDA GPU (its kernels are Triton's)"
-    if device is not None and device.type not in ("cuda", "meta") and not interpreted:
-        return f"needs CUDA tensors (its kernels are Triton's), not {device.type} ones"
-    return None
+    check_triton(options)
+    require(not (options["triton"] and foreach is False), "triton", True,
+            "needs the multi-tensor path: set foreach to true or null, or triton to false")
 
 
 def _uniform(params: list[Tensor], *lists: list[Tensor]) -> bool:

@@ -3,8 +3,12 @@ them, in its constructor and, through the registry, on the config before any wor
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from core.options import check_non_negative, require
 
@@ -26,3 +30,25 @@ def check_flags(options: Mapping[str, Any], *keys: str) -> None:
     """Options that are switches must be true or false (a string or a pair is some other optimizer's option)."""
     for key in keys:
         require(isinstance(options[key], bool), key, options[key], "must be true or false")
+
+
+def check_triton(options: Mapping[str, Any]) -> None:
+    """`triton` (an optimizer's own Triton kernels, `optim._triton`): a switch, exclusive with `compiled`, refused
+    where it cannot run (no triton, or neither a GPU nor Triton's interpreter)."""
+    check_flags(options, "triton")
+    if options["triton"]:
+        require(not options.get("compiled"), "triton", True, "and compiled are two ways to fuse the step: choose one")
+        refusal = triton_refusal(None)
+        require(refusal is None, "triton", True, f"{refusal}; set it to false")
+
+
+def triton_refusal(device: torch.device | None) -> str | None:
+    """Why Triton kernels cannot step tensors on `device` (None: on this machine at all), or None when they can."""
+    if importlib.util.find_spec("triton") is None:
+        return "needs the triton package (torch's Linux wheels bring it)"
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # host tensors through Triton's interpreter
+    if device is None and not (interpreted or torch.cuda.is_available()):
+        return "needs a CUDA GPU (its kernels are Triton's)"
+    if device is not None and device.type not in ("cuda", "meta") and not interpreted:
+        return f"needs CUDA tensors (its kernels are Triton's), not {device.type} ones"
+    return None

@@ -53,8 +53,8 @@ def test_blocks_cut_across_tensors_of_any_size(monkeypatch, dtype):
     of more blocks than one pass of the sums takes (a tensor of 63 blocks is added in 16 passes). bf16 tensors are
     read into fp32 and rounded once on the way back, where the aten ops round the update and its sum with the
     weights each to bf16: within two bf16 units in the last place at each tensor's scale."""
-    monkeypatch.setattr("optim._triton_lamb.BLOCK", 16)
-    monkeypatch.setattr("optim._triton_lamb.SUM_BLOCK", 4)
+    monkeypatch.setattr("optim._triton.BLOCK", 16)
+    monkeypatch.setattr("optim._triton.SUM_BLOCK", 4)
     g = torch.Generator().manual_seed(0)
     shapes = [(1000,), (5,), (32,), (3, 7), (0,)]
     state = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(3)]

@@ -1,0 +1,197 @@
+"""Multi-tensor Triton kernels: every tensor of a list reached through a table of addresses, one program per block.
+
+torch's multi-tensor kernels take a list in one launch only when nothing per tensor but its size differs: a factor
+per tensor on the device (a trust ratio), or a norm reduced into an elementwise pass, needs a kernel per tensor or a
+pass more. These kernels read each tensor's address from a table, as apex's `multi_tensor_apply` does, and cut every
+tensor into blocks of `BLOCK` elements, one program each: one launch for a whole chunk of tensors.
+
+This module holds the tables and the passes LAMB and SLAMB share: the Adam moments with the update's direction and
+each block's sums of squares (`moments_and_block_sums`), and those sums reduced per tensor, in a fixed order (no
+atomic adds: replicas that step the same inputs stay bit-identical, and a resumed run repeats its steps), into norms
+(`block_norms`) or LAMB's factors `-lr * ratio` (`trust_factors`). Each is a torch custom op, so a dispatch mode counts
+its tensors (`benchmarks.optim.step_cost`) and meta tensors pass through it without a kernel.
+
+The kernels take CUDA tensors, or host tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is
+imported: slow, for tests). This module imports triton: the optimizers import it only for a step that takes this path,
+after `optim.option_checks.triton_refusal` allowed it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+BLOCK = 2048  # elements per program of the elementwise kernels
+SUM_BLOCK = 1024  # block sums a program of the reduction adds per iteration
+_ADDRESS_TABLES = 64  # address tables kept per process (one per chunk and kind, more when gradients move)
+DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# ------------------------------------------------------------------------------------------ tables
+@functools.cache
+def blocks(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per block of `block` elements its tensor (int32) and first element (int64); per tensor its size (int64) and,
+    as a prefix, its first block (int32, one entry more). Sizes never change: each chunk builds these once."""
+    counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
+    first_block = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    total = int(first_block[-1])
+    tensor_of_block = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts, output_size=total)
+    first_element = (torch.arange(total, dtype=torch.int64) - first_block[:-1].repeat_interleave(counts)) * block
+    host = (tensor_of_block, first_element, torch.tensor(numels, dtype=torch.int64), first_block.int())
+    return tuple(on_device(t, device) for t in host)  # type: ignore[return-value]
+
+
+_addresses: dict[tuple, Tensor] = {}
+
+
+def address_table(device: torch.device, *lists: Sequence[Tensor]) -> Tensor:
+    """The lists' addresses, list after list, as one int64 vector on `device`, reused while they stay put (a
+    parameter and its state never move; a gradient may, when the trainer frees it between steps)."""
+    key = (device, *(t.data_ptr() for tensors in lists for t in tensors))
+    table = _addresses.get(key)
+    if table is None:
+        if len(_addresses) >= _ADDRESS_TABLES:
+            _addresses.clear()
+        table = _addresses[key] = on_device(torch.tensor(key[1:], dtype=torch.int64), device)
+    return table
+
+
+def on_device(host: Tensor, device: torch.device) -> Tensor:
+    """A host tensor copied to `device` without waiting for it (through pinned memory on a GPU)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+@functools.cache
+def _built(fn: Callable[..., None], device_type: str) -> Any:
+    return JITFunction(fn) if device_type == "cuda" else InterpretedFunction(fn)
+
+
+def kernel(fn: Callable[..., None], device: torch.device) -> Any:
+    """`fn`, a plain function in Triton's language, as a kernel: compiled for CUDA tensors, interpreted for host
+    tensors. (A kernel cannot call a helper: Triton's interpreter cannot call a JIT-compiled one.)"""
+    return _built(fn, device.type)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+def _moments_and_sums(addresses, count, tensor_of_block, first_element, numels, partials, total_blocks, divisor,
+                      beta1, beta2, scale, root_correction2, eps, weight_decay, HAS_DIVISOR: tl.constexpr,
+                      STORE_DIRECTION: tl.constexpr, W_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                      S_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    block = tl.program_id(0)
+    tensor = tl.load(tensor_of_block + block)
+    offsets = tl.load(first_element + block) + tl.arange(0, BLOCK)
+    inside = offsets < tl.load(numels + tensor)
+    w_at = tl.load(addresses + tensor).to(tl.pointer_type(W_DTYPE))
+    g_at = tl.load(addresses + count + tensor).to(tl.pointer_type(G_DTYPE))
+    m_at = tl.load(addresses + 2 * count + tensor).to(tl.pointer_type(S_DTYPE))
+    v_at = tl.load(addresses + 3 * count + tensor).to(tl.pointer_type(S_DTYPE))
+    w = tl.load(w_at + offsets, mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(g_at + offsets, mask=inside, other=0.0).to(tl.float32)
+    m = tl.load(m_at + offsets, mask=inside, other=0.0).to(tl.float32)
+    v = tl.load(v_at + offsets, mask=inside, other=0.0).to(tl.float32)
+    if HAS_DIVISOR:
+        g = g / tl.load(divisor)
+    m = m + (1.0 - beta1) * (g - m)  # a lerp, as `optim._math.adam_moments_`
+    v = v * beta2 + (1.0 - beta2) * g * g
+    tl.store(m_at + offsets, m.to(S_DTYPE), mask=inside)
+    tl.store(v_at + offsets, v.to(S_DTYPE), mask=inside)
+    u = (m * scale) / (tl.sqrt(v) / root_correction2 + eps) + weight_decay * w  # 0 outside the tensor
+    if STORE_DIRECTION:
+        u_at = tl.load(addresses + 4 * count + tensor).to(tl.pointer_type(tl.float32))
+        tl.store(u_at + offsets, u, mask=inside)
+    tl.store(partials + block, tl.sum(w * w, axis=0))
+    tl.store(partials + total_blocks + block, tl.sum(u * u, axis=0))
+
+
+def _reduce_sums(partials, total_blocks, first_block, out, count, lr, max_ratio, FACTORS: tl.constexpr,
+                 HAS_MAX: tl.constexpr, SUM_BLOCK: tl.constexpr):
+    tensor = tl.program_id(0)
+    first = tl.load(first_block + tensor)
+    last = tl.load(first_block + tensor + 1)
+    w_sum = tl.zeros([SUM_BLOCK], dtype=tl.float32)
+    u_sum = tl.zeros([SUM_BLOCK], dtype=tl.float32)
+    for start in range(first, last, SUM_BLOCK):
+        at = start + tl.arange(0, SUM_BLOCK)
+        w_sum += tl.load(partials + at, mask=at < last, other=0.0)
+        u_sum += tl.load(partials + total_blocks + at, mask=at < last, other=0.0)
+    w_norm = tl.sqrt(tl.sum(w_sum, axis=0))
+    u_norm = tl.sqrt(tl.sum(u_sum, axis=0))
+    if FACTORS:  # -lr * `optim._math.trust_ratio`
+        adapted = (w_norm > 0) & (u_norm > 0)
+        ratio = tl.where(adapted, w_norm / tl.where(adapted, u_norm, 1.0), 1.0)
+        if HAS_MAX:
+            ratio = tl.minimum(ratio, max_ratio)
+        tl.store(out + tensor, -lr * ratio)
+    else:
+        tl.store(out + tensor, w_norm)
+        tl.store(out + count + tensor, u_norm)
+
+
+# ------------------------------------------------------------------------------------------ ops
+@torch.library.custom_op("slamb_optim::moments_and_block_sums", mutates_args=("exp_avgs", "exp_avg_sqs", "directions"))
+def moments_and_block_sums(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                           exp_avg_sqs: list[Tensor], directions: list[Tensor], divisor: Tensor | None, beta1: float,
+                           beta2: float, scale: float, bias_correction2: float, eps: float,
+                           weight_decay: float) -> Tensor:
+    """m and v moved by the gradients (divided by `divisor` when given), the direction
+    `u = scale m / (sqrt(v / bias_correction2) + eps) + weight_decay w` (written to `directions`, fp32, unless that
+    list is empty), and per block of `BLOCK` elements the sums of w^2 and u^2: a (2, blocks) float32 tensor."""
+    device = params[0].device
+    tensor_of_block, first_element, numels, _ = blocks(tuple(p.numel() for p in params), BLOCK, device)
+    partials = torch.empty((2, tensor_of_block.numel()), dtype=torch.float32, device=device)
+    if tensor_of_block.numel():
+        kernel(_moments_and_sums, device)[(tensor_of_block.numel(),)](
+            address_table(device, params, grads, exp_avgs, exp_avg_sqs, directions), len(params), tensor_of_block,
+            first_element, numels, partials, tensor_of_block.numel(), divisor if divisor is not None else partials,
+            beta1, beta2, scale, bias_correction2 ** 0.5, eps, weight_decay, HAS_DIVISOR=divisor is not None,
+            STORE_DIRECTION=bool(directions), W_DTYPE=DTYPES[params[0].dtype], G_DTYPE=DTYPES[grads[0].dtype],
+            S_DTYPE=DTYPES[exp_avgs[0].dtype], BLOCK=BLOCK)
+    return partials
+
+
+@moments_and_block_sums.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, directions, divisor, beta1, beta2, scale, bias_correction2, eps,
+      weight_decay):
+    return params[0].new_empty((2, sum(-(-p.numel() // BLOCK) for p in params)), dtype=torch.float32)
+
+
+def _reduce(partials: Tensor, numels: list[int], out: Tensor, lr: float, max_ratio: float | None,
+            factors: bool) -> Tensor:
+    if numels:
+        kernel(_reduce_sums, partials.device)[(len(numels),)](
+            partials, partials.size(1), blocks(tuple(numels), BLOCK, partials.device)[3], out, len(numels), lr,
+            max_ratio if max_ratio is not None else 0.0, FACTORS=factors, HAS_MAX=max_ratio is not None,
+            SUM_BLOCK=SUM_BLOCK)
+    return out
+
+
+@torch.library.custom_op("slamb_optim::block_norms", mutates_args=())
+def block_norms(partials: Tensor, numels: list[int]) -> Tensor:
+    """Per tensor of `numels` the norms of w and u from `moments_and_block_sums`' block sums: a (2, tensors) tensor."""
+    return _reduce(partials, numels, partials.new_empty((2, len(numels))), 0.0, None, factors=False)
+
+
+@block_norms.register_fake
+def _(partials, numels):
+    return partials.new_empty((2, len(numels)))
+
+
+@torch.library.custom_op("slamb_optim::trust_factors", mutates_args=())
+def trust_factors(partials: Tensor, numels: list[int], lr: float, max_ratio: float | None) -> Tensor:
+    """Per tensor `-lr * ratio`, LAMB's ratio `||w|| / ||u||` from the block sums (1 where a norm is 0, at most
+    `max_ratio` when given)."""
+    return _reduce(partials, numels, partials.new_empty(len(numels)), lr, max_ratio, factors=True)
+
+
+@trust_factors.register_fake
+def _(partials, numels, lr, max_ratio):
+    return partials.new_empty(len(numels))
