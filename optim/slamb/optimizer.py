@@ -15,7 +15,7 @@ from optim._math import adam_moments_, bias_corrections, closure_loss, fused_add
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import WIRE_DTYPES, Comm, average_tensors_
 from optim.flat import pop_flat_entries
-from optim.option_checks import check_adam_hyperparameters, check_flags
+from optim.option_checks import check_adam_hyperparameters, check_flags, check_triton, triton_refusal
 from optim.restart import load_with_current_hyperparameters, zero_step_counts
 from optim.slamb._layout import FRESHNESS_DTYPES, Chunk, Layout, Scratch
 from optim.slamb._masks import MASKS, ROW_NUMEL, Mask, MaskSampler, check_masks_agree
@@ -126,6 +126,11 @@ class SLAMB(torch.optim.Optimizer):
             compiled by torch.compile (inductor) into one pass over memory instead of a copy, torch's fused Adam
             kernel and two norms; collectives, masks, gathers and scatters stay eager. The first step compiles, and
             the steps round apart from the eager ones within 1e-5 relative (inductor orders the norms' sums otherwise).
+        triton: each chunk's local pass and update in Triton kernels (`optim.slamb._triton`), a launch or two each
+            however many tensors the chunk holds: the local pass as `compiled` fuses it (7 tensor-sized reads and
+            writes where the aten ops take 11), the update reading each row's coefficient as it adds (3 where a GPU's
+            aten ops take 5). CUDA tensors only (or Triton's interpreter, `TRITON_INTERPRET=1`, for tests); within
+            1e-5 relative of the eager steps. Not with `compiled`.
         comm: the communication layer (`optim.comm.Comm`); None builds one over the default process group,
             or a world of one when there is none.
 
@@ -180,6 +185,7 @@ class SLAMB(torch.optim.Optimizer):
         bucket_mb: float = 64.0,
         seed: int = 0,
         compiled: bool = False,
+        triton: bool = False,
         comm: Comm | None = None,
     ) -> None:
         run_check("SLAMB", check_slamb_options, dict(
@@ -190,7 +196,7 @@ class SLAMB(torch.optim.Optimizer):
             stale_ratio_fallback=stale_ratio_fallback, clamp_1d=clamp_1d, always_adapt=always_adapt,
             comm_dtype=comm_dtype,
             freshness_dtype=freshness_dtype, sync_offset=sync_offset, bucket_mb=bucket_mb, seed=seed,
-            compiled=compiled,
+            compiled=compiled, triton=triton,
         ))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.compress_ratio = float(compress_ratio)
@@ -207,6 +213,7 @@ class SLAMB(torch.optim.Optimizer):
         self.sync_offset = int(sync_offset)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.compiled = bool(compiled)
+        self.triton = bool(triton)
         self.comm = comm if comm is not None else Comm()
         self.world_size = self.comm.world_size  # read once, from the group (the official V2 starts at 1)
         self.state[_GLOBAL] = {"step": 0, "seed": int(seed)}
@@ -287,10 +294,12 @@ class SLAMB(torch.optim.Optimizer):
         to_freshness = self._refresh(layout, chunk, mask, step)
         scratch = layout.scratch(chunk, mask)
 
-        # A chunk with a frozen or strided (channels_last) tensor steps eagerly: the compiled passes take every
-        # tensor, the update through row views.
-        compiled = self.compiled and all(s.param.grad is not None and s.param.is_contiguous() for s in chunk.slots)
-        norms = self._local_directions(layout, chunk, mask, scratch, factor, eps, decay_in_norms, adapt, compiled)
+        # A chunk with a frozen or strided (channels_last) tensor steps eagerly: the fused passes take every tensor,
+        # the update through row views; the Triton kernels take the chunk's weights in one dtype.
+        fusable = all(s.param.grad is not None and s.param.is_contiguous() for s in chunk.slots)
+        fused = ("compiled" if self.compiled and fusable else
+                 "triton" if self.triton and fusable and len({s.param.dtype for s in chunk.slots}) == 1 else None)
+        norms = self._local_directions(layout, chunk, mask, scratch, factor, eps, decay_in_norms, adapt, fused)
         local_norms = None
         if self.comm.distributed or (adapt and chunk.masked):
             layout.gather(chunk, mask, scratch.compact)  # the local momentum at S_t
@@ -322,7 +331,7 @@ class SLAMB(torch.optim.Optimizer):
         else:  # naive: coef = -clamp(phi_U + r (phi_F - phi_U)) (lr_stale + r (lr_fresh - lr_stale))
             bases, slopes = stale, (fresh - stale) * to_freshness
         self._update(layout, chunk, fresh_coef, bases, slopes, (lr_stale - lr_fresh) * to_freshness, lr_stale, adapt,
-                     compiled)
+                     fused)
 
     def _refresh(self, layout: Layout, chunk: Chunk, mask: Mask, step: int) -> float:
         """The chunk's freshness at `step` (q = 1 / to_freshness where synced now); returns to_freshness, r / q."""
@@ -336,21 +345,22 @@ class SLAMB(torch.optim.Optimizer):
 
     def _local_directions(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, factor: float,
                           eps: float, decay_in_norms: bool, adapt: bool,
-                          compiled: bool) -> tuple[Tensor, Tensor] | None:
+                          fused: str | None) -> tuple[Tensor, Tensor] | None:
         """m, v and the direction buffer of the chunk's slots from the local gradients, by one call of torch's fused
         Adam kernel; and the masked weights at S_t, which the fresh weight norms and, with the decay in the norms,
         the fresh direction need. With the decay in the norms the weights are copied into the buffer first, which
         serves their gather too.
 
-        `compiled`: one compiled pass instead (`_compiled_local_pass`), which also returns the norms of the weights
-        and of the local direction per slot (eagerly, None); the weights at S_t gathered from the tensors."""
+        `fused` ("compiled" or "triton"): one fused pass instead (`_fused_local_pass`), which also returns the norms
+        of the weights and of the local direction per slot (eagerly, None); the weights at S_t gathered from the
+        tensors."""
         for s in chunk.slots:
             if s.param.grad is not None and s.param.grad.is_sparse:
                 raise RuntimeError("SLAMB does not support sparse gradients")
-        if adapt and (compiled or not decay_in_norms):  # before the pass: a GPU's gather copies weights to the buffer
-            layout.gather_weights(chunk, mask, scratch.weights, staged=False, direct=compiled)
-        if compiled:
-            return self._compiled_local_pass(chunk, factor, eps, decay_in_norms)
+        if adapt and (fused or not decay_in_norms):  # before the pass: a GPU's gather copies weights to the buffer
+            layout.gather_weights(chunk, mask, scratch.weights, staged=False, direct=fused is not None)
+        if fused:
+            return self._fused_local_pass(chunk, factor, eps, decay_in_norms, fused)
         if decay_in_norms:
             torch._foreach_copy_(chunk.directions, [s.param for s in chunk.slots])
             layout.gather_weights(chunk, mask, scratch.weights, staged=True)
@@ -365,13 +375,19 @@ class SLAMB(torch.optim.Optimizer):
                 scale=factor, step=0, beta1=beta1, beta2=beta2, eps=eps, bias_correction=False)
         return None
 
-    def _compiled_local_pass(self, chunk: Chunk, factor: float, eps: float,
-                             decay_in_norms: bool) -> tuple[Tensor, Tensor]:
-        """`_local_directions`' moments and direction buffer in compiled passes of a few slots each, with the norms
-        per slot of the weights and of the buffer: 4 tensor-sized reads and 3 writes (eagerly 11)."""
+    def _fused_local_pass(self, chunk: Chunk, factor: float, eps: float, decay_in_norms: bool,
+                          fused: str) -> tuple[Tensor, Tensor]:
+        """`_local_directions`' moments and direction buffer in compiled passes of a few slots each, or in Triton
+        kernels over the chunk (`fused`), with the norms per slot of the weights and of the buffer: 4 tensor-sized
+        reads and 3 writes (eagerly 11)."""
         beta1, beta2 = self.param_groups[chunk.group]["betas"]
         params = [s.param for s in chunk.slots]
         grads = [_grad(p) for p in params]
+        if fused == "triton":
+            from optim.slamb._triton import triton_local_pass  # imports triton: only where `triton_refusal` allowed it
+
+            return triton_local_pass(params, grads, chunk.exp_avgs, chunk.exp_avg_sqs, chunk.directions, factor, eps,
+                                     beta1=beta1, beta2=beta2, decay_in_norms=decay_in_norms)
         scalars = device_scalars(chunk.exp_avgs[0].device, factor, eps)
         weight_norms, direction_norms = [], []
         for run in graph_chunks(params):
@@ -476,19 +492,27 @@ class SLAMB(torch.optim.Optimizer):
         return fresh, stale
 
     def _update(self, layout: Layout, chunk: Chunk, fresh_coef: Tensor, bases: Tensor, slopes: Tensor,
-                lr_slope: float, lr_stale: float, clamp: bool, compiled: bool) -> None:
+                lr_slope: float, lr_stale: float, clamp: bool, fused: str | None) -> None:
         """w -= coef * u over the chunk's slots that have a gradient: coef per slot over the always-synced ones (r
         is 1 there: plain LAMB steps with the fresh ratio), per row over the masked ones (`_coefficients`).
 
         Where ops per tensor are cheap (a CPU) each row's coefficient is broadcast over its row by one foreach
         multiply-add. Elsewhere (a GPU) the direction buffer is scaled in place, by one op per span of rows and one
-        over the always-synced slots, and one foreach addition of equal shapes updates every weight. `compiled`:
-        the CPU's form, in compiled passes of a few tensors each (read w and u, write w).
+        over the always-synced slots, and one foreach addition of equal shapes updates every weight. `fused`:
+        "compiled", the CPU's form, in compiled passes of a few tensors each (read w and u, write w); "triton", one
+        kernel over the chunk that reads each row's coefficient as it adds.
         """
         always = len(chunk.slots) - len(chunk.masked)
         per_tensor = layout.geometry.per_tensor
         coef = self._coefficients(layout, chunk, bases, slopes, lr_slope, lr_stale, clamp) if chunk.masked else None
-        if compiled:
+        if fused == "triton":
+            from optim.slamb._triton import slamb_apply  # imports triton: only where `triton_refusal` allowed it
+
+            slamb_apply([s.param for s in chunk.slots], chunk.directions, fresh_coef, layout.coef,
+                        [0] * always + [s.row - chunk.rows[1] for s in chunk.masked],
+                        [-1] * always + [s.row_size.bit_length() - 1 for s in chunk.masked])
+            return
+        if fused == "compiled":
             params = [s.param for s in chunk.slots[:always]] + [s.param.view(-1, s.row_size) for s in chunk.masked]
             directions = chunk.directions[:always] + chunk.direction_rows
             factors = list(fresh_coef[:always].unbind()) + chunk.coefs
@@ -608,6 +632,10 @@ class SLAMB(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------ layout
     def _ensure_layout(self) -> Layout:
         if self._layout is None:
+            device = self.param_groups[0]["params"][0].device
+            refusal = triton_refusal(device) if self.triton else None
+            if refusal is not None:
+                raise ValueError(f"SLAMB(triton=True) {refusal}; set triton=False")
             self._layout = Layout(self.param_groups, self.state, self.min_compress_numel, self.mask,
                                   self.compress_ratio, self.beta3, self.freshness_dtype,
                                   self.rescale == "product_of_interpolations")
@@ -671,6 +699,7 @@ def check_slamb_options(options: dict[str, Any]) -> None:
     check_choice("rescale", o["rescale"], _RESCALES)
     check_choice("bias_correction_form", o["bias_correction_form"], _BIAS_CORRECTION_FORMS)
     check_flags(o, "wd_in_trust_ratio", "clamp_1d", "always_adapt", "compiled")
+    check_triton(o)
     check_choice("stale_ratio_fallback", o["stale_ratio_fallback"], (0, 1))
     check_choice("comm_dtype", o["comm_dtype"], WIRE_DTYPES)
     check_choice("freshness_dtype", o["freshness_dtype"], FRESHNESS_DTYPES)
