@@ -207,6 +207,10 @@ _FUSED_STEPS = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_"
 # read or not (index_copy_ and index_fill_ overwrite them).
 _INDEXED = {"aten::index_select": True, "aten::index_add_": True, "aten::index_copy_": False,
             "aten::index_fill_": False}
+# The project's Triton kernels (custom ops, `optim._triton`): arguments they write without reading them, and the
+# gathers that read of their `params` only the coordinates they write to `out`.
+_WRITE_ONLY_ARGUMENTS = {"slamb_optim::moments_and_block_sums": {"directions"}}
+_ROW_GATHERS = {"slamb_optim::gather_rows"}
 
 # Allocations return memory nobody has written: no traffic (the op that fills it counts its writes).
 _ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
@@ -281,12 +285,15 @@ class StepTraffic(TorchDispatchMode):
             value = named[argument.name]
             size = sum(t.nbytes for t in tree_leaves(value) if isinstance(t, torch.Tensor))
             mutated = argument.alias_info is not None and argument.alias_info.is_write
-            reads = not ((write_only and mutated) or argument.name == "out")  # copy_ reads its source, not self
+            reads = not ((write_only and mutated) or argument.name == "out"  # copy_ reads its source, not self
+                         or argument.name in _WRITE_ONLY_ARGUMENTS.get(schema.name, ()))
             if schema.name in _FUSED_STEPS and argument.name == "grads" and kwargs.get("grad_scale") is None:
                 mutated = False
             if schema.name in _INDEXED and argument.name == "self":
                 size = min(size, size // max(value.size(named["dim"]), 1) * named["index"].numel())
                 reads = _INDEXED[schema.name]
+            if schema.name in _ROW_GATHERS and argument.name == "params":
+                size = named["out"].numel() * value[0].element_size() if value else 0
             self.bytes += size * (int(reads) + int(mutated))
         fresh = [r.alias_info is None for r in schema.returns]
         results = out if isinstance(out, tuple) else (out,)

@@ -4,6 +4,9 @@ slots it holds (`SLAMB(triton=True)`).
 - The local pass (`triton_local_pass`): `moments_and_block_sums` reads g, m, v and w and writes m, v and the direction
   buffer, and `block_norms` adds each slot's block sums into the norms of its weights and direction: 7 tensor-sized
   reads and writes where the aten ops (a copy of the weights, torch's fused Adam kernel, two norms) take 11.
+- The weights at S_t (`gather_rows`): the masked slots' selected rows read from the weights themselves into the
+  compact vector, one launch where the aten ops take an index_select per tensor (the buffer that would let one
+  gather per span serve them holds the direction, not the weights, after the fused pass).
 - The update (`slamb_apply`): `w += c * u`, c the slot's coefficient (an always-synced slot) or its row's (a masked
   slot: one per `row_size` coordinates, read from the chunk's row coefficients), u read from the direction buffer: 3
   reads and writes where a GPU's aten ops take 5 (the rows scaled in place, then a foreach addition).
@@ -14,6 +17,7 @@ This module imports triton (see `optim._triton`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import triton.language as tl
@@ -21,6 +25,8 @@ from torch import Tensor
 
 from optim import _triton
 from optim._triton import DTYPES, address_table, block_norms, blocks, kernel, moments_and_block_sums, on_device
+from optim.slamb._layout import Chunk
+from optim.slamb._masks import Mask
 
 
 def triton_local_pass(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -74,3 +80,59 @@ def slamb_apply(params: list[Tensor], directions: list[Tensor], slot_coefs: Tens
 @slamb_apply.register_fake
 def _(params, directions, slot_coefs, row_coefs, row_first, row_shift):
     return None
+
+
+def _gather(addresses, tensor_of_block, first_element, sizes, rows, row_start, bases, shifts, starts, out,
+            W_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    block = tl.program_id(0)
+    tensor = tl.load(tensor_of_block + block)
+    at = tl.load(first_element + block) + tl.arange(0, BLOCK)  # the slot's selected coordinates
+    inside = at < tl.load(sizes + tensor)
+    shift = tl.load(shifts + tensor)
+    row = tl.load(rows + tl.load(row_start + tensor) + (at >> shift), mask=inside, other=0).to(tl.int64)
+    coordinate = ((row - tl.load(bases + tensor)) << shift) + (at - ((at >> shift) << shift))
+    w_at = tl.load(addresses + tensor).to(tl.pointer_type(W_DTYPE))
+    w = tl.load(w_at + coordinate, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + tl.load(starts + tensor) + at, w, mask=inside)
+
+
+@functools.cache
+def _columns(device: torch.device, *columns: tuple[int, ...]) -> tuple[Tensor, ...]:
+    return tuple(on_device(torch.tensor(column, dtype=torch.int64), device) for column in columns)
+
+
+@torch.library.custom_op("slamb_optim::gather_rows", mutates_args=("out",))
+def gather_rows(params: list[Tensor], rows: Tensor, out: Tensor, sizes: list[int], row_start: list[int],
+                bases: list[int], shifts: list[int]) -> None:
+    """`out` <- per tensor i, `sizes[i]` coordinates: its rows (of 2^shifts[i] elements) `rows[row_start[i]:] -
+    bases[i]`, in fp32, tensor after tensor. Reads only those rows (`benchmarks.common.StepTraffic` counts them)."""
+    device = out.device
+    tensor_of_block, first_element, numels, _ = blocks(tuple(sizes), _triton.BLOCK, device)
+    if tensor_of_block.numel():
+        kernel(_gather, device)[(tensor_of_block.numel(),)](
+            address_table(device, params), tensor_of_block, first_element, numels, rows,
+            *_columns(device, tuple(row_start), tuple(bases), tuple(shifts), tuple(_prefix(sizes))), out,
+            W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK)
+
+
+@gather_rows.register_fake
+def _(params, rows, out, sizes, row_start, bases, shifts):
+    return None
+
+
+def triton_gather_weights(chunk: Chunk, mask: Mask, out: Tensor) -> None:
+    """`out` <- the chunk's masked weights at S_t, in fp32 (what `Layout.gather_weights` gathers), in one launch."""
+    if not chunk.masked:
+        return
+    counts = [size // s.row_size for s, size in zip(chunk.masked, mask.sizes, strict=True)]
+    gather_rows([s.param for s in chunk.masked], mask.rows, out, list(mask.sizes), _prefix(counts), list(chunk.bases),
+                [s.row_size.bit_length() - 1 for s in chunk.masked])
+
+
+def _prefix(values: Sequence[int]) -> list[int]:
+    """Where each value's run starts when they are laid end to end."""
+    starts, total = [], 0
+    for value in values:
+        starts.append(total)
+        total += value
+    return starts

@@ -357,7 +357,11 @@ class SLAMB(torch.optim.Optimizer):
         for s in chunk.slots:
             if s.param.grad is not None and s.param.grad.is_sparse:
                 raise RuntimeError("SLAMB does not support sparse gradients")
-        if adapt and (fused or not decay_in_norms):  # before the pass: a GPU's gather copies weights to the buffer
+        if adapt and fused == "triton":
+            from optim.slamb._triton import triton_gather_weights  # imports triton: `triton_refusal` allowed it
+
+            triton_gather_weights(chunk, mask, scratch.weights)
+        elif adapt and (fused or not decay_in_norms):  # before the pass: a GPU's gather copies weights to the buffer
             layout.gather_weights(chunk, mask, scratch.weights, staged=False, direct=fused is not None)
         if fused:
             return self._fused_local_pass(chunk, factor, eps, decay_in_norms, fused)
