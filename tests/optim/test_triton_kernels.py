@@ -1,0 +1,99 @@
+"""The Triton kernels compile for a GPU on a machine without one. Every launch that LAMB and SLAMB steps make with
+`triton=True` (run here in Triton's interpreter) is compiled ahead of time with the arguments it was given, for an
+A100 (sm_80) and an H100 (sm_90): Triton's code generator and its PTX backend need no device, so what the
+interpreter accepts but the compiler would refuse fails here, not on a lent GPU. The compiles run in a fresh process,
+without the interpreter, which patches Triton's language while it runs."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers.mlp import mlp_steps, small_mlp
+
+from optim import LAMB, SLAMB, _triton, param_groups_weight_decay
+from optim.mirror_comm import MirrorComm
+
+triton = pytest.importorskip("triton")
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+ARCHS = [80, 90]
+COMPILE = """
+import importlib, json, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+for module, name, signature, constexprs in json.loads(sys.stdin.read()):
+    fn = getattr(importlib.import_module(module), name)
+    constexprs = {k: tl.dtype(v["dtype"]) if isinstance(v, dict) else v for k, v in constexprs.items()}
+    for arch in %r:
+        source = ASTSource(JITFunction(fn), signature, constexprs=constexprs)
+        ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+        print(name, arch, ".entry" in ptx)
+"""
+
+
+class _Recording:
+    """A kernel whose launches are recorded (function, positional arguments, constexpr keywords), then run."""
+
+    def __init__(self, fn, launcher, launches: list) -> None:
+        self.fn, self.launcher, self.launches = fn, launcher, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.launches.append((self.fn, args, constexprs))
+            return self.launcher[grid](*args, **constexprs)
+        return launch
+
+
+@pytest.fixture(scope="module")
+def launches() -> list:
+    """The kernel launches of LAMB's steps (pre-normalised, with a clipped ratio, in bf16) and of SLAMB's."""
+    recorded: list = []
+    built = _triton._built
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_triton, "_built", lambda fn, device_type: _Recording(fn, built(fn, device_type), recorded))
+        for options in (dict(max_grad_norm=0.05), dict(max_grad_norm=None, trust_clip=True)):
+            model = small_mlp(8, 16, 4)
+            mlp_steps(model, LAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, triton=True, **options), range(2))
+        model = small_mlp(8, 16, 4).to(torch.bfloat16)
+        optimizer = LAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, triton=True)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        model = small_mlp(60, 201, 30)
+        mlp_steps(model, SLAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, compress_ratio=0.2,
+                               min_compress_numel=1000, comm=MirrorComm(2), triton=True), range(2))
+    return recorded
+
+
+def _launch_key(fn, args, constexprs) -> tuple:
+    """What the compiler specialises a launch on: the kernel, its arguments' types, its constexprs."""
+    names = list(inspect.signature(fn).parameters)
+    signature = {name: mangle_type(value) for name, value in zip(names, args, strict=False)}
+    signature |= {name: "constexpr" for name in constexprs}
+    values = {k: {"dtype": str(v)} if isinstance(v, triton.language.dtype) else v for k, v in constexprs.items()}
+    return fn.__module__, fn.__qualname__, signature, values
+
+
+def test_every_kernel_was_launched(launches):
+    launched = {fn.__qualname__ for fn, _, _ in launches}
+    assert launched == {"_moments_and_sums", "_reduce_sums", "_apply", "_gather"}
+    assert {fn.__module__ for fn, _, _ in launches} == {"optim._triton", "optim._triton_lamb", "optim.slamb._triton"}
+
+
+def test_every_launch_compiles_for_a_gpu(launches):
+    distinct = {json.dumps(_launch_key(*launch), sort_keys=True) for launch in launches}
+    assert len(distinct) >= 7  # LAMB's with and without the divisor and the clip, in fp32 and bf16; SLAMB's
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", COMPILE % ARCHS], input=f"[{', '.join(sorted(distinct))}]",
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.split("\n")[:-1]
+    assert len(lines) == len(distinct) * len(ARCHS) and all(line.endswith("True") for line in lines), result.stdout
