@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.compiled_parity import assert_continues, assert_weights_close
+from helpers.compiled_parity import RTOL, assert_continues, assert_weights_close
+from helpers.distributed_harness import run_on_ranks
 from helpers.mlp import mlp_steps
 from helpers.round_trip import resumed_alongside
 from torch import nn
 
 from core.options import InvalidOption
-from optim import SLAMB, param_groups_weight_decay
+from optim import SLAMB, get_optimizer_spec, param_groups_weight_decay
+from optim.comm import Comm
 from optim.mirror_comm import MirrorComm
 from optim.slamb import _layout
 
@@ -36,9 +38,9 @@ def _model() -> nn.Module:
         return nn.Sequential(nn.Linear(60, 201), nn.GELU(), nn.Linear(201, 30))
 
 
-def _slamb(model: nn.Module, triton: bool, **kwargs) -> SLAMB:
+def _slamb(model: nn.Module, triton: bool, comm: Comm | None = None, **kwargs) -> SLAMB:
     options = dict(lr=1e-2, compress_ratio=0.2, min_compress_numel=1000, sync_interval=3, beta3=0.9) | kwargs
-    return SLAMB(param_groups_weight_decay(model, 0.01), comm=MirrorComm(2), triton=triton, **options)
+    return SLAMB(param_groups_weight_decay(model, 0.01), comm=comm or MirrorComm(2), triton=triton, **options)
 
 
 @pytest.mark.parametrize("gpu_layout", [False, True])
@@ -87,6 +89,39 @@ def test_a_checkpoint_resumes_in_either_mode(saved_by, loaded_by):
 def test_triton_and_compiled_are_exclusive():
     with pytest.raises(InvalidOption, match="choose one"):
         SLAMB(_model().parameters(), triton=True, compiled=True)
+
+
+def _ranks_with_and_without_kernels(rank: int, world_size: int) -> dict[str, list]:
+    """Per mode, this rank's weights after each step on its own data, and whether its spec says the replicas
+    agree then."""
+    comm, out = Comm(), {}
+    for triton in (True, False):
+        model = _model()
+        optimizer = _slamb(model, triton, comm)
+        weights, agree = [], []
+        for step in range(1, STEPS + 1):
+            mlp_steps(model, optimizer, range(100 * rank + step, 100 * rank + step + 1))
+            weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            agree.append(get_optimizer_spec("slamb").replicas_agree_after(optimizer, step))
+        out[str(triton)] = [weights, agree]
+    return out
+
+
+@pytest.mark.slow
+def test_triton_slamb_on_gloo_ranks_with_their_own_data():
+    """Real collectives, distinct gradients: the kernels keep the replicas bit-identical wherever the eager steps do
+    (after each dense average), and each rank within the tolerance of its eager trajectory."""
+    results = run_on_ranks(_ranks_with_and_without_kernels, 2)
+    for step in range(STEPS):
+        fused, eager = results[0]["True"], results[0]["False"]
+        if eager[1][step]:
+            assert fused[1][step]
+            assert torch.equal(results[0]["True"][0][step], results[1]["True"][0][step]), \
+                f"replicas differ after step {step + 1}"
+        for r in results:
+            a, b = r["False"][0][step], r["True"][0][step]
+            assert float((a - b).abs().max() / a.abs().max()) <= RTOL, f"step {step + 1}"
+        assert not torch.equal(results[0]["True"][0][step], results[1]["True"][0][step]) or eager[1][step]
 
 
 @pytest.mark.gpu
