@@ -11,22 +11,20 @@ atomic adds: replicas that step the same inputs stay bit-identical, and a resume
 (`block_norms`) or LAMB's factors `-lr * ratio` (`trust_factors`). Each is a torch custom op, so a dispatch mode counts
 its tensors (`benchmarks.optim.step_cost`) and meta tensors pass through it without a kernel.
 
-The kernels take CUDA tensors, or host tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is
-imported: slow, for tests). This module imports triton: the optimizers import it only for a step that takes this path,
-after `optim.option_checks.triton_refusal` allowed it.
+The kernels take CUDA tensors, or host tensors under Triton's interpreter (`TRITON_INTERPRET=1`, which Triton reads
+when it is imported: slow, for tests). This module imports triton: the optimizers import it only for a step that takes
+this path, after `optim.option_checks.triton_refusal` allowed it.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
+import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
 BLOCK = 2048  # elements per program of the elementwise kernels
 SUM_BLOCK = 1024  # block sums a program of the reduction adds per iteration
@@ -70,34 +68,34 @@ def on_device(host: Tensor, device: torch.device) -> Tensor:
     return host.to(device)
 
 
-@functools.cache
-def _built(fn: Callable[..., None], device_type: str) -> Any:
-    return JITFunction(fn) if device_type == "cuda" else InterpretedFunction(fn)
-
-
-def kernel(fn: Callable[..., None], device: torch.device) -> Any:
-    """`fn`, a plain function in Triton's language, as a kernel: compiled for CUDA tensors, interpreted for host
-    tensors. (A kernel cannot call a helper: Triton's interpreter cannot call a JIT-compiled one.)"""
-    return _built(fn, device.type)
-
-
 # ------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def block_of(tensor_of_block, first_element, numels, BLOCK: tl.constexpr):
+    """This program's tensor, its block's elements and which of them lie inside the tensor (the last block's tail
+    does not)."""
+    block = tl.program_id(0)
+    tensor = tl.load(tensor_of_block + block)
+    offsets = tl.load(first_element + block) + tl.arange(0, BLOCK)
+    return tensor, offsets, offsets < tl.load(numels + tensor)
+
+
+@triton.jit
+def load_block(addresses, index, offsets, inside, DTYPE: tl.constexpr):
+    """The tensor at `addresses[index]` (of `DTYPE`): its pointer and its block's elements in fp32 (0 outside it)."""
+    at = tl.load(addresses + index).to(tl.pointer_type(DTYPE))
+    return at, tl.load(at + offsets, mask=inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _moments_and_sums(addresses, count, tensor_of_block, first_element, numels, partials, total_blocks, divisor,
                       beta1, beta2, scale, root_correction2, eps, weight_decay, HAS_DIVISOR: tl.constexpr,
                       STORE_DIRECTION: tl.constexpr, W_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                       S_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    block = tl.program_id(0)
-    tensor = tl.load(tensor_of_block + block)
-    offsets = tl.load(first_element + block) + tl.arange(0, BLOCK)
-    inside = offsets < tl.load(numels + tensor)
-    w_at = tl.load(addresses + tensor).to(tl.pointer_type(W_DTYPE))
-    g_at = tl.load(addresses + count + tensor).to(tl.pointer_type(G_DTYPE))
-    m_at = tl.load(addresses + 2 * count + tensor).to(tl.pointer_type(S_DTYPE))
-    v_at = tl.load(addresses + 3 * count + tensor).to(tl.pointer_type(S_DTYPE))
-    w = tl.load(w_at + offsets, mask=inside, other=0.0).to(tl.float32)
-    g = tl.load(g_at + offsets, mask=inside, other=0.0).to(tl.float32)
-    m = tl.load(m_at + offsets, mask=inside, other=0.0).to(tl.float32)
-    v = tl.load(v_at + offsets, mask=inside, other=0.0).to(tl.float32)
+    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK)
+    _, w = load_block(addresses, tensor, offsets, inside, W_DTYPE)
+    _, g = load_block(addresses, count + tensor, offsets, inside, G_DTYPE)
+    m_at, m = load_block(addresses, 2 * count + tensor, offsets, inside, S_DTYPE)
+    v_at, v = load_block(addresses, 3 * count + tensor, offsets, inside, S_DTYPE)
     if HAS_DIVISOR:
         g = g / tl.load(divisor)
     m = m + (1.0 - beta1) * (g - m)  # a lerp, as `optim._math.adam_moments_`
@@ -108,10 +106,12 @@ def _moments_and_sums(addresses, count, tensor_of_block, first_element, numels, 
     if STORE_DIRECTION:
         u_at = tl.load(addresses + 4 * count + tensor).to(tl.pointer_type(tl.float32))
         tl.store(u_at + offsets, u, mask=inside)
+    block = tl.program_id(0)
     tl.store(partials + block, tl.sum(w * w, axis=0))
     tl.store(partials + total_blocks + block, tl.sum(u * u, axis=0))
 
 
+@triton.jit
 def _reduce_sums(partials, total_blocks, first_block, out, count, lr, max_ratio, FACTORS: tl.constexpr,
                  HAS_MAX: tl.constexpr, SUM_BLOCK: tl.constexpr):
     tensor = tl.program_id(0)
@@ -149,7 +149,7 @@ def moments_and_block_sums(params: list[Tensor], grads: list[Tensor], exp_avgs: 
     tensor_of_block, first_element, numels, _ = blocks(tuple(p.numel() for p in params), BLOCK, device)
     partials = torch.empty((2, tensor_of_block.numel()), dtype=torch.float32, device=device)
     if tensor_of_block.numel():
-        kernel(_moments_and_sums, device)[(tensor_of_block.numel(),)](
+        _moments_and_sums[(tensor_of_block.numel(),)](
             address_table(device, params, grads, exp_avgs, exp_avg_sqs, directions), len(params), tensor_of_block,
             first_element, numels, partials, tensor_of_block.numel(), divisor if divisor is not None else partials,
             beta1, beta2, scale, bias_correction2 ** 0.5, eps, weight_decay, HAS_DIVISOR=divisor is not None,
@@ -167,7 +167,7 @@ def _(params, grads, exp_avgs, exp_avg_sqs, directions, divisor, beta1, beta2, s
 def _reduce(partials: Tensor, numels: list[int], out: Tensor, lr: float, max_ratio: float | None,
             factors: bool) -> Tensor:
     if numels:
-        kernel(_reduce_sums, partials.device)[(len(numels),)](
+        _reduce_sums[(len(numels),)](
             partials, partials.size(1), blocks(tuple(numels), BLOCK, partials.device)[3], out, len(numels), lr,
             max_ratio if max_ratio is not None else 0.0, FACTORS=factors, HAS_MAX=max_ratio is not None,
             SUM_BLOCK=SUM_BLOCK)

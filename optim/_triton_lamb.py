@@ -16,25 +16,29 @@ Ten reads and writes, as `compiled=True` moves, in three launches. This module i
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 from torch import Tensor
 
 from optim import _triton
-from optim._triton import DTYPES, address_table, blocks, kernel, moments_and_block_sums, trust_factors
+from optim._triton import (
+    DTYPES,
+    address_table,
+    block_of,
+    blocks,
+    load_block,
+    moments_and_block_sums,
+    trust_factors,
+)
 
 
+@triton.jit
 def _apply(addresses, count, tensor_of_block, first_element, numels, factors, scale, root_correction2, eps,
            weight_decay, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    block = tl.program_id(0)
-    tensor = tl.load(tensor_of_block + block)
-    offsets = tl.load(first_element + block) + tl.arange(0, BLOCK)
-    inside = offsets < tl.load(numels + tensor)
-    w_at = tl.load(addresses + tensor).to(tl.pointer_type(DTYPE))
-    m_at = tl.load(addresses + count + tensor).to(tl.pointer_type(DTYPE))
-    v_at = tl.load(addresses + 2 * count + tensor).to(tl.pointer_type(DTYPE))
-    w = tl.load(w_at + offsets, mask=inside, other=0.0).to(tl.float32)
-    m = tl.load(m_at + offsets, mask=inside, other=0.0).to(tl.float32)
-    v = tl.load(v_at + offsets, mask=inside, other=0.0).to(tl.float32)
+    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK)
+    w_at, w = load_block(addresses, tensor, offsets, inside, DTYPE)
+    _, m = load_block(addresses, count + tensor, offsets, inside, DTYPE)
+    _, v = load_block(addresses, 2 * count + tensor, offsets, inside, DTYPE)
     u = (m * scale) / (tl.sqrt(v) / root_correction2 + eps) + weight_decay * w  # as `moments_and_block_sums` forms it
     tl.store(w_at + offsets, (w + tl.load(factors + tensor) * u).to(DTYPE), mask=inside)
 
@@ -46,7 +50,7 @@ def lamb_apply(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[T
     device = params[0].device
     tensor_of_block, first_element, numels, _ = blocks(tuple(p.numel() for p in params), _triton.BLOCK, device)
     if tensor_of_block.numel():
-        kernel(_apply, device)[(tensor_of_block.numel(),)](
+        _apply[(tensor_of_block.numel(),)](
             address_table(device, params, exp_avgs, exp_avg_sqs), len(params), tensor_of_block, first_element,
             numels, factors, scale, bias_correction2 ** 0.5, eps, weight_decay, DTYPE=DTYPES[params[0].dtype],
             BLOCK=_triton.BLOCK)

@@ -20,11 +20,21 @@ import functools
 from collections.abc import Sequence
 
 import torch
+import triton
 import triton.language as tl
 from torch import Tensor
 
 from optim import _triton
-from optim._triton import DTYPES, address_table, block_norms, blocks, kernel, moments_and_block_sums, on_device
+from optim._triton import (
+    DTYPES,
+    address_table,
+    block_norms,
+    block_of,
+    blocks,
+    load_block,
+    moments_and_block_sums,
+    on_device,
+)
 from optim.slamb._layout import Chunk
 from optim.slamb._masks import Mask
 
@@ -40,16 +50,12 @@ def triton_local_pass(params: list[Tensor], grads: list[Tensor], exp_avgs: list[
     return weight_norms, direction_norms
 
 
+@triton.jit
 def _apply(addresses, count, tensor_of_block, first_element, numels, row_first, row_shift, slot_coefs, row_coefs,
            W_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    block = tl.program_id(0)
-    tensor = tl.load(tensor_of_block + block)
-    offsets = tl.load(first_element + block) + tl.arange(0, BLOCK)
-    inside = offsets < tl.load(numels + tensor)
-    w_at = tl.load(addresses + tensor).to(tl.pointer_type(W_DTYPE))
-    u_at = tl.load(addresses + count + tensor).to(tl.pointer_type(tl.float32))
-    w = tl.load(w_at + offsets, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(u_at + offsets, mask=inside, other=0.0)
+    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK)
+    w_at, w = load_block(addresses, tensor, offsets, inside, W_DTYPE)
+    _, u = load_block(addresses, count + tensor, offsets, inside, tl.float32)
     shift = tl.load(row_shift + tensor)  # log2 of the row size; -1: one coefficient for the slot
     per_row = shift >= 0
     row = tl.load(row_first + tensor) + (offsets >> tl.maximum(shift, 0))
@@ -71,7 +77,7 @@ def slamb_apply(params: list[Tensor], directions: list[Tensor], slot_coefs: Tens
     device = params[0].device
     tensor_of_block, first_element, numels, _ = blocks(tuple(p.numel() for p in params), _triton.BLOCK, device)
     if tensor_of_block.numel():
-        kernel(_apply, device)[(tensor_of_block.numel(),)](
+        _apply[(tensor_of_block.numel(),)](
             address_table(device, params, directions), len(params), tensor_of_block, first_element, numels,
             *_row_tables(tuple(row_first), tuple(row_shift), device), slot_coefs, row_coefs,
             W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK)
@@ -82,12 +88,10 @@ def _(params, directions, slot_coefs, row_coefs, row_first, row_shift):
     return None
 
 
+@triton.jit
 def _gather(addresses, tensor_of_block, first_element, sizes, rows, row_start, bases, shifts, starts, out,
             W_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    block = tl.program_id(0)
-    tensor = tl.load(tensor_of_block + block)
-    at = tl.load(first_element + block) + tl.arange(0, BLOCK)  # the slot's selected coordinates
-    inside = at < tl.load(sizes + tensor)
+    tensor, at, inside = block_of(tensor_of_block, first_element, sizes, BLOCK)  # the slot's selected coordinates
     shift = tl.load(shifts + tensor)
     row = tl.load(rows + tl.load(row_start + tensor) + (at >> shift), mask=inside, other=0).to(tl.int64)
     coordinate = ((row - tl.load(bases + tensor)) << shift) + (at - ((at >> shift) << shift))
@@ -109,7 +113,7 @@ def gather_rows(params: list[Tensor], rows: Tensor, out: Tensor, sizes: list[int
     device = out.device
     tensor_of_block, first_element, numels, _ = blocks(tuple(sizes), _triton.BLOCK, device)
     if tensor_of_block.numel():
-        kernel(_gather, device)[(tensor_of_block.numel(),)](
+        _gather[(tensor_of_block.numel(),)](
             address_table(device, params), tensor_of_block, first_element, numels, rows,
             *_columns(device, tuple(row_start), tuple(bases), tuple(shifts), tuple(_prefix(sizes))), out,
             W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK)
