@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers.compiled_parity import RTOL, assert_continues, assert_weights_close
 from helpers.distributed_harness import run_on_ranks
+from helpers.fused_modes import LAMB_CONFIGS, assert_lamb_matches_eager, lamb
 from helpers.mlp import mlp_steps, small_mlp
 from helpers.round_trip import resumed_alongside
 from torch import nn
@@ -21,15 +22,6 @@ from optim._compiled import TENSORS_PER_GRAPH, CompiledMath, graph_chunks
 from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm
 from optim.mirror_comm import MirrorComm
-
-# Inductor orders the sums of a norm otherwise than aten's kernels, and forms the update in other roundings: the
-# compiled steps stay within this of the eager ones over a few steps.
-
-LAMB_CONFIGS = {
-    "nvlamb": dict(lr=1e-2, max_grad_norm=0.05),
-    "trust_clip_no_bias_correction": dict(lr=1e-2, max_grad_norm=None, trust_clip=True, bias_correction=False),
-    "always_adapt": dict(lr=1e-2, max_grad_norm=None, always_adapt=True),
-}
 
 pytestmark = pytest.mark.usefixtures("fresh_compiles")  # each test compiles its own graphs
 
@@ -58,18 +50,12 @@ def test_graph_chunks_cut_the_device_chunks_into_runs_of_a_few_tensors(monkeypat
 
 
 def _lamb(model: nn.Module, compiled: bool, **kwargs) -> LAMB:
-    return LAMB(param_groups_weight_decay(model, 0.01), compiled=compiled, **kwargs)
-
+    return lamb(model, "compiled" if compiled else None, **kwargs)
 
 
 @pytest.mark.parametrize("config", list(LAMB_CONFIGS))
 def test_compiled_lamb_matches_eager(config):
-    eager, compiled = small_mlp(8, 16, 4), small_mlp(8, 16, 4)
-    mlp_steps(eager, _lamb(eager, False, **LAMB_CONFIGS[config]), range(4))
-    mlp_steps(compiled, _lamb(compiled, True, **LAMB_CONFIGS[config]), range(4))
-    assert_weights_close(eager, compiled)
-    assert any(not torch.equal(p, q) for p, q in zip(eager.parameters(), compiled.parameters(), strict=True)), \
-        "the compiled path did not run"
+    assert_lamb_matches_eager("compiled", config)
 
 
 def test_compiled_lamb_compiles_in_the_first_step_only():

@@ -8,41 +8,30 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.compiled_parity import RTOL, assert_continues, assert_weights_close
-from helpers.mlp import mlp_steps, small_mlp
+from helpers.fused_modes import LAMB_CONFIGS, assert_lamb_matches_eager, lamb
+from helpers.mlp import small_mlp
 from helpers.round_trip import resumed_alongside
 from torch import nn
 
 from core.errors import ConfigError
 from core.options import InvalidOption
-from optim import LAMB, check_optimizer_config, param_groups_weight_decay
-from optim.lamb import lamb
+from optim import LAMB, check_optimizer_config
+from optim.lamb import lamb as functional_lamb
 
 pytest.importorskip("triton")
 
-CONFIGS = {
-    "nvlamb": dict(lr=1e-2, max_grad_norm=0.05),  # pre-normalised by the global gradient norm
-    "trust_clip_no_bias_correction": dict(lr=1e-2, max_grad_norm=None, trust_clip=True, bias_correction=False),
-    "always_adapt": dict(lr=1e-2, max_grad_norm=None, always_adapt=True),
-}
-
-
 def _lamb(model: nn.Module, triton: bool, **kwargs) -> LAMB:
-    return LAMB(param_groups_weight_decay(model, 0.01), triton=triton, **kwargs)
+    return lamb(model, "triton" if triton else None, **kwargs)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", list(LAMB_CONFIGS))
 def test_triton_lamb_matches_the_aten_ops(config):
-    aten, fused = small_mlp(8, 16, 4), small_mlp(8, 16, 4)
-    mlp_steps(aten, _lamb(aten, False, **CONFIGS[config]), range(4))
-    mlp_steps(fused, _lamb(fused, True, **CONFIGS[config]), range(4))
-    assert_weights_close(aten, fused)
-    assert any(not torch.equal(p, q) for p, q in zip(aten.parameters(), fused.parameters(), strict=True)), \
-        "the kernels did not run"
+    assert_lamb_matches_eager("triton", config)
 
 
 def _functional_step(tensors: list[list[torch.Tensor]], triton: bool, **options) -> None:
     params, grads, exp_avgs, exp_avg_sqs = tensors
-    lamb(params, grads, exp_avgs, exp_avg_sqs, [torch.zeros(()) for _ in params], step=3, grad_divisor=None,
+    functional_lamb(params, grads, exp_avgs, exp_avg_sqs, [torch.zeros(()) for _ in params], step=3, grad_divisor=None,
          lr=0.1, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, bias_correction=True, trust_clip=False,
          always_adapt=False, foreach=True, triton=triton, **options)
 
@@ -100,13 +89,13 @@ def test_a_machine_without_a_gpu_refuses_the_option_before_any_step(monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", list(LAMB_CONFIGS))
 def test_compiled_kernels_match_the_aten_ops_on_a_gpu(config):
     """The JIT-compiled kernels on CUDA, on a model of a few blocks per tensor: within the tolerance of the aten
     ops, and bit for bit the same from the same inputs (block sums added in a fixed order: no atomics)."""
     models = [small_mlp(300, 64, 40).cuda() for _ in range(3)]
     for model, triton in zip(models, (False, True, True), strict=True):
-        optimizer = _lamb(model, triton, **CONFIGS[config])
+        optimizer = _lamb(model, triton, **LAMB_CONFIGS[config])
         for seed in range(4):
             g = torch.Generator(device="cuda").manual_seed(seed)
             model(torch.randn(5, 300, generator=g, device="cuda")).square().mean().backward()

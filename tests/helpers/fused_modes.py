@@ -1,0 +1,108 @@
+"""LAMB and SLAMB in a fused mode (`compiled`: math compiled by inductor; `triton`: Triton kernels) held to their
+eager steps: the models, option sets and runs that both modes' tests share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers.compiled_parity import RTOL, assert_weights_close
+from helpers.mlp import mlp_steps, small_mlp
+from optim import LAMB, SLAMB, get_optimizer_spec, param_groups_weight_decay
+from optim.comm import Comm
+from optim.mirror_comm import MirrorComm
+from optim.slamb import _layout
+
+LAMB_CONFIGS = {
+    "nvlamb": dict(lr=1e-2, max_grad_norm=0.05),  # pre-normalised by the global gradient norm
+    "trust_clip_no_bias_correction": dict(lr=1e-2, max_grad_norm=None, trust_clip=True, bias_correction=False),
+    "always_adapt": dict(lr=1e-2, max_grad_norm=None, always_adapt=True),
+}
+SLAMB_STEPS = 6  # dense averages after steps 1 and 4 (sync_interval 3)
+SLAMB_OPTIONS = {
+    "default": {},
+    "slamb_v2_official": dict(mask="bernoulli", wd_in_trust_ratio=False, freshness_dtype="fp32"),
+    "naive": dict(mask="cyclic", rescale="product_of_interpolations", bias_correction_form="full",
+                  stale_ratio_fallback=1, clamp_1d=False),
+    "nvlamb_no_decay_groups": dict(always_adapt=False),
+}
+
+
+def lamb(model: nn.Module, mode: str | None, **kwargs) -> LAMB:
+    """LAMB over `model` (decayed and undecayed groups) in `mode` ("compiled", "triton"; None: the aten ops)."""
+    return LAMB(param_groups_weight_decay(model, 0.01), **({mode: True} if mode else {}), **kwargs)
+
+
+def assert_lamb_matches_eager(mode: str, config: str) -> None:
+    """Four steps of the small MLP in `mode` stay within `RTOL` of the aten ops' and differ from them somewhere."""
+    eager, fused = small_mlp(8, 16, 4), small_mlp(8, 16, 4)
+    mlp_steps(eager, lamb(eager, None, **LAMB_CONFIGS[config]), range(4))
+    mlp_steps(fused, lamb(fused, mode, **LAMB_CONFIGS[config]), range(4))
+    assert_weights_close(eager, fused)
+    assert any(not torch.equal(p, q) for p, q in zip(eager.parameters(), fused.parameters(), strict=True)), \
+        f"the {mode} path did not run"
+
+
+def slamb_model() -> nn.Module:
+    """Masked weights of 12060 and 6030 elements (rows of 4 and 2 coordinates) beside always-synced 1-D tensors."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        return nn.Sequential(nn.Linear(60, 201), nn.GELU(), nn.Linear(201, 30))
+
+
+def slamb(model: nn.Module, mode: str | None, comm: Comm | None = None, **kwargs) -> SLAMB:
+    """SLAMB over `model` in `mode` (None: eager) with 2 mirrored ranks (or `comm`), frequent dense averages."""
+    options = dict(lr=1e-2, compress_ratio=0.2, min_compress_numel=1000, sync_interval=3, beta3=0.9) | kwargs
+    return SLAMB(param_groups_weight_decay(model, 0.01), comm=comm or MirrorComm(2), **({mode: True} if mode else {}),
+                 **options)
+
+
+def assert_slamb_matches_eager(mode: str, config: str, gpu_layout: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SLAMB_STEPS` steps in `mode` stay within `RTOL` of the eager steps, with the same freshness; `gpu_layout`:
+    whole tensors in one chunk, the direction's rows scaled in place (a GPU's layout), on the CPU."""
+    if gpu_layout:
+        monkeypatch.setitem(_layout.GEOMETRIES, "cpu", _layout.GEOMETRIES["cuda"])
+    eager, fused = slamb_model(), slamb_model()
+    eager_optimizer = slamb(eager, None, **SLAMB_OPTIONS[config])
+    optimizer = slamb(fused, mode, **SLAMB_OPTIONS[config])
+    mlp_steps(eager, eager_optimizer, range(SLAMB_STEPS))
+    mlp_steps(fused, optimizer, range(SLAMB_STEPS))
+    assert_weights_close(eager, fused)
+    assert any(not torch.equal(p, q) for p, q in zip(eager.parameters(), fused.parameters(), strict=True)), \
+        f"the {mode} path did not run"
+    for got, want in zip(optimizer.freshness(), eager_optimizer.freshness(), strict=True):
+        assert torch.equal(got, want)
+
+
+def slamb_ranks_in_both_modes(rank: int, world_size: int, mode: str) -> dict[str, list]:
+    """On a gloo rank: per mode (`mode`, then eager), this rank's weights after each step on its own data, and
+    whether its spec says the replicas agree then."""
+    torch._dynamo.reset()
+    comm, out = Comm(), {}
+    for fused in (mode, None):
+        model = slamb_model()
+        optimizer = slamb(model, fused, comm)
+        weights, agree = [], []
+        for step in range(1, SLAMB_STEPS + 1):
+            mlp_steps(model, optimizer, range(100 * rank + step, 100 * rank + step + 1))
+            weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            agree.append(get_optimizer_spec("slamb").replicas_agree_after(optimizer, step))
+        out[str(fused)] = [weights, agree]
+    return out
+
+
+def assert_ranks_as_eager(results: list[dict[str, list]], mode: str) -> None:
+    """`slamb_ranks_in_both_modes`' results: the fused steps keep the replicas bit-identical wherever the eager ones
+    do (after each dense average), and each rank stays within `RTOL` of its eager trajectory."""
+    for step in range(SLAMB_STEPS):
+        fused, eager = results[0][mode], results[0]["None"]
+        if eager[1][step]:
+            assert fused[1][step]
+            assert torch.equal(results[0][mode][0][step], results[1][mode][0][step]), \
+                f"replicas differ after step {step + 1}"
+        else:  # each rank stepped on its own data
+            assert not torch.equal(results[0][mode][0][step], results[1][mode][0][step])
+        for r in results:
+            a, b = r["None"][0][step], r[mode][0][step]
+            assert float((a - b).abs().max() / a.abs().max()) <= RTOL, f"step {step + 1}"
