@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.compiled_parity import RTOL, assert_weights_close
+from helpers.compiled_parity import RTOL, assert_continues, assert_weights_close
 from helpers.mlp import mlp_steps, small_mlp
+from helpers.round_trip import resumed_alongside
 from optim import LAMB, SLAMB, get_optimizer_spec, param_groups_weight_decay
 from optim.comm import Comm
 from optim.mirror_comm import MirrorComm
@@ -73,6 +74,17 @@ def assert_slamb_matches_eager(mode: str, config: str, gpu_layout: bool, monkeyp
         f"the {mode} path did not run"
     for got, want in zip(optimizer.freshness(), eager_optimizer.freshness(), strict=True):
         assert torch.equal(got, want)
+
+
+def assert_slamb_resumes_across_modes(mode: str, saved_fused: bool, loaded_fused: bool) -> None:
+    """A checkpoint written with or without `mode` and loaded with or without it: the same state tensors, so the
+    resumed steps go on exactly in the mode it was written in, within `RTOL` in the other."""
+    def make(fused: bool):
+        return lambda model: slamb(model, mode if fused else None)
+
+    model, _, resumed, _ = resumed_alongside(slamb_model, make(saved_fused), range(3), range(3, SLAMB_STEPS),
+                                          make_resumed_optimizer=make(loaded_fused))
+    assert_continues(model, resumed, exactly=saved_fused == loaded_fused)
 
 
 def slamb_ranks_in_both_modes(rank: int, world_size: int, mode: str) -> dict[str, list]:

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.compiled_parity import assert_continues
 from helpers.distributed_harness import run_on_ranks
 from helpers.fused_modes import (
     SLAMB_OPTIONS,
     SLAMB_STEPS,
     assert_ranks_as_eager,
     assert_slamb_matches_eager,
+    assert_slamb_resumes_across_modes,
     slamb,
     slamb_model,
     slamb_ranks_in_both_modes,
 )
 from helpers.mlp import mlp_steps
-from helpers.round_trip import resumed_alongside
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -63,9 +62,7 @@ def test_a_slot_without_a_gradient_steps_its_chunk_eagerly():
 
 @pytest.mark.parametrize(("saved_by", "loaded_by"), [(False, True), (True, False), (True, True)])
 def test_a_checkpoint_resumes_in_either_mode(saved_by, loaded_by):
-    model, _, resumed, _ = resumed_alongside(slamb_model, lambda m: _slamb(m, saved_by), range(3),
-                                          range(3, SLAMB_STEPS), make_resumed_optimizer=lambda m: _slamb(m, loaded_by))
-    assert_continues(model, resumed, exactly=saved_by == loaded_by)
+    assert_slamb_resumes_across_modes("compiled", saved_by, loaded_by)
 
 
 def test_compiled_must_be_a_flag():
