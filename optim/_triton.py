@@ -46,19 +46,27 @@ def blocks(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[T
     return tuple(on_device(t, device) for t in host)  # type: ignore[return-value]
 
 
-_addresses: dict[tuple, Tensor] = {}
+_addresses: dict[tuple, tuple[Tensor, bool]] = {}
 
 
-def address_table(device: torch.device, *lists: Sequence[Tensor]) -> Tensor:
+def address_table(device: torch.device, *lists: Sequence[Tensor]) -> tuple[Tensor, bool]:
     """The lists' addresses, list after list, as one int64 vector on `device`, reused while they stay put (a
-    parameter and its state never move; a gradient may, when the trainer frees it between steps)."""
+    parameter and its state never move; a gradient may, when the trainer frees it between steps); and whether every
+    address is a multiple of 16 bytes."""
     key = (device, *(t.data_ptr() for tensors in lists for t in tensors))
-    table = _addresses.get(key)
-    if table is None:
+    entry = _addresses.get(key)
+    if entry is None:
         if len(_addresses) >= _ADDRESS_TABLES:
             _addresses.clear()
-        table = _addresses[key] = on_device(torch.tensor(key[1:], dtype=torch.int64), device)
-    return table
+        entry = _addresses[key] = (on_device(torch.tensor(key[1:], dtype=torch.int64), device),
+                                   all(address % 16 == 0 for address in key[1:]))
+    return entry
+
+
+def words_of_16_bytes(aligned: bool, numels: Sequence[int]) -> bool:
+    """Whether a kernel may move 16 bytes per access (its `ALIGNED`): every tensor starts on a 16-byte boundary
+    (`address_table`'s flag) and holds a multiple of 16 elements. Otherwise it moves one element per access."""
+    return aligned and all(n % 16 == 0 for n in numels)
 
 
 def on_device(host: Tensor, device: torch.device) -> Tensor:
@@ -70,19 +78,27 @@ def on_device(host: Tensor, device: torch.device) -> Tensor:
 
 # ------------------------------------------------------------------------------------------ kernels
 @triton.jit
-def block_of(tensor_of_block, first_element, numels, BLOCK: tl.constexpr):
+def block_of(tensor_of_block, first_element, numels, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """This program's tensor, its block's elements and which of them lie inside the tensor (the last block's tail
-    does not)."""
+    does not). `ALIGNED` (`words_of_16_bytes`): blocks start at multiples of `BLOCK` and tensors hold multiples of 16
+    elements, so that the compiler may move 16 bytes per access."""
     block = tl.program_id(0)
     tensor = tl.load(tensor_of_block + block)
     offsets = tl.load(first_element + block) + tl.arange(0, BLOCK)
-    return tensor, offsets, offsets < tl.load(numels + tensor)
+    size = tl.load(numels + tensor)
+    if ALIGNED:
+        offsets = tl.max_contiguous(tl.multiple_of(offsets, BLOCK), BLOCK)
+        size = tl.multiple_of(size, 16)
+    return tensor, offsets, offsets < size
 
 
 @triton.jit
-def load_block(addresses, index, offsets, inside, DTYPE: tl.constexpr):
-    """The tensor at `addresses[index]` (of `DTYPE`): its pointer and its block's elements in fp32 (0 outside it)."""
+def load_block(addresses, index, offsets, inside, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The tensor at `addresses[index]` (of `DTYPE`; at a multiple of 16 bytes when `ALIGNED`): its pointer and its
+    block's elements in fp32 (0 outside it)."""
     at = tl.load(addresses + index).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        at = tl.multiple_of(at, 16)
     return at, tl.load(at + offsets, mask=inside, other=0.0).to(tl.float32)
 
 
@@ -90,12 +106,12 @@ def load_block(addresses, index, offsets, inside, DTYPE: tl.constexpr):
 def _moments_and_sums(addresses, count, tensor_of_block, first_element, numels, partials, total_blocks, divisor,
                       beta1, beta2, scale, root_correction2, eps, weight_decay, HAS_DIVISOR: tl.constexpr,
                       STORE_DIRECTION: tl.constexpr, W_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                      S_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK)
-    _, w = load_block(addresses, tensor, offsets, inside, W_DTYPE)
-    _, g = load_block(addresses, count + tensor, offsets, inside, G_DTYPE)
-    m_at, m = load_block(addresses, 2 * count + tensor, offsets, inside, S_DTYPE)
-    v_at, v = load_block(addresses, 3 * count + tensor, offsets, inside, S_DTYPE)
+                      S_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK, ALIGNED)
+    _, w = load_block(addresses, tensor, offsets, inside, W_DTYPE, ALIGNED)
+    _, g = load_block(addresses, count + tensor, offsets, inside, G_DTYPE, ALIGNED)
+    m_at, m = load_block(addresses, 2 * count + tensor, offsets, inside, S_DTYPE, ALIGNED)
+    v_at, v = load_block(addresses, 3 * count + tensor, offsets, inside, S_DTYPE, ALIGNED)
     if HAS_DIVISOR:
         g = g / tl.load(divisor)
     m = m + (1.0 - beta1) * (g - m)  # a lerp, as `optim._math.adam_moments_`
@@ -105,6 +121,8 @@ def _moments_and_sums(addresses, count, tensor_of_block, first_element, numels, 
     u = (m * scale) / (tl.sqrt(v) / root_correction2 + eps) + weight_decay * w  # 0 outside the tensor
     if STORE_DIRECTION:
         u_at = tl.load(addresses + 4 * count + tensor).to(tl.pointer_type(tl.float32))
+        if ALIGNED:
+            u_at = tl.multiple_of(u_at, 16)
         tl.store(u_at + offsets, u, mask=inside)
     block = tl.program_id(0)
     tl.store(partials + block, tl.sum(w * w, axis=0))
@@ -149,12 +167,14 @@ def moments_and_block_sums(params: list[Tensor], grads: list[Tensor], exp_avgs: 
     tensor_of_block, first_element, numels, _ = blocks(tuple(p.numel() for p in params), BLOCK, device)
     partials = torch.empty((2, tensor_of_block.numel()), dtype=torch.float32, device=device)
     if tensor_of_block.numel():
+        addresses, aligned = address_table(device, params, grads, exp_avgs, exp_avg_sqs, directions)
         _moments_and_sums[(tensor_of_block.numel(),)](
-            address_table(device, params, grads, exp_avgs, exp_avg_sqs, directions), len(params), tensor_of_block,
+            addresses, len(params), tensor_of_block,
             first_element, numels, partials, tensor_of_block.numel(), divisor if divisor is not None else partials,
             beta1, beta2, scale, bias_correction2 ** 0.5, eps, weight_decay, HAS_DIVISOR=divisor is not None,
             STORE_DIRECTION=bool(directions), W_DTYPE=DTYPES[params[0].dtype], G_DTYPE=DTYPES[grads[0].dtype],
-            S_DTYPE=DTYPES[exp_avgs[0].dtype], BLOCK=BLOCK)
+            S_DTYPE=DTYPES[exp_avgs[0].dtype], BLOCK=BLOCK,
+            ALIGNED=words_of_16_bytes(aligned, [p.numel() for p in params]))
     return partials
 
 

@@ -29,16 +29,17 @@ from optim._triton import (
     load_block,
     moments_and_block_sums,
     trust_factors,
+    words_of_16_bytes,
 )
 
 
 @triton.jit
 def _apply(addresses, count, tensor_of_block, first_element, numels, factors, scale, root_correction2, eps,
-           weight_decay, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK)
-    w_at, w = load_block(addresses, tensor, offsets, inside, DTYPE)
-    _, m = load_block(addresses, count + tensor, offsets, inside, DTYPE)
-    _, v = load_block(addresses, 2 * count + tensor, offsets, inside, DTYPE)
+           weight_decay, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK, ALIGNED)
+    w_at, w = load_block(addresses, tensor, offsets, inside, DTYPE, ALIGNED)
+    _, m = load_block(addresses, count + tensor, offsets, inside, DTYPE, ALIGNED)
+    _, v = load_block(addresses, 2 * count + tensor, offsets, inside, DTYPE, ALIGNED)
     u = (m * scale) / (tl.sqrt(v) / root_correction2 + eps) + weight_decay * w  # as `moments_and_block_sums` forms it
     tl.store(w_at + offsets, (w + tl.load(factors + tensor) * u).to(DTYPE), mask=inside)
 
@@ -50,10 +51,11 @@ def lamb_apply(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[T
     device = params[0].device
     tensor_of_block, first_element, numels, _ = blocks(tuple(p.numel() for p in params), _triton.BLOCK, device)
     if tensor_of_block.numel():
+        addresses, aligned = address_table(device, params, exp_avgs, exp_avg_sqs)
         _apply[(tensor_of_block.numel(),)](
-            address_table(device, params, exp_avgs, exp_avg_sqs), len(params), tensor_of_block, first_element,
+            addresses, len(params), tensor_of_block, first_element,
             numels, factors, scale, bias_correction2 ** 0.5, eps, weight_decay, DTYPE=DTYPES[params[0].dtype],
-            BLOCK=_triton.BLOCK)
+            BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, [p.numel() for p in params]))
 
 
 @lamb_apply.register_fake

@@ -34,6 +34,7 @@ from optim._triton import (
     load_block,
     moments_and_block_sums,
     on_device,
+    words_of_16_bytes,
 )
 from optim.slamb._layout import Chunk
 from optim.slamb._masks import Mask
@@ -52,10 +53,10 @@ def triton_local_pass(params: list[Tensor], grads: list[Tensor], exp_avgs: list[
 
 @triton.jit
 def _apply(addresses, count, tensor_of_block, first_element, numels, row_first, row_shift, slot_coefs, row_coefs,
-           W_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK)
-    w_at, w = load_block(addresses, tensor, offsets, inside, W_DTYPE)
-    _, u = load_block(addresses, count + tensor, offsets, inside, tl.float32)
+           W_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK, ALIGNED)
+    w_at, w = load_block(addresses, tensor, offsets, inside, W_DTYPE, ALIGNED)
+    _, u = load_block(addresses, count + tensor, offsets, inside, tl.float32, ALIGNED)
     shift = tl.load(row_shift + tensor)  # log2 of the row size; -1: one coefficient for the slot
     per_row = shift >= 0
     row = tl.load(row_first + tensor) + (offsets >> tl.maximum(shift, 0))
@@ -77,10 +78,12 @@ def slamb_apply(params: list[Tensor], directions: list[Tensor], slot_coefs: Tens
     device = params[0].device
     tensor_of_block, first_element, numels, _ = blocks(tuple(p.numel() for p in params), _triton.BLOCK, device)
     if tensor_of_block.numel():
+        addresses, aligned = address_table(device, params, directions)
         _apply[(tensor_of_block.numel(),)](
-            address_table(device, params, directions), len(params), tensor_of_block, first_element, numels,
+            addresses, len(params), tensor_of_block, first_element, numels,
             *_row_tables(tuple(row_first), tuple(row_shift), device), slot_coefs, row_coefs,
-            W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK)
+            W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK,
+            ALIGNED=words_of_16_bytes(aligned, [p.numel() for p in params]))
 
 
 @slamb_apply.register_fake
@@ -91,7 +94,7 @@ def _(params, directions, slot_coefs, row_coefs, row_first, row_shift):
 @triton.jit
 def _gather(addresses, tensor_of_block, first_element, sizes, rows, row_start, bases, shifts, starts, out,
             W_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    tensor, at, inside = block_of(tensor_of_block, first_element, sizes, BLOCK)  # the slot's selected coordinates
+    tensor, at, inside = block_of(tensor_of_block, first_element, sizes, BLOCK, False)  # the selected coordinates
     shift = tl.load(shifts + tensor)
     row = tl.load(rows + tl.load(row_start + tensor) + (at >> shift), mask=inside, other=0).to(tl.int64)
     coordinate = ((row - tl.load(bases + tensor)) << shift) + (at - ((at >> shift) << shift))
@@ -114,7 +117,7 @@ def gather_rows(params: list[Tensor], rows: Tensor, out: Tensor, sizes: list[int
     tensor_of_block, first_element, numels, _ = blocks(tuple(sizes), _triton.BLOCK, device)
     if tensor_of_block.numel():
         _gather[(tensor_of_block.numel(),)](
-            address_table(device, params), tensor_of_block, first_element, numels, rows,
+            address_table(device, params)[0], tensor_of_block, first_element, numels, rows,
             *_columns(device, tuple(row_start), tuple(bases), tuple(shifts), tuple(_prefix(sizes))), out,
             W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK)
 

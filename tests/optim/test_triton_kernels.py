@@ -1,8 +1,9 @@
 """The Triton kernels compile for a GPU on a machine without one. Every launch that LAMB and SLAMB steps make with
 `triton=True` (run here in Triton's interpreter) is compiled ahead of time with the arguments it was given, for an
 A100 (sm_80) and an H100 (sm_90): Triton's code generator and its PTX backend need no device, so what the
-interpreter accepts but the compiler would refuse fails here, not on a lent GPU. The compiles run in a fresh process,
-without the interpreter, which patches Triton's language while it runs."""
+interpreter accepts but the compiler would refuse fails here, not on a lent GPU; and a launch whose tensors are
+16-byte aligned and sized moves 16 bytes per access. The compiles run in a fresh process, without the interpreter,
+which patches Triton's language while it runs."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ for module, name, signature, constexprs in json.loads(sys.stdin.read()):
     for arch in %r:
         source = ASTSource(kernel, signature, constexprs=constexprs)
         ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
-        print(name, arch, ".entry" in ptx)
+        print(json.dumps([name, arch, ".entry" in ptx, "ld.global.v4" in ptx]))
 """
 
 
@@ -98,5 +99,11 @@ def test_every_launch_compiles_for_a_gpu(launches):
     result = subprocess.run([sys.executable, "-c", COMPILE % ARCHS], input=f"[{', '.join(sorted(distinct))}]",
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.split("\n")[:-1]
-    assert len(lines) == len(distinct) * len(ARCHS) and all(line.endswith("True") for line in lines), result.stdout
+    compiled = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(compiled) == len(distinct) * len(ARCHS) and all(entry for _, _, entry, _ in compiled), result.stdout
+    # Where every tensor of a launch is 16-byte aligned and sized (`ALIGNED`), its accesses are 16 bytes wide.
+    aligned = [json.loads(key) for key in sorted(distinct)]
+    per_key = zip(*[iter(compiled)] * len(ARCHS), strict=True)  # the archs' lines of one launch follow each other
+    for (_, name, _, constexprs), lines in zip(aligned, per_key, strict=True):
+        assert all(vectors == constexprs.get("ALIGNED", False) for _, _, _, vectors in lines), (name, constexprs)
+    assert any(constexprs.get("ALIGNED") for _, _, _, constexprs in aligned)
