@@ -96,10 +96,10 @@ def test_compiled_kernels_match_the_aten_ops_on_a_gpu(config):
     models = [small_mlp(300, 64, 40).cuda() for _ in range(3)]
     for model, triton in zip(models, (False, True, True), strict=True):
         optimizer = _lamb(model, triton, **LAMB_CONFIGS[config])
-        for seed in range(4):
-            g = torch.Generator(device="cuda").manual_seed(seed)
-            model(torch.randn(5, 300, generator=g, device="cuda")).square().mean().backward()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for _ in range(4):  # the same gradients for every model (no backward, whose kernels may round otherwise)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g, device="cuda") * 1e-2
             optimizer.step()
-            optimizer.zero_grad()
     assert_weights_close(models[0], models[1])
     assert all(torch.equal(p, q) for p, q in zip(models[1].parameters(), models[2].parameters(), strict=True))
