@@ -89,6 +89,7 @@ def test_a_machine_without_a_gpu_refuses_the_option_before_any_step(monkeypatch)
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("config", list(LAMB_CONFIGS))
 def test_compiled_kernels_match_the_aten_ops_on_a_gpu(config):
     """The JIT-compiled kernels on CUDA, on a model of a few blocks per tensor: within the tolerance of the aten
