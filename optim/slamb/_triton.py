@@ -17,7 +17,6 @@ This module imports triton (see `optim._triton`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import torch
 import triton
@@ -37,7 +36,7 @@ from optim._triton import (
     words_of_16_bytes,
 )
 from optim.slamb._layout import Chunk
-from optim.slamb._masks import Mask
+from optim.slamb._masks import Mask, _starts
 
 
 def triton_local_pass(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -118,7 +117,7 @@ def gather_rows(params: list[Tensor], rows: Tensor, out: Tensor, sizes: list[int
     if tensor_of_block.numel():
         _gather[(tensor_of_block.numel(),)](
             address_table(device, params)[0], tensor_of_block, first_element, numels, rows,
-            *_columns(device, tuple(row_start), tuple(bases), tuple(shifts), tuple(_prefix(sizes))), out,
+            *_columns(device, tuple(row_start), tuple(bases), tuple(shifts), tuple(_starts(sizes))), out,
             W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK)
 
 
@@ -132,14 +131,5 @@ def triton_gather_weights(chunk: Chunk, mask: Mask, out: Tensor) -> None:
     if not chunk.masked:
         return
     counts = [size // s.row_size for s, size in zip(chunk.masked, mask.sizes, strict=True)]
-    gather_rows([s.param for s in chunk.masked], mask.rows, out, list(mask.sizes), _prefix(counts), list(chunk.bases),
+    gather_rows([s.param for s in chunk.masked], mask.rows, out, list(mask.sizes), _starts(counts), list(chunk.bases),
                 [s.row_size.bit_length() - 1 for s in chunk.masked])
-
-
-def _prefix(values: Sequence[int]) -> list[int]:
-    """Where each value's run starts when they are laid end to end."""
-    starts, total = [], 0
-    for value in values:
-        starts.append(total)
-        total += value
-    return starts
