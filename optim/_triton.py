@@ -163,8 +163,8 @@ def moments_and_block_sums(params: list[Tensor], grads: list[Tensor], exp_avgs: 
     """m and v moved by the gradients (divided by `divisor` when given), the direction
     `u = scale m / (sqrt(v / bias_correction2) + eps) + weight_decay w` (written to `directions`, fp32, unless that
     list is empty), and per block of `BLOCK` elements the sums of w^2 and u^2: a (2, blocks) float32 tensor."""
-    device = params[0].device
-    tensor_of_block, first_element, numels, _ = blocks(tuple(p.numel() for p in params), BLOCK, device)
+    device, sizes = params[0].device, tuple(p.numel() for p in params)
+    tensor_of_block, first_element, numels, _ = blocks(sizes, BLOCK, device)
     partials = torch.empty((2, tensor_of_block.numel()), dtype=torch.float32, device=device)
     if tensor_of_block.numel():
         addresses, aligned = address_table(device, params, grads, exp_avgs, exp_avg_sqs, directions)
@@ -174,7 +174,7 @@ def moments_and_block_sums(params: list[Tensor], grads: list[Tensor], exp_avgs: 
             beta1, beta2, scale, bias_correction2 ** 0.5, eps, weight_decay, HAS_DIVISOR=divisor is not None,
             STORE_DIRECTION=bool(directions), W_DTYPE=DTYPES[params[0].dtype], G_DTYPE=DTYPES[grads[0].dtype],
             S_DTYPE=DTYPES[exp_avgs[0].dtype], BLOCK=BLOCK,
-            ALIGNED=words_of_16_bytes(aligned, [p.numel() for p in params]))
+            ALIGNED=words_of_16_bytes(aligned, sizes))
     return partials
 
 

@@ -48,14 +48,14 @@ def _apply(addresses, count, tensor_of_block, first_element, numels, factors, sc
 def lamb_apply(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], factors: Tensor,
                scale: float, bias_correction2: float, eps: float, weight_decay: float) -> None:
     """`w += factor * u` per tensor, the update u formed again from w and the moments `moments_and_block_sums` wrote."""
-    device = params[0].device
-    tensor_of_block, first_element, numels, _ = blocks(tuple(p.numel() for p in params), _triton.BLOCK, device)
+    device, sizes = params[0].device, tuple(p.numel() for p in params)
+    tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
     if tensor_of_block.numel():
         addresses, aligned = address_table(device, params, exp_avgs, exp_avg_sqs)
         _apply[(tensor_of_block.numel(),)](
             addresses, len(params), tensor_of_block, first_element,
             numels, factors, scale, bias_correction2 ** 0.5, eps, weight_decay, DTYPE=DTYPES[params[0].dtype],
-            BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, [p.numel() for p in params]))
+            BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, sizes))
 
 
 @lamb_apply.register_fake

@@ -74,15 +74,15 @@ def slamb_apply(params: list[Tensor], directions: list[Tensor], slot_coefs: Tens
                 row_first: list[int], row_shift: list[int]) -> None:
     """`w += c * u` per slot: c is `slot_coefs[i]` where `row_shift[i]` is -1, else the coefficient of the element's
     row, `row_coefs[row_first[i] + element >> row_shift[i]]` (rows of 2^row_shift elements)."""
-    device = params[0].device
-    tensor_of_block, first_element, numels, _ = blocks(tuple(p.numel() for p in params), _triton.BLOCK, device)
+    device, sizes = params[0].device, tuple(p.numel() for p in params)
+    tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
     if tensor_of_block.numel():
         addresses, aligned = address_table(device, params, directions)
         _apply[(tensor_of_block.numel(),)](
             addresses, len(params), tensor_of_block, first_element, numels,
             *_row_tables(tuple(row_first), tuple(row_shift), device), slot_coefs, row_coefs,
             W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK,
-            ALIGNED=words_of_16_bytes(aligned, [p.numel() for p in params]))
+            ALIGNED=words_of_16_bytes(aligned, sizes))
 
 
 @slamb_apply.register_fake
