@@ -112,7 +112,7 @@ def demo_pretraining_dataset(seq: int) -> PretrainingDataset:
 
 def takes_option(name: str, option: str) -> bool:
     """Whether optimizer `name` takes `option`: `compiled` (its math compiled by inductor, `optim._compiled`) or
-    `triton` (Triton kernels of its own, `optim._triton_lamb`)."""
+    `triton` (Triton kernels of its own: `optim._triton_lamb`, `optim.slamb._triton`, `optim._triton_compressed`)."""
     return option in inspect.signature(get_optimizer_spec(name).cls).parameters
 
 
@@ -209,7 +209,8 @@ _INDEXED = {"aten::index_select": True, "aten::index_add_": True, "aten::index_c
             "aten::index_fill_": False}
 # The project's Triton kernels (custom ops, `optim._triton`): arguments they write without reading them, and the
 # gathers that read of their `params` only the coordinates they write to `out`.
-_WRITE_ONLY_ARGUMENTS = {"slamb_optim::moments_and_block_sums": {"directions"}}
+_WRITE_ONLY_ARGUMENTS = {"slamb_optim::moments_and_block_sums": {"directions"},
+                         "slamb_optim::sign_compress": {"packed"}, "slamb_optim::decode_signs": {"out"}}
 _ROW_GATHERS = {"slamb_optim::gather_rows"}
 
 # Allocations return memory nobody has written: no traffic (the op that fills it counts its writes).

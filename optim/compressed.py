@@ -231,7 +231,7 @@ def _split_scale(rows: Tensor) -> tuple[Tensor, Tensor]:
 
 def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm, *,
                           fed_back: bool = False, divisor: float | None = None, zeroed: Tensor | None = None,
-                          compiled: bool = False) -> Tensor:
+                          fused: str | None = None) -> Tensor:
     """Replace the padded flat `buffer` (N' elements) by the 1-bit compressed mean over ranks, in place.
 
     `worker_error` (N') and `server_error` (N'/W) are this rank's persistent error buffers. The result is
@@ -242,8 +242,9 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     rather than `x`, one pass fewer), and `buffer` only receives the result. `divisor`: the result divided by it,
     folded into the decoding (exactly `result / divisor`: each value is `+-scale / divisor`). `zeroed`: `zero_codes_`
     of the elements to set to +0.0 as the result is decoded; with one rank, which decodes nothing, the caller zeroes
-    them. `compiled`: the worker's and the server's compressions and the decoding compiled by inductor
-    (`_worker_compress_`, `_server_compress_`: the norm, then the error and the signs; `_decode_row_`), rounded
+    them. `fused`: the worker's and the server's compressions and the decoding compiled by inductor ("compiled":
+    `_worker_compress_`, `_server_compress_`: the norm, then the error and the signs; `_decode_row_`) or in Triton
+    kernels ("triton", `optim._triton_compressed`: fp32 buffers, the signs packed straight into the rows sent), rounded
     apart from the aten ops' within a few units in the last place (the norm's sum in another order).
     """
     world = comm.world_size
@@ -266,14 +267,19 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     block = _block_numel(buffer)
     # Phase 1: worker compression, chunk j of the signs (and this rank's scale) to rank j.
     send = torch.empty(world, chunk // 8 + _SCALE_BYTES, dtype=torch.uint8, device=buffer.device)
-    packed = torch.empty(buffer.numel() // 8, dtype=torch.uint8, device=buffer.device)
-    if compiled:
-        worker_scale = _WORKER_COMPRESS(None if fed_back else buffer, worker_error, packed)
+    if fused == "triton":
+        from optim._triton_compressed import decode_signs, triton_compress  # imports triton: allowed by the optimizer
+
+        worker_scale = triton_compress(worker_error, send[:, :chunk // 8], x=None if fed_back else buffer)
     else:
-        worker_scale = compress_(worker_error if fed_back else buffer.add_(worker_error), worker_error, packed)
-    send[:, :chunk // 8].copy_(packed.view(world, chunk // 8))
+        packed = torch.empty(buffer.numel() // 8, dtype=torch.uint8, device=buffer.device)
+        if fused == "compiled":
+            worker_scale = _WORKER_COMPRESS(None if fed_back else buffer, worker_error, packed)
+        else:
+            worker_scale = compress_(worker_error if fed_back else buffer.add_(worker_error), worker_error, packed)
+        send[:, :chunk // 8].copy_(packed.view(world, chunk // 8))
+        del packed
     _put_scale(send, worker_scale)
-    del packed
     received = torch.empty_like(send)
     comm.all_to_all_single(received, send)
     del send
@@ -282,7 +288,9 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     # block of columns at a time.
     weights = scales.to(buffer.dtype) * (1.0 / world)  # DeepSpeed multiplies by 1/W rather than dividing
     mine = torch.empty(1, chunk // 8 + _SCALE_BYTES, dtype=torch.uint8, device=buffer.device)
-    if compiled:
+    if fused == "triton":
+        server_scale = triton_compress(server_error, mine[0, :chunk // 8], signs=signs, weights=weights)
+    elif fused == "compiled":
         server_scale = _SERVER_COMPRESS(signs, weights, server_error, mine[0, :chunk // 8])
     else:
         server = buffer[:chunk]  # the buffer is free until phase 2 decodes into it: the server's vector lives there
@@ -296,7 +304,11 @@ def compressed_allreduce_(buffer: Tensor, worker_error: Tensor, server_error: Te
     comm.all_gather_into_tensor(gathered, mine)
     signs, scales = _split_scale(gathered)
     scales = scales.to(buffer.dtype)
-    _decode_into(buffer.view(world, chunk), signs, scales if divisor is None else scales / divisor, zeroed, compiled)
+    scales = scales if divisor is None else scales / divisor
+    if fused == "triton":
+        decode_signs(buffer.view(world, chunk), signs, scales, zeroed)
+    else:
+        _decode_into(buffer.view(world, chunk), signs, scales, zeroed, compiled=fused == "compiled")
     return buffer
 
 
@@ -325,12 +337,13 @@ class CompressedBuckets:
     buffer is in DeepSpeed (the tail holds the previous decompressed output, which feeds the next compression
     and its scale); without it the tail is zeroed before every call, as DeepSpeed's per-tensor padding. The
     errors and (with `keep_tail`) the tails are rank-specific state: checkpoint them with `state_dict()`.
-    `compiled`: the compressions compiled by inductor (see `compressed_allreduce_`).
+    `fused`: the compressions compiled by inductor ("compiled") or in Triton kernels ("triton"; see
+    `compressed_allreduce_`).
     """
 
     def __init__(self, layout: FlatLayout, comm: Comm, device: torch.device, dtype: torch.dtype = torch.float32,
-                 keep_tail: bool = False, compiled: bool = False) -> None:
-        self.layout, self.comm, self.keep_tail, self.compiled = layout, comm, keep_tail, compiled
+                 keep_tail: bool = False, fused: str | None = None) -> None:
+        self.layout, self.comm, self.keep_tail, self.fused = layout, comm, keep_tail, fused
         world = comm.world_size
         if any((b.end - b.start) % (8 * world) for b in layout.buckets):
             raise ValueError(f"CompressedBuckets: buckets must be padded for {world} ranks (use padded_numel)")
@@ -363,7 +376,7 @@ class CompressedBuckets:
                 buffer[bucket.size:].zero_()
             compressed_allreduce_(buffer, worker, server, self.comm, fed_back=fed_back,
                                   divisor=None if divisors is None else divisors[index],
-                                  zeroed=None if zeroed is None else zeroed[index], compiled=self.compiled)
+                                  zeroed=None if zeroed is None else zeroed[index], fused=self.fused)
 
     def bytes_per_call(self) -> int:
         """What one `allreduce_` costs this rank in Comm's bytes, all buckets together."""

@@ -15,7 +15,7 @@ from optim.comm import WIRE_DTYPES, Comm, average_tensors_
 from optim.compressed import CompressedBuckets, bucket_layout, padded_numel, zero_codes_
 from optim.flat import FlatLayout, FlatState, pop_flat_entries
 from optim.memory import onebit_family_bytes
-from optim.option_checks import check_adam_hyperparameters, check_flags
+from optim.option_checks import check_adam_hyperparameters, check_flags, check_triton, triton_refusal
 
 # Kept in every docstring of the family: where we differ from DeepSpeed 0.19.6.
 # Elements per bucket of the full-precision gradient average (warm-up, variance steps): DeepSpeed's engine averages
@@ -63,6 +63,7 @@ def check_onebit_family_options(options: dict[str, Any], bucketings: Sequence[st
     check_flags(options, "compiled")
     require(not (options["compiled"] and options["bucketing"] == "per_tensor"), "compiled", True,
             "compiles a graph per bucket: take bucketing per_group (or flat_scaled where offered), or compiled false")
+    check_triton(options)
 
 
 def check_onebit_adam_options(options: dict[str, Any]) -> None:
@@ -92,14 +93,14 @@ class OneBitFamily(torch.optim.Optimizer):
 
     Roundings: on the CPU every op rounds as DeepSpeed's (its trajectories are matched bit for bit there); on
     other devices (a GPU, and the `meta` device the step-cost count uses), and wherever `compiled` (which rounds
-    its compressions otherwise anyway), the momentum is one `lerp` and the
+    its compressions otherwise anyway) or `triton`, the momentum is one `lerp` and the
     Adam update the fused AdamW form `w (1 - lr wd) - lr m / denom`: fewer passes over memory, trajectories
     within 1e-5 relative of the CPU's (5e-7 measured; see `deepspeed_roundings`).
     """
 
     def __init__(self, params: Any, defaults: dict[str, Any], comm: Comm | None, bucketing: str,
                  init_noop_step: bool, mask_zero_variance: bool, dense_comm_dtype: str, compiled: bool = False,
-                 keep_tail: bool = False, flat_keys: Sequence[str] = ("exp_avg_sq",)) -> None:
+                 triton: bool = False, keep_tail: bool = False, flat_keys: Sequence[str] = ("exp_avg_sq",)) -> None:
         super().__init__(params, defaults)
         for group in self.param_groups:  # empty tensors would give NaN scales
             group["params"] = [p for p in group["params"] if p.numel() > 0]
@@ -114,6 +115,11 @@ class OneBitFamily(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: all parameters must share one device and dtype (its state "
                              f"lives in flat buffers); got {sorted({(str(p.device), str(p.dtype)) for p in params})}")
         device, dtype = params[0].device, params[0].dtype
+        refusal = triton_refusal(device) if triton else None
+        if refusal is None and triton and dtype != torch.float32:
+            refusal = f"takes fp32 parameters (its kernels work on fp32 buffers), not {dtype}"
+        if refusal is not None:
+            raise ValueError(f"{type(self).__name__}(triton=True) {refusal}; set triton=False")
         groups = [index for index, group in enumerate(self.param_groups) for _ in group["params"]]
         buckets = bucket_layout([len(g["params"]) for g in self.param_groups], bucketing)
         layout = FlatLayout.packed([p.shape for p in params], groups, buckets,
@@ -124,10 +130,11 @@ class OneBitFamily(torch.optim.Optimizer):
         self._state_keys = ("exp_avg", *flat_keys)
         for key in self._state_keys:
             self.flat.add(key, params, self.state)
-        self.buckets = CompressedBuckets(layout, self.comm, device, dtype, keep_tail=keep_tail, compiled=compiled)
+        fused = "compiled" if compiled else "triton" if triton else None
+        self.buckets = CompressedBuckets(layout, self.comm, device, dtype, keep_tail=keep_tail, fused=fused)
         # DeepSpeed's roundings where its trajectories are checked (the CPU, eager); fewer passes elsewhere
-        self.deepspeed_roundings = device.type == "cpu" and not compiled
-        self.compiled = compiled
+        self.deepspeed_roundings = device.type == "cpu" and fused is None
+        self.compiled, self.triton = compiled, triton
         self.step_count = 0
         self._stale = {"denom": True, "zero_variance": True}  # caches of v, rebuilt after v changed
         self._zero_codes: list[Tensor] | None = None
@@ -347,6 +354,10 @@ class OneBitAdam(OneBitFamily):
         compiled: the compressed all-reduce's compressions compiled by torch.compile (inductor), fewer passes
             than the aten ops (`optim.compressed.compressed_allreduce_`), on the fused roundings; the first
             compressed step compiles (a graph per bucket). Not with ``per_tensor`` bucketing.
+        triton: the compressed all-reduce's passes in Triton kernels (`optim._triton_compressed`): each compression
+            two passes over its vector (the norm, then the error and the packed signs, the sum never stored) and the
+            decoding one, on the fused roundings. fp32 CUDA tensors (or Triton's interpreter, `TRITON_INTERPRET=1`,
+            for tests). Not with ``compiled``.
         comm: the communication layer (given by `build_optimizer`); None means one process.
     """
 
@@ -355,16 +366,16 @@ class OneBitAdam(OneBitFamily):
     def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100000, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, dense_comm_dtype: str = "fp32",
-                 compiled: bool = False, comm: Comm | None = None) -> None:
+                 compiled: bool = False, triton: bool = False, comm: Comm | None = None) -> None:
         run_check(type(self).__name__, check_onebit_adam_options, dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, bucketing=bucketing,
             init_noop_step=init_noop_step, mask_zero_variance=mask_zero_variance, dense_comm_dtype=dense_comm_dtype,
-            compiled=compiled,
+            compiled=compiled, triton=triton,
         ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.freeze_step = freeze_step
         super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance, dense_comm_dtype,
-                         compiled)
+                         compiled, triton)
 
     def compressing(self, t: int) -> bool:
         """Whether step `t` is in the compression stage."""

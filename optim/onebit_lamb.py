@@ -78,7 +78,7 @@ class OneBitLAMB(OneBitFamily):
         factor_max, factor_min, factor_threshold: clamps of the compression-stage factor.
         bucketing: ``flat_scaled`` (DeepSpeed: one call over all momenta, with scaling coefficients),
             ``per_group`` or ``per_tensor``.
-        init_noop_step, mask_zero_variance, dense_comm_dtype, compiled, comm: as in `OneBitAdam`.
+        init_noop_step, mask_zero_variance, dense_comm_dtype, compiled, triton, comm: as in `OneBitAdam`.
     """
 
     __doc__ = (__doc__ or "") + DIFFERENCES_FROM_DEEPSPEED + """
@@ -91,19 +91,21 @@ class OneBitLAMB(OneBitFamily):
                  min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, bucketing: str = "flat_scaled", init_noop_step: bool = True,
                  mask_zero_variance: bool = True, dense_comm_dtype: str = "fp32", compiled: bool = False,
-                 comm: Comm | None = None) -> None:
+                 triton: bool = False, comm: Comm | None = None) -> None:
         run_check(type(self).__name__, check_onebit_lamb_options, dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, max_coeff=max_coeff,
             min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
             factor_threshold=factor_threshold, bucketing=bucketing, init_noop_step=init_noop_step,
             mask_zero_variance=mask_zero_variance, dense_comm_dtype=dense_comm_dtype, compiled=compiled,
+            triton=triton,
         ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                         min_coeff=min_coeff)
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance, dense_comm_dtype,
-                         compiled, keep_tail=bucketing == "flat_scaled", flat_keys=("exp_avg_sq", "exp_avg_sq_fresh"))
+                         compiled, triton, keep_tail=bucketing == "flat_scaled",
+                         flat_keys=("exp_avg_sq", "exp_avg_sq_fresh"))
         self.scaled = bucketing == "flat_scaled"
         self._lamb_coeffs: list[Tensor] = []
         numel = sum(p.numel() for p in self._params())
@@ -186,10 +188,18 @@ class OneBitLAMB(OneBitFamily):
         else:
             for slice_, group in self._groups():  # the new momentum in the gradients' storage, for a moment
                 torch._foreach_lerp_(grads[slice_], momenta[slice_], group["betas"][0])
-            torch._foreach_addcmul_(self.buckets.worker_views, grads, scaling)  # error + m s
+            multiply_add_(self.buckets.worker_views, grads, torch.stack(scaling), self.triton)  # error + m s
             torch._foreach_copy_(grads, momenta)  # the old momentum, exactly: every rank reconstructs alike
             self._compressed_mean_("exp_avg", fed_back=True)
-        torch._foreach_div_(momenta, scaling)
+        if self.triton and all(self._group_mask(group) is None for group in self.param_groups):
+            self._triton_update(params, grads, scaling, momenta)
+            return
+        if self.triton:
+            from optim._triton_tensorwise import per_tensor_divide  # imports triton: `triton_refusal` allowed it
+
+            per_tensor_divide(momenta, torch.stack(scaling))
+        else:
+            torch._foreach_div_(momenta, scaling)
         self._mask_("exp_avg")
         fresh = self._states("exp_avg_sq_fresh")
         for slice_, group in self._groups():
@@ -203,7 +213,7 @@ class OneBitLAMB(OneBitFamily):
                 params[slice_], grads[slice_], momenta[slice_], denoms[slice_], maxima[slice_], freezes[slice_],
                 last_factors[slice_], ones[slice_], lr=group["lr"], weight_decay=group["weight_decay"],
                 factor_max=self.factor_max, factor_min=self.factor_min, factor_threshold=self.factor_threshold,
-                deepspeed_roundings=self.deepspeed_roundings,
+                deepspeed_roundings=self.deepspeed_roundings, triton=self.triton,
             )
             self._lamb_coeffs.extend(coeffs.unbind())
 
@@ -231,16 +241,43 @@ class OneBitLAMB(OneBitFamily):
             stats = torch.cat([_REFRESH_AND_NORMS(momenta[p], scaling[p], self._group_mask(group), grads[p],
                                                   fresh[p], denoms[p], params[p], betas=group["betas"], **constants)
                                for p in pieces], dim=1)
-            norms = stats[1:] if group["weight_decay"] > 0 else (None, None)
             span = slice(pieces[0].start, pieces[-1].stop)
-            coeffs = frozen_coefficients(stats[0], *norms, freezes[span], last_factors[span],
-                                         factor_max=self.factor_max, factor_min=self.factor_min,
-                                         factor_threshold=self.factor_threshold)
+            coeffs = self._group_coefficients(group, stats, freezes[span], last_factors[span])
             steps = (coeffs * -group["lr"]).float()
             for p in pieces:
                 _APPLY_UPDATE(params[p], momenta[p], denoms[p], steps[p.start - span.start:p.stop - span.start],
                               weight_decay=group["weight_decay"])
             self._lamb_coeffs.extend(coeffs.unbind())
+
+    def _triton_update(self, params: list[Tensor], olds: list[Tensor], scaling: list[Tensor],
+                       momenta: list[Tensor]) -> None:
+        """The compression stage after the all-reduce in `optim._triton_onebit_lamb`'s kernels, per param group:
+        the momentum unscaled, the fresh variance, the ratio maxima and the update's norms in one pass (8 reads and
+        writes, where the aten ops take about 26), the update formed again and applied in another (4). Not where a
+        group has a momentum mask (`_compressed_step` takes the aten ops there)."""
+        from optim._triton_onebit_lamb import onebit_lamb_apply, refresh_and_stats  # imports triton: allowed
+
+        fresh, denoms, factors = self._states("exp_avg_sq_fresh"), self._denominators(), torch.stack(scaling)
+        freezes, last_factors = self._per_param("lamb_coeff_freeze"), self._per_param("last_factor")
+        self._lamb_coeffs = []
+        for span, group in self._groups():
+            if span.stop == span.start:
+                continue
+            beta1, beta2 = group["betas"]
+            stats = refresh_and_stats(momenta[span], olds[span], fresh[span], denoms[span], params[span],
+                                      factors[span], 1.0 / (1.0 - beta1), beta2, group["eps"], group["weight_decay"])
+            coeffs = self._group_coefficients(group, stats, freezes[span], last_factors[span])
+            onebit_lamb_apply(params[span], momenta[span], denoms[span], (coeffs * -group["lr"]).float(),
+                              group["weight_decay"])
+            self._lamb_coeffs.extend(coeffs.unbind())
+
+    def _group_coefficients(self, group: dict[str, Any], stats: Tensor, freezes: list[Tensor],
+                            last_factors: list[Tensor]) -> Tensor:
+        """A group's coefficients from the fused passes' per-tensor statistics (rows: the ratio maxima, the norms of
+        `m / denom` and of the update; the norms enter only with weight decay)."""
+        norms = stats[1:] if group["weight_decay"] > 0 else (None, None)
+        return frozen_coefficients(stats[0], *norms, freezes, last_factors, factor_max=self.factor_max,
+                                   factor_min=self.factor_min, factor_threshold=self.factor_threshold)
 
     def _swap_in_momenta_(self, grads: list[Tensor]) -> None:
         """`m <- beta1 m + (1 - beta1) g` in the flat buffer, with DeepSpeed's roundings, while the gradients'
@@ -350,13 +387,14 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
                                    denoms: list[Tensor], ratio_maxima: Tensor, coeff_freezes: list[Tensor],
                                    last_factors: list[Tensor], ones: list[Tensor], *, lr: float, weight_decay: float,
                                    factor_max: float, factor_min: float, factor_threshold: float,
-                                   deepspeed_roundings: bool = True) -> Tensor:
+                                   deepspeed_roundings: bool = True, triton: bool = False) -> Tensor:
     """One group's compression-stage update after the momenta were all-reduced; returns each tensor's coefficient.
 
     `work` (the dead gradients) takes the update direction; `denoms` is `sqrt(v) + eps`; `ratio_maxima` per tensor
     the largest `denom / (sqrt(v_fresh) + eps)`; `ones` a 0-d 1 per tensor (a factor that keeps DeepSpeed's
     rounding of `weight_decay * w`). Every op runs over a list, so their number does not grow with the tensors'.
     Per-tensor norms and the factor chain run over stacked 0-d tensors (float64): nothing is read on the host.
+    `triton`: the fused roundings' last multiply-add in one Triton launch (`multiply_add_`).
     """
     if not params:
         return torch.empty(0, dtype=torch.float64)
@@ -372,13 +410,24 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
         update_norm = torch.stack(torch._foreach_norm(work))
     coeffs = frozen_coefficients(ratio_maxima, prelim_norm, update_norm, coeff_freezes, last_factors,
                                  factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
-    steps = list((coeffs * -lr).float().unbind())
+    steps = (coeffs * -lr).float()
     if deepspeed_roundings:  # w + round(-lr c u): the product rounded before the sum
-        torch._foreach_mul_(work, steps)
+        torch._foreach_mul_(work, list(steps.unbind()))
         torch._foreach_add_(params, work)
     else:  # one multiply-add (its kernel may round once)
-        torch._foreach_addcmul_(params, work, steps)
+        multiply_add_(params, work, steps, triton)
     return coeffs
+
+
+def multiply_add_(outs: list[Tensor], ins: list[Tensor], factors: Tensor, triton: bool) -> None:
+    """`outs[t] += factors[t] * ins[t]`: torch's foreach op launches a kernel per tensor for a factor each (a 0-d
+    tensor), `triton` one per list (`optim._triton_tensorwise`)."""
+    if triton:
+        from optim._triton_tensorwise import per_tensor_multiply_add  # imports triton: `triton_refusal` allowed it
+
+        per_tensor_multiply_add(outs, ins, factors)
+    else:
+        torch._foreach_addcmul_(outs, ins, list(factors.unbind()))
 
 
 def frozen_coefficients(ratio_maxima: Tensor, prelim_norm: Tensor | None, update_norm: Tensor | None,

@@ -122,7 +122,8 @@ class ZeroOneAdam(OneBitFamily):
         local_step_scaler: phase-2 steps between doublings of the sync interval (alpha; DeepSpeed's default
             32678 is kept).
         local_step_clipper: the largest sync interval (H).
-        bucketing, init_noop_step, mask_zero_variance, dense_comm_dtype, compiled, comm: as in `OneBitAdam`.
+        bucketing, init_noop_step, mask_zero_variance, dense_comm_dtype, compiled, triton, comm: as in
+            `OneBitAdam`.
     """
 
     __doc__ = (__doc__ or "") + DIFFERENCES_FROM_DEEPSPEED + """
@@ -138,16 +139,17 @@ class ZeroOneAdam(OneBitFamily):
                  weight_decay: float = 0.0, var_freeze_step: int = 100000, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, dense_comm_dtype: str = "fp32",
-                 compiled: bool = False, comm: Comm | None = None) -> None:
+                 compiled: bool = False, triton: bool = False, comm: Comm | None = None) -> None:
         run_check(type(self).__name__, check_zero_one_adam_options, dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, var_freeze_step=var_freeze_step,
             var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper, bucketing=bucketing, init_noop_step=init_noop_step,
             mask_zero_variance=mask_zero_variance, dense_comm_dtype=dense_comm_dtype, compiled=compiled,
+            triton=triton,
         ))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, comm, bucketing, init_noop_step, mask_zero_variance, dense_comm_dtype,
-                         compiled, flat_keys=("exp_avg_sq", "sync_anchor"))  # w_a, set in phase 2
+                         compiled, triton, flat_keys=("exp_avg_sq", "sync_anchor"))  # w_a, set in phase 2
         self.schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
         self.lr_sums = [0.0] * len(self.param_groups)
 

@@ -23,9 +23,10 @@ since inductor compiles for real devices only: ops are the aten ops the dispatch
 a compiled graph runs, bytes theirs plus the bytes inductor counts for each compiled graph at every call of it
 (`CompiledTraffic`). Optimizers without the option are counted as they are, and say so in the `compiled` column.
 
-`--triton` counts the steps with `triton=True` (LAMB's Triton kernels, `optim._triton_lamb`) on the meta device: each
-kernel is a torch custom op, which the dispatch mode counts as one op and one launch moving the tensors it takes and
-mutates; on meta tensors it runs no kernel, so no GPU is needed. The `triton` column says which rows have it.
+`--triton` counts the steps with `triton=True` (the Triton kernels of LAMB, SLAMB and the 1-bit family) on the meta
+device: each kernel is a torch custom op, which the dispatch mode counts as one op and one launch moving the tensors
+it takes and mutates; on meta tensors it runs no kernel, so no GPU is needed. The `triton` column says which rows
+have it.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compiled", action="store_true",
                         help="count the steps with compiled=True where the optimizer takes it (on the CPU: slow)")
     parser.add_argument("--triton", action="store_true",
-                        help="count the steps with triton=True where the optimizer takes it (LAMB; on meta)")
+                        help="count the steps with triton=True where the optimizer takes it (on meta)")
     args = parser.parse_args(argv)
     if args.compiled and args.triton:
         parser.error("--compiled and --triton are two ways to fuse a step: choose one")

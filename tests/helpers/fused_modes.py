@@ -1,7 +1,9 @@
-"""LAMB and SLAMB in a fused mode (`compiled`: math compiled by inductor; `triton`: Triton kernels) held to their
-eager steps: the models, option sets and runs that both modes' tests share."""
+"""LAMB, SLAMB and the 1-bit family in a fused mode (`compiled`: math compiled by inductor; `triton`: Triton kernels)
+held to their eager steps: the models, option sets and runs that both modes' tests share."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from torch import nn
 from helpers.compiled_parity import RTOL, assert_continues, assert_weights_close
 from helpers.mlp import mlp_steps, small_mlp
 from helpers.round_trip import resumed_alongside
-from optim import LAMB, SLAMB, get_optimizer_spec, param_groups_weight_decay
+from optim import LAMB, SLAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, get_optimizer_spec, param_groups_weight_decay
 from optim.comm import Comm
 from optim.mirror_comm import MirrorComm
 from optim.slamb import _layout
@@ -118,3 +120,78 @@ def assert_ranks_as_eager(results: list[dict[str, list]], mode: str) -> None:
         for r in results:
             a, b = r["None"][0][step], r[mode][0][step]
             assert float((a - b).abs().max() / a.abs().max()) <= RTOL, f"step {step + 1}"
+
+
+# ------------------------------------------------------------------------------------------ the 1-bit family
+# Past each warm-up by a few compressed steps (0/1 Adam: its 1-bit gradient steps, local steps and syncs), on 2
+# mirrored ranks: the compressed all-reduce runs its multi-rank path.
+ONEBIT = {
+    "onebit_adam": (OneBitAdam, dict(lr=0.01, freeze_step=3)),
+    "onebit_lamb": (OneBitLAMB, dict(lr=0.01, freeze_step=3, max_coeff=0.3)),
+    "zero_one_adam": (ZeroOneAdam, dict(lr=0.01, var_freeze_step=4, var_update_scaler=1, local_step_scaler=1,
+                                        local_step_clipper=2)),
+}
+ONEBIT_STEPS = 9
+
+
+def onebit(name: str, model: nn.Module, mode: str | None, comm: Comm | None = None, **overrides):
+    """1-bit optimizer `name` over `model` in `mode` (None: the aten ops), on 2 mirrored ranks (or `comm`), with the
+    fused roundings (the path a GPU and both fused modes take; a CPU's aten ops take DeepSpeed's otherwise)."""
+    cls, kwargs = ONEBIT[name]
+    optimizer = cls(param_groups_weight_decay(model, 0.01), comm=comm or MirrorComm(2),
+                    **({mode: True} if mode else {}), **kwargs | overrides)
+    optimizer.deepspeed_roundings = False
+    return optimizer
+
+
+def assert_onebit_resumes_in_either_mode(name: str, mode: str) -> None:
+    """A checkpoint written in `mode` resumes exactly in it, and within `RTOL` with the aten ops."""
+    model = small_mlp(8, 16, 4)
+    optimizer = onebit(name, model, mode)
+    mlp_steps(model, optimizer, range(ONEBIT_STEPS - 3))
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    mlp_steps(model, optimizer, range(ONEBIT_STEPS - 3, ONEBIT_STEPS))
+    for resumed_mode in (mode, None):
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=True)
+        resumed = small_mlp(8, 16, 4)
+        resumed.load_state_dict(saved["model"])
+        resumed_optimizer = onebit(name, resumed, resumed_mode)
+        resumed_optimizer.load_state_dict(saved["optimizer"])
+        mlp_steps(resumed, resumed_optimizer, range(ONEBIT_STEPS - 3, ONEBIT_STEPS))
+        assert_continues(model, resumed, exactly=resumed_mode == mode)
+
+
+def onebit_ranks_in_both_modes(rank: int, world_size: int, mode: str) -> dict[str, list]:
+    """On a gloo rank: per optimizer and mode (`mode`, then the aten ops), this rank's weights after each step on its
+    own data, and whether its spec says the replicas agree then."""
+    torch._dynamo.reset()
+    comm, out = Comm(), {}
+    for name in ONEBIT:
+        for fused in (mode, None):
+            model = small_mlp(8, 16, 4)
+            # eps 1e-4: with distinct data, variances frozen this early are tiny, and 0/1 Adam diverges at 1e-8
+            optimizer = onebit(name, model, fused, comm, eps=1e-4)
+            weights, agree = [], []
+            for step in range(1, ONEBIT_STEPS + 1):
+                mlp_steps(model, optimizer, range(100 * rank + step, 100 * rank + step + 1))
+                weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+                agree.append(get_optimizer_spec(name).replicas_agree_after(optimizer, step))
+            out[f"{name}/{fused}"] = [weights, agree]
+    return out
+
+
+def assert_onebit_ranks_as_eager(results: list[dict[str, list]], mode: str) -> None:
+    """`onebit_ranks_in_both_modes`' results: the fused steps keep the replicas bit-identical wherever the aten ops
+    do, and each rank stays within `RTOL` of its eager trajectory."""
+    for name in ONEBIT:
+        fused, eager = (f"{name}/{m}" for m in (mode, None))
+        for step in range(ONEBIT_STEPS):
+            if results[0][eager][1][step]:
+                assert results[0][fused][1][step]
+                assert torch.equal(results[0][fused][0][step], results[1][fused][0][step]), \
+                    f"{name}: replicas differ after step {step + 1}"
+            for r in results:
+                a, b = r[eager][0][step], r[fused][0][step]
+                assert float((a - b).abs().max() / a.abs().max()) <= RTOL, f"{name}, step {step + 1}"

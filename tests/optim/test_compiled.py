@@ -4,20 +4,28 @@ steps."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from helpers.compiled_parity import RTOL, assert_continues, assert_weights_close
+from helpers.compiled_parity import assert_continues, assert_weights_close
 from helpers.distributed_harness import run_on_ranks
-from helpers.fused_modes import LAMB_CONFIGS, assert_lamb_matches_eager, lamb
+from helpers.fused_modes import (
+    LAMB_CONFIGS,
+    ONEBIT,
+    ONEBIT_STEPS,
+    assert_lamb_matches_eager,
+    assert_onebit_ranks_as_eager,
+    assert_onebit_resumes_in_either_mode,
+    lamb,
+    onebit,
+    onebit_ranks_in_both_modes,
+)
 from helpers.mlp import mlp_steps, small_mlp
 from helpers.round_trip import resumed_alongside
 from torch import nn
 from torch._dynamo.utils import counters
 
 from core.options import InvalidOption
-from optim import LAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, get_optimizer_spec, param_groups_weight_decay
+from optim import LAMB, OneBitAdam, OneBitLAMB
 from optim._compiled import TENSORS_PER_GRAPH, CompiledMath, graph_chunks
 from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm
@@ -86,23 +94,8 @@ def test_compiled_needs_the_multi_tensor_path():
 
 
 # ------------------------------------------------------------------------------------------ the 1-bit family
-# Past each warm-up by a few compressed steps (0/1 Adam: its 1-bit gradient steps, local steps and syncs), on 2
-# mirrored ranks: the compressed all-reduce runs its multi-rank path.
-ONEBIT = {
-    "onebit_adam": (OneBitAdam, dict(lr=0.01, freeze_step=3)),
-    "onebit_lamb": (OneBitLAMB, dict(lr=0.01, freeze_step=3, max_coeff=0.3)),
-    "zero_one_adam": (ZeroOneAdam, dict(lr=0.01, var_freeze_step=4, var_update_scaler=1, local_step_scaler=1,
-                                        local_step_clipper=2)),
-}
-ONEBIT_STEPS = 9
-
-
 def _onebit(name: str, model: nn.Module, compiled: bool, comm: Comm | None = None, **overrides):
-    cls, kwargs = ONEBIT[name]
-    optimizer = cls(param_groups_weight_decay(model, 0.01), comm=comm or MirrorComm(2), compiled=compiled,
-                    **kwargs | overrides)
-    optimizer.deepspeed_roundings = False  # the eager path a GPU takes, which compiled=True also takes
-    return optimizer
+    return onebit(name, model, "compiled" if compiled else None, comm, **overrides)
 
 
 @pytest.mark.parametrize("name", list(ONEBIT))
@@ -120,21 +113,7 @@ def test_compiled_onebit_family_matches_eager(name):
 
 @pytest.mark.parametrize("name", list(ONEBIT))
 def test_a_onebit_checkpoint_resumes_in_either_mode(name):
-    model = small_mlp(8, 16, 4)
-    optimizer = _onebit(name, model, True)
-    mlp_steps(model, optimizer, range(ONEBIT_STEPS - 3))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    mlp_steps(model, optimizer, range(ONEBIT_STEPS - 3, ONEBIT_STEPS))
-    for compiled in (True, False):
-        buffer.seek(0)
-        saved = torch.load(buffer, weights_only=True)
-        resumed = small_mlp(8, 16, 4)
-        resumed.load_state_dict(saved["model"])
-        resumed_optimizer = _onebit(name, resumed, compiled)
-        resumed_optimizer.load_state_dict(saved["optimizer"])
-        mlp_steps(resumed, resumed_optimizer, range(ONEBIT_STEPS - 3, ONEBIT_STEPS))
-        assert_continues(model, resumed, exactly=compiled)
+    assert_onebit_resumes_in_either_mode(name, "compiled")
 
 
 def test_compiled_onebit_lamb_applies_a_groups_momentum_mask():
@@ -157,37 +136,8 @@ def test_compiled_onebit_refuses_a_bucket_per_tensor():
         OneBitAdam([nn.Parameter(torch.ones(8))], bucketing="per_tensor", compiled=True)
 
 
-def _ranks_compiled_and_eager(rank: int, world_size: int) -> dict[str, list]:
-    """Per optimizer and mode, this rank's weights after each step on its own data, and whether its spec says the
-    replicas agree then."""
-    torch._dynamo.reset()
-    comm, out = Comm(), {}
-    for name in ONEBIT:
-        for compiled in (True, False):
-            model = small_mlp(8, 16, 4)
-            # eps 1e-4: with distinct data, variances frozen this early are tiny, and 0/1 Adam diverges at 1e-8
-            optimizer = _onebit(name, model, compiled, comm, eps=1e-4)
-            weights, agree = [], []
-            for step in range(1, ONEBIT_STEPS + 1):
-                mlp_steps(model, optimizer, range(100 * rank + step, 100 * rank + step + 1))
-                weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-                agree.append(get_optimizer_spec(name).replicas_agree_after(optimizer, step))
-            out[f"{name}/{compiled}"] = [weights, agree]
-    return out
-
-
 @pytest.mark.slow
 def test_compiled_onebit_family_on_gloo_ranks_with_their_own_data():
     """Real collectives, distinct gradients: the compiled steps keep the replicas bit-identical wherever the eager
     ones do, and each rank within the tolerance of its eager trajectory."""
-    results = run_on_ranks(_ranks_compiled_and_eager, 2)
-    for name in ONEBIT:
-        for step in range(ONEBIT_STEPS):
-            compiled, eager = (results[0][f"{name}/{mode}"] for mode in (True, False))
-            if eager[1][step]:
-                assert compiled[1][step]
-                assert torch.equal(results[0][f"{name}/True"][0][step], results[1][f"{name}/True"][0][step]), \
-                    f"{name}: replicas differ after step {step + 1}"
-            for r in results:
-                a, b = r[f"{name}/False"][0][step], r[f"{name}/True"][0][step]
-                assert float((a - b).abs().max() / a.abs().max()) <= RTOL, f"{name}, step {step + 1}"
+    assert_onebit_ranks_as_eager(run_on_ranks(onebit_ranks_in_both_modes, 2, "compiled"), "compiled")
