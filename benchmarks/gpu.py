@@ -90,12 +90,14 @@ PARTS = [  # in order of what matters most when the budget runs short
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large"), 90,
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--optimizers",
           "lamb", "--warmup", "1", "--repeats", "1"), r"copy bandwidth \d+ GB/s"),
-    # LAMB's and SLAMB's Triton kernels (`triton=True`), beside their aten steps of `bandwidth`, with the top kernels.
-    # Counted on the CPU (BERT-Large): LAMB 1.43x one fused pass in 37 launches where its aten ops take 2.00x in 313;
-    # SLAMB 1.98x in 431 where they take 2.82x in 562. The first step compiles the kernels (seconds).
-    Part("step_triton", "LAMB and SLAMB in their Triton kernels against the memory-bandwidth bound, BERT-Large",
+    # The Triton kernels (`triton=True`), beside the aten steps of `bandwidth`, with the top kernels. Counted on the
+    # CPU (BERT-Large, x one fused pass in launches, aten ops in brackets): LAMB 1.43x in 37 (2.00x in 313), SLAMB 1.98x
+    # in 431 (2.82x in 562), 1-bit LAMB 2.76x in 91 (5.85x in 1,609), 0/1 Adam 2.76x in 148 (4.18x in 319). The
+    # first step compiles the kernels (seconds).
+    Part("step_triton", "LAMB, SLAMB, 1-bit LAMB and 0/1 Adam in their Triton kernels against the memory-bandwidth "
+         "bound, BERT-Large",
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--triton", "--optimizers", "lamb",
-          "slamb", "--profile", "10"), 90,
+          "slamb", "onebit_lamb", "zero_one_adam", "--profile", "10"), 150,
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--triton",
           "--optimizers", "lamb", "--warmup", "0", "--repeats", "1"), r"copy bandwidth \d+ GB/s"),
     Part("gpu_tests", "the GPU tests (`pytest -m gpu`)", ("python", "-m", "pytest", "-m", "gpu", "-q", "-rs", "-n",
@@ -154,7 +156,7 @@ PARTS = [  # in order of what matters most when the budget runs short
          optional=True),
 ]
 BUDGET_S = 540  # the whole command's limit, 9 minutes. By the part times of 64ad0e9 and 6f1393c on one H100 (the two
-# demo-length parts and step_triton estimated at about 31 s each) the default parts come to about 570 s: the budget
+# demo-length parts at about 31 s each, step_triton at about 60 s) the default parts come to about 600 s: the budget
 # may cut the last two (step_profile, swin).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 TAIL_LINES = 25

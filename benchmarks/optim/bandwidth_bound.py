@@ -14,7 +14,7 @@ compressed one.
 
 `--compiled` times the optimizers that take `compiled=True` with it (their math compiled by inductor; the warm-up
 steps compile it), the others as they are; the `compiled` column says which. `--triton` does the same with
-`triton=True` (LAMB's Triton kernels: CUDA only), in the `triton` column.
+`triton=True` (the Triton kernels of LAMB, SLAMB and the 1-bit family: CUDA only), in the `triton` column.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --compiled: torch._inductor.config settings for the compiles, e.g. "
                         "combo_kernels=True (a launch for many tensors' kernels) or triton.cudagraphs=True")
     parser.add_argument("--triton", action="store_true",
-                        help="triton=True for the optimizers that take it (LAMB's Triton kernels; CUDA only)")
+                        help="triton=True for the optimizers that take it (their Triton kernels; CUDA only)")
     args = parser.parse_args(argv)
     if args.compiled and args.triton:
         parser.error("--compiled and --triton are two ways to fuse a step: choose one")

@@ -2,7 +2,7 @@
 LAMB's per-tensor factors in `optim._triton_tensorwise`) against the aten ops: the all-reduce's signs and server sum
 bit for bit and its values within a few units in the last place, every optimizer's steps within 1e-5 relative, exact
 resume, gloo ranks that stay bit-identical. On a machine without a GPU the kernels run in Triton's interpreter
-(tests/conftest.py sets `TRITON_INTERPRET=1`)."""
+(tests/conftest.py sets `TRITON_INTERPRET=1`); the `gpu` tests run them compiled on CUDA."""
 
 from __future__ import annotations
 
@@ -129,3 +129,21 @@ def test_triton_onebit_family_on_gloo_ranks_with_their_own_data():
     """Real collectives, distinct gradients: the kernels keep the replicas bit-identical wherever the aten ops do
     (the norms' sums in a fixed order, no atomic adds), and each rank within 1e-5 of its eager trajectory."""
     assert_onebit_ranks_as_eager(run_on_ranks(onebit_ranks_in_both_modes, 2, "triton"), "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(ONEBIT))
+def test_compiled_onebit_kernels_match_the_aten_ops_on_a_gpu(name):
+    """The JIT-compiled kernels on CUDA, tensors of several blocks: within the tolerance of the aten ops, and bit for
+    bit the same from the same inputs (sums added in a fixed order: no atomics)."""
+    models = [small_mlp(300, 64, 40).cuda() for _ in range(3)]
+    for model, mode in zip(models, (None, "triton", "triton"), strict=True):
+        optimizer = onebit(name, model, mode)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for _ in range(ONEBIT_STEPS):  # the same gradients for every model (no backward, which may round otherwise)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g, device="cuda") * 1e-2
+            optimizer.step()
+    assert_weights_close(models[0], models[1])
+    assert all(torch.equal(p, q) for p, q in zip(models[1].parameters(), models[2].parameters(), strict=True))

@@ -1,5 +1,5 @@
-"""The Triton kernels compile for a GPU on a machine without one. Every launch that LAMB and SLAMB steps make with
-`triton=True` (run here in Triton's interpreter) is compiled ahead of time with the arguments it was given, for an
+"""The Triton kernels compile for a GPU on a machine without one. Every launch that LAMB, SLAMB and 1-bit steps make
+with `triton=True` (run here in Triton's interpreter) is compiled ahead of time with the arguments it was given, for an
 A100 (sm_80) and an H100 (sm_90): Triton's code generator and its PTX backend need no device, so what the
 interpreter accepts but the compiler would refuse fails here, not on a lent GPU; and a launch whose tensors are
 16-byte aligned and sized moves 16 bytes per access. The compiles run in a fresh process, without the interpreter,
@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers.mlp import mlp_steps, small_mlp
 
-from optim import LAMB, SLAMB, param_groups_weight_decay
+from optim import LAMB, SLAMB, OneBitAdam, OneBitLAMB, param_groups_weight_decay
 from optim.mirror_comm import MirrorComm
 
 triton = pytest.importorskip("triton")
@@ -26,7 +26,10 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 
 ARCHS = [80, 90]
 KERNELS = {"optim._triton": ("_moments_and_sums", "_reduce_sums"), "optim._triton_lamb": ("_apply",),
-           "optim.slamb._triton": ("_apply", "_gather")}  # by module: the kernels the optimizers launch
+           "optim.slamb._triton": ("_apply", "_gather"),
+           "optim._triton_compressed": ("_square_sums", "_rms", "_compress", "_decode"),
+           "optim._triton_tensorwise": ("_per_tensor",),
+           "optim._triton_onebit_lamb": ("_refresh_and_stats", "_tensor_stats", "_apply")}  # the kernels launched
 COMPILE = """
 import importlib, json, sys
 import triton, triton.language as tl
@@ -57,7 +60,8 @@ class _Recording:
 
 @pytest.fixture(scope="module")
 def launches() -> list:
-    """The kernel launches of LAMB's steps (pre-normalised, with a clipped ratio, in bf16) and of SLAMB's."""
+    """The kernel launches of LAMB's steps (pre-normalised, with a clipped ratio, in bf16), of SLAMB's and of the 1-bit
+    family's compressed steps (1-bit Adam compresses `x + error`, 1-bit LAMB its fed-back error)."""
     recorded: list = []
     with pytest.MonkeyPatch.context() as patch:
         for module, names in KERNELS.items():
@@ -75,6 +79,10 @@ def launches() -> list:
         model = small_mlp(60, 201, 30)
         mlp_steps(model, SLAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, compress_ratio=0.2,
                                min_compress_numel=1000, comm=MirrorComm(2), triton=True), range(2))
+        for cls in (OneBitAdam, OneBitLAMB):
+            model = small_mlp(8, 16, 4)
+            mlp_steps(model, cls(param_groups_weight_decay(model, 0.01), lr=1e-2, freeze_step=2, comm=MirrorComm(2),
+                                 triton=True), range(4))
     return recorded
 
 
