@@ -51,15 +51,41 @@ def triton_local_pass(params: list[Tensor], grads: list[Tensor], exp_avgs: list[
 
 
 @triton.jit
+def _row_of(row_first, row_shift, tensor, offsets):
+    """Whether the slot's coefficient is per row of the mask, and each element's row (the chunk's rows counted)."""
+    shift = tl.load(row_shift + tensor)  # log2 of the row size; -1: one coefficient for the slot
+    return shift >= 0, tl.load(row_first + tensor) + (offsets >> tl.maximum(shift, 0))
+
+
+@triton.jit
 def _apply(addresses, count, tensor_of_block, first_element, numels, row_first, row_shift, slot_coefs, row_coefs,
            W_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK, ALIGNED)
     w_at, w = load_block(addresses, tensor, offsets, inside, W_DTYPE, ALIGNED)
     _, u = load_block(addresses, count + tensor, offsets, inside, tl.float32, ALIGNED)
-    shift = tl.load(row_shift + tensor)  # log2 of the row size; -1: one coefficient for the slot
-    per_row = shift >= 0
-    row = tl.load(row_first + tensor) + (offsets >> tl.maximum(shift, 0))
+    per_row, row = _row_of(row_first, row_shift, tensor, offsets)
     coef = tl.where(per_row, tl.load(row_coefs + row, mask=inside & per_row, other=0.0), tl.load(slot_coefs + tensor))
+    tl.store(w_at + offsets, (w + u * coef).to(W_DTYPE), mask=inside)
+
+
+@triton.jit
+def _apply_rescaled(addresses, count, tensor_of_block, first_element, numels, row_first, row_shift, fresh, stale,
+                    one_d, freshness, c_min, c_max, clamp_1d, adapt, lr_fresh, lr_stale, to_freshness,
+                    W_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK, ALIGNED)
+    w_at, w = load_block(addresses, tensor, offsets, inside, W_DTYPE, ALIGNED)
+    _, u = load_block(addresses, count + tensor, offsets, inside, tl.float32, ALIGNED)
+    phi_f = tl.load(fresh + tensor)
+    phi_u = tl.load(stale + tensor)
+    clamped = (adapt != 0) & ((clamp_1d != 0) | (tl.load(one_d + tensor) == 0))  # `SLAMB._clamp_ratios`
+    phi_f = tl.where(clamped, tl.minimum(tl.maximum(phi_f, c_min), c_max), phi_f)
+    phi_u = tl.where(clamped, tl.minimum(tl.maximum(phi_u, 0.0), c_max), phi_u)
+    fresh_coef = phi_f * -lr_fresh
+    stale_coef = phi_u * -lr_stale
+    slope = (fresh_coef - stale_coef) * to_freshness  # per unit of q: coef = stale_coef + q slope
+    per_row, row = _row_of(row_first, row_shift, tensor, offsets)
+    q = tl.load(freshness + row, mask=inside & per_row, other=0.0).to(tl.float32)
+    coef = tl.where(per_row, stale_coef + q * slope, fresh_coef)
     tl.store(w_at + offsets, (w + u * coef).to(W_DTYPE), mask=inside)
 
 
@@ -87,6 +113,32 @@ def slamb_apply(params: list[Tensor], directions: list[Tensor], slot_coefs: Tens
 
 @slamb_apply.register_fake
 def _(params, directions, slot_coefs, row_coefs, row_first, row_shift):
+    return None
+
+
+@torch.library.custom_op("slamb_optim::slamb_apply_rescaled", mutates_args=("params",))
+def slamb_apply_rescaled(params: list[Tensor], directions: list[Tensor], fresh: Tensor, stale: Tensor, one_d: Tensor,
+                         freshness: Tensor, row_first: list[int], row_shift: list[int], c_min: float, c_max: float,
+                         clamp_1d: bool, adapt: bool, lr_fresh: float, lr_stale: float, to_freshness: float) -> None:
+    """`w += c * u` per slot with the default rescale (`sum_of_products`), c formed as it adds from the slot's raw
+    ratios phi_F and phi_U (`fresh`, `stale`; clamped as `SLAMB._clamp_ratios` clamps them where `adapt`) and, in a
+    masked slot, the row's scaled freshness q (`freshness`, the chunk's rows; `row_first`, `row_shift` as in
+    `slamb_apply`): `c = -lr_stale phi_U + q to_freshness (-lr_fresh phi_F + lr_stale phi_U)`, `-lr_fresh phi_F` in a
+    slot synced whole."""
+    device, sizes = params[0].device, tuple(p.numel() for p in params)
+    tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
+    if tensor_of_block.numel():
+        addresses, aligned = address_table(device, params, directions)
+        _apply_rescaled[(tensor_of_block.numel(),)](
+            addresses, len(params), tensor_of_block, first_element, numels,
+            *_row_tables(tuple(row_first), tuple(row_shift), device), fresh, stale, one_d, freshness, c_min, c_max,
+            int(clamp_1d), int(adapt), lr_fresh, lr_stale, to_freshness, W_DTYPE=DTYPES[params[0].dtype],
+            BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, sizes))
+
+
+@slamb_apply_rescaled.register_fake
+def _(params, directions, fresh, stale, one_d, freshness, row_first, row_shift, c_min, c_max, clamp_1d, adapt,
+      lr_fresh, lr_stale, to_freshness):
     return None
 
 
@@ -133,3 +185,102 @@ def triton_gather_weights(chunk: Chunk, mask: Mask, out: Tensor) -> None:
     counts = [size // s.row_size for s, size in zip(chunk.masked, mask.sizes, strict=True)]
     gather_rows([s.param for s in chunk.masked], mask.rows, out, list(mask.sizes), _starts(counts), list(chunk.bases),
                 [s.row_size.bit_length() - 1 for s in chunk.masked])
+
+
+# ------------------------------------------------------------------------------------------ the trust ratios
+@triton.jit
+def _fresh(tensor_of_block, first_element, sizes, starts, fresh, compact, denominators, weights, valid, partials,
+           total_blocks, factor, DECAY: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
+    segment, at, inside = block_of(tensor_of_block, first_element, sizes, BLOCK, False)
+    at = tl.load(starts + segment) + at
+    m = tl.load(compact + at, mask=inside, other=0.0)
+    d = tl.load(denominators + at, mask=inside, other=1.0)
+    w = tl.load(weights + at, mask=inside, other=0.0)
+    u = w + (factor * m) / d if DECAY else m / d  # `SLAMB._fresh_direction`'s addcdiv or division
+    tl.store(fresh + at, u, mask=inside)
+    if HAS_VALID:  # a padding duplicate of a selected coordinate counts once
+        keep = tl.load(valid + at, mask=inside, other=0.0)
+        u, w = u * keep, w * keep
+    block = tl.program_id(0)
+    tl.store(partials + block, tl.sum(u * u, axis=0))
+    tl.store(partials + total_blocks + block, tl.sum(w * w, axis=0))
+
+
+@functools.cache
+def _segments(sizes: tuple[int, ...], block: int, device: torch.device) -> tuple[Tensor, ...]:
+    """`blocks` of the compact vector's segments (one per masked slot), with each segment's first coordinate."""
+    return (*blocks(sizes, block, device), on_device(torch.tensor(_starts(sizes), dtype=torch.int64), device))
+
+
+@torch.library.custom_op("slamb_optim::fresh_direction_sums", mutates_args=("fresh",))
+def fresh_direction_sums(fresh: Tensor, compact: Tensor, denominators: Tensor, weights: Tensor, valid: Tensor | None,
+                         sizes: list[int], factor: float, decay: bool) -> Tensor:
+    """The masked slots' direction at S_t, `[weights +] factor compact / denominators`, into `fresh`, and per block of
+    each slot's segment (`sizes`) the sums of its squares and of the weights' squares (`valid` ones only): a
+    (2, blocks) float32 tensor."""
+    tensor_of_block, first_element, numels, _, starts = _segments(tuple(sizes), _triton.BLOCK, fresh.device)
+    partials = torch.empty((2, tensor_of_block.numel()), dtype=torch.float32, device=fresh.device)
+    if tensor_of_block.numel():
+        _fresh[(tensor_of_block.numel(),)](
+            tensor_of_block, first_element, numels, starts, fresh, compact, denominators, weights,
+            valid if valid is not None else fresh, partials, tensor_of_block.numel(), factor, DECAY=decay,
+            HAS_VALID=valid is not None, BLOCK=_triton.BLOCK)
+    return partials
+
+
+@fresh_direction_sums.register_fake
+def _(fresh, compact, denominators, weights, valid, sizes, factor, decay):
+    return fresh.new_empty((2, sum(-(-n // _triton.BLOCK) for n in sizes)), dtype=torch.float32)
+
+
+@triton.jit
+def _segment_sum(partials, row, total_blocks, first, last, SUM_BLOCK: tl.constexpr):
+    """The sum of row `row` of `partials` over the blocks [first, last), in a fixed order."""
+    total = tl.zeros([SUM_BLOCK], dtype=tl.float32)
+    for start in range(first, last, SUM_BLOCK):
+        at = start + tl.arange(0, SUM_BLOCK)
+        total += tl.load(partials + row * total_blocks + at, mask=at < last, other=0.0)
+    return tl.sum(total, axis=0)
+
+
+@triton.jit
+def _ratios(weight_norms, direction_norms, always_norms, local, averaged, total_blocks, first_block, out, always,
+            slots, unit, fallback, SUM_BLOCK: tl.constexpr):
+    slot = tl.program_id(0)
+    synced = slot < always  # a slot synced whole: everything fresh, no blocks of S_t
+    segment = tl.maximum(slot - always, 0)
+    first = tl.load(first_block + segment)
+    last = tl.where(synced, first, tl.load(first_block + segment + 1))
+    w_total = tl.load(weight_norms + slot)
+    w_square = _segment_sum(local, 1, total_blocks, first, last, SUM_BLOCK)
+    local_square = _segment_sum(local, 0, total_blocks, first, last, SUM_BLOCK)
+    averaged_square = _segment_sum(averaged, 0, total_blocks, first, last, SUM_BLOCK)
+    u_total = tl.load(direction_norms + segment, mask=slot >= always, other=0.0)
+    w_fresh = tl.where(synced, w_total, tl.sqrt(w_square))
+    u_fresh = tl.where(synced, tl.load(always_norms + tl.minimum(slot, tl.maximum(always - 1, 0)), mask=synced,
+                                       other=0.0), tl.sqrt(averaged_square)) * unit
+    u_stale = tl.sqrt(tl.maximum(u_total * u_total - local_square, 0.0)) * unit  # 0 where synced
+    w_stale = tl.where(synced, 0.0, tl.sqrt(tl.maximum(w_total * w_total - w_square, 0.0)))
+    fresh_adapted = (w_fresh > 0) & (u_fresh > 0)
+    stale_adapted = (w_stale > 0) & (u_stale > 0)
+    tl.store(out + slot, tl.where(fresh_adapted, w_fresh / tl.where(fresh_adapted, u_fresh, 1.0), 1.0))
+    tl.store(out + slots + slot, tl.where(stale_adapted, w_stale / tl.where(stale_adapted, u_stale, 1.0), fallback))
+
+
+@torch.library.custom_op("slamb_optim::slamb_trust_ratios", mutates_args=())
+def trust_ratios(weight_norms: Tensor, direction_norms: Tensor, always_norms: Tensor, local: Tensor, averaged: Tensor,
+                 sizes: list[int], unit: float, fallback: float) -> Tensor:
+    """Per slot the raw phi_F and phi_U (`SLAMB._trust_ratios`), a (2, slots) tensor, from the norms of the weights
+    (every slot), of the local direction (masked slots) and of the averaged direction (always-synced slots), and the
+    block sums of `fresh_direction_sums` before (`local`) and after (`averaged`) the momentum's average."""
+    slots, always = weight_norms.numel(), weight_norms.numel() - len(sizes)
+    out = weight_norms.new_empty((2, slots))
+    _ratios[(slots,)](weight_norms, direction_norms, always_norms, local, averaged, local.size(1),
+                      _segments(tuple(sizes), _triton.BLOCK, weight_norms.device)[3], out, always, slots, unit,
+                      fallback, SUM_BLOCK=_triton.SUM_BLOCK)
+    return out
+
+
+@trust_ratios.register_fake
+def _(weight_norms, direction_norms, always_norms, local, averaged, sizes, unit, fallback):
+    return weight_norms.new_empty((2, weight_norms.numel()))

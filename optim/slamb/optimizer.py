@@ -305,25 +305,40 @@ class SLAMB(torch.optim.Optimizer):
             layout.gather(chunk, mask, scratch.compact)  # the local momentum at S_t
             self._denominators(layout, chunk, mask, scratch, eps)
         if adapt and chunk.masked:  # the stale norms' terms, from the local direction (see `_trust_ratios`)
-            self._fresh_direction(chunk, scratch, factor, decay_in_norms)
+            local_sums = self._fresh_direction(chunk, mask, scratch, factor, decay_in_norms, fused)
             always = len(chunk.slots) - len(chunk.masked)
             local_total = (norms[1][always:] if norms is not None
                            else torch.stack(torch._foreach_norm(chunk.directions[always:])))
-            local_norms = (local_total, _fresh_norms(mask, scratch))
+            local_norms = (local_total, local_sums if fused == "triton" else _fresh_norms(mask, scratch))
+        averaged_sums = None
         if self.comm.distributed:
             self._all_reduce_mean(scratch.compact)
             layout.scatter(chunk, mask, scratch.compact)
-            self._average_directions(layout, chunk, mask, scratch, factor, decay_in_norms)
+            averaged_sums = self._average_directions(layout, chunk, mask, scratch, factor, decay_in_norms, fused)
         if adapt:
             weight_norms = None if norms is None else norms[0]
-            fresh, stale = self._trust_ratios(chunk, mask, scratch, unit, local_norms, weight_norms)
-            fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
+            fresh, stale = self._trust_ratios(chunk, mask, scratch, unit, local_norms, weight_norms, averaged_sums,
+                                              fused)
         else:  # NVLAMB's plain Adam step: both ratios exactly 1, never clamped (no norms taken)
-            fresh = stale = fresh_clamped = stale_clamped = torch.ones(len(chunk.slots), device=layout.work.device)
+            fresh = stale = torch.ones(len(chunk.slots), device=layout.work.device)
         if weight_decay != 0 and not self.wd_in_trust_ratio:
             torch._foreach_add_(chunk.directions, [s.param for s in chunk.slots], alpha=weight_decay / scale)
 
         lr_fresh, lr_stale = lr * unit, lr * unit / math.sqrt(self.world_size)
+        if fused == "triton" and self.rescale == "sum_of_products":  # the clamps and coefficients formed as it adds
+            from optim.slamb._triton import slamb_apply_rescaled  # imports triton: `triton_refusal` allowed it
+
+            always = len(chunk.slots) - len(chunk.masked)
+            scaled = layout.scaled_freshness[chunk.rows[1]:chunk.rows[2]]
+            slamb_apply_rescaled([s.param for s in chunk.slots], chunk.directions, fresh, stale, chunk.one_d, scaled,
+                                 [0] * always + [s.row - chunk.rows[1] for s in chunk.masked],
+                                 [-1] * always + [s.row_size.bit_length() - 1 for s in chunk.masked],
+                                 *self.trust_ratio_bounds, self.clamp_1d, adapt, lr_fresh, lr_stale, to_freshness)
+            return
+        if adapt:
+            fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
+        else:
+            fresh_clamped, stale_clamped = fresh, stale
         fresh_coef = fresh_clamped * -lr_fresh  # per slot, on the device: no host read
         if self.rescale == "sum_of_products":  # coef = -[lr_stale phi_U + r (lr_fresh phi_F - lr_stale phi_U)]
             stale_coef = stale_clamped * -lr_stale
@@ -413,15 +428,23 @@ class SLAMB(torch.optim.Optimizer):
             masked.sqrt_().add_(eps)
 
     @staticmethod
-    def _fresh_direction(chunk: Chunk, scratch: Scratch, factor: float, decay_in_norms: bool) -> None:
+    def _fresh_direction(chunk: Chunk, mask: Mask, scratch: Scratch, factor: float, decay_in_norms: bool,
+                         fused: str | None) -> Tensor | None:
         """The masked slots' direction at S_t from the momentum in the compact vector, into `scratch.fresh` (the
-        fused kernel's formula, rounded apart from it by a few units in the last place)."""
+        fused kernel's formula, rounded apart from it by a few units in the last place). `fused` "triton": in one
+        kernel, which returns the block sums of its squares and of the weights' there (`_trust_ratios` takes them)."""
         a = chunk.split - chunk.start
+        if fused == "triton":
+            from optim.slamb._triton import fresh_direction_sums  # imports triton: `triton_refusal` allowed it
+
+            return fresh_direction_sums(scratch.fresh, scratch.compact[a:], scratch.denominators[a:], scratch.weights,
+                                        mask.valid, list(mask.sizes), factor, decay_in_norms)
         if decay_in_norms:
             torch.addcdiv(scratch.weights, scratch.compact[a:], scratch.denominators[a:], value=factor,
                           out=scratch.fresh)
         else:
             torch.div(scratch.compact[a:], scratch.denominators[a:], out=scratch.fresh)
+        return None
 
     def _all_reduce_mean(self, compact: Tensor) -> None:
         """m[S_t] <- the rank mean, in buckets of at most bucket_mb (see `comm_dtype` for the half-precision path)."""
@@ -439,10 +462,10 @@ class SLAMB(torch.optim.Optimizer):
             compact.copy_(payload)
 
     def _average_directions(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, factor: float,
-                            decay_in_norms: bool) -> None:
+                            decay_in_norms: bool, fused: str | None) -> Tensor | None:
         """The direction at S_t formed again from the averaged momentum (in `scratch.compact`), into the direction
         buffer: over the always-synced slots whole (a few short passes), at the masked slots' selected rows from
-        the compact space (where `scratch.fresh` keeps it for the norms)."""
+        the compact space (where `scratch.fresh` keeps it for the norms). Returns `_fresh_direction`'s block sums."""
         always, a = len(chunk.slots) - len(chunk.masked), chunk.split - chunk.start
         if a:
             direction = scratch.direction[:a]
@@ -451,13 +474,15 @@ class SLAMB(torch.optim.Optimizer):
                 direction.addcdiv_(scratch.compact[:a], scratch.denominators[:a], value=factor)
             else:
                 torch.div(scratch.compact[:a], scratch.denominators[:a], out=direction)
-        if chunk.masked:
-            self._fresh_direction(chunk, scratch, factor, decay_in_norms)
-            mask.put(scratch.direction, scratch.fresh)
+        if not chunk.masked:
+            return None
+        sums = self._fresh_direction(chunk, mask, scratch, factor, decay_in_norms, fused)
+        mask.put(scratch.direction, scratch.fresh)
+        return sums
 
     def _trust_ratios(self, chunk: Chunk, mask: Mask, scratch: Scratch, unit: float,
-                      local_norms: tuple[Tensor, Tensor] | None,
-                      weight_norms: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      local_norms: tuple[Tensor, Tensor] | None, weight_norms: Tensor | None = None,
+                      averaged_sums: Tensor | None = None, fused: str | None = None) -> tuple[Tensor, Tensor]:
         """Per slot the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
         their fallbacks for zero norms.
 
@@ -468,15 +493,27 @@ class SLAMB(torch.optim.Optimizer):
         gradients give u_F outliers, and ||u_F||^2 / ||u_U||^2 reached 476 and 463 at step 1 on 2 and 4 gloo
         ranks, a factor that multiplies the fp32 rounding of the difference. The weights' stale norms are a
         difference too: w has no such outliers. `weight_norms`: the slots' weight norms, where the compiled local
-        pass took them.
+        pass took them. `fused` "triton": `local_norms` holds the block sums of `_fresh_direction`'s kernel, not norms,
+        and `averaged_sums` those after the average (None on one rank); the ratios are then one kernel
+        (`optim.slamb._triton.trust_ratios`).
         """
+        always = len(chunk.slots) - len(chunk.masked)  # the chunk's first slots are synced whole every step
+        if fused == "triton" and chunk.masked:
+            from optim.slamb._triton import trust_ratios  # imports triton: `triton_refusal` allowed it
+
+            local_total, local_sums = local_norms
+            always_norms = (torch.stack(torch._foreach_norm(chunk.directions[:always])) if always
+                            else local_total[:0])
+            ratios = trust_ratios(weight_norms, local_total, always_norms, local_sums,
+                                  local_sums if averaged_sums is None else averaged_sums, list(mask.sizes), unit,
+                                  self.stale_ratio_fallback)
+            return ratios[0], ratios[1]
         w_total = weight_norms
         if w_total is None:
             w_total = torch.stack(torch._foreach_norm([s.param for s in chunk.slots], 2, dtype=torch.float32))
         if not chunk.masked:  # every coordinate is fresh: phi_U is the fallback, and is never used
             u_total = torch.stack(torch._foreach_norm(chunk.directions)) * unit
             return trust_ratio(w_total, u_total), torch.full_like(w_total, self.stale_ratio_fallback)
-        always = len(chunk.slots) - len(chunk.masked)  # the chunk's first slots are synced whole every step
         local_total, local_fresh = local_norms
         masked_fresh = _fresh_norms(mask, scratch) if self.comm.distributed else local_fresh
         w_selected = scratch.weights

@@ -26,7 +26,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 
 ARCHS = [80, 90]
 KERNELS = {"optim._triton": ("_moments_and_sums", "_reduce_sums"), "optim._triton_lamb": ("_apply",),
-           "optim.slamb._triton": ("_apply", "_gather"),
+           "optim.slamb._triton": ("_apply", "_apply_rescaled", "_gather", "_fresh", "_ratios"),
            "optim._triton_compressed": ("_square_sums", "_rms", "_compress", "_decode"),
            "optim._triton_tensorwise": ("_per_tensor",),
            "optim._triton_onebit_lamb": ("_refresh_and_stats", "_tensor_stats", "_apply")}  # the kernels launched
@@ -60,8 +60,9 @@ class _Recording:
 
 @pytest.fixture(scope="module")
 def launches() -> list:
-    """The kernel launches of LAMB's steps (pre-normalised, with a clipped ratio, in bf16), of SLAMB's and of the 1-bit
-    family's compressed steps (1-bit Adam compresses `x + error`, 1-bit LAMB its fed-back error)."""
+    """The kernel launches of LAMB's steps (pre-normalised, with a clipped ratio, in bf16), of SLAMB's (both rescale
+    forms) and of the 1-bit family's compressed steps (1-bit Adam compresses `x + error`, 1-bit LAMB its fed-back
+    error)."""
     recorded: list = []
     with pytest.MonkeyPatch.context() as patch:
         for module, names in KERNELS.items():
@@ -76,9 +77,10 @@ def launches() -> list:
         for p in model.parameters():
             p.grad = torch.ones_like(p)
         optimizer.step()
-        model = small_mlp(60, 201, 30)
-        mlp_steps(model, SLAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, compress_ratio=0.2,
-                               min_compress_numel=1000, comm=MirrorComm(2), triton=True), range(2))
+        for rescale in ("sum_of_products", "product_of_interpolations"):  # coefficients formed in the update, or read
+            model = small_mlp(60, 201, 30)
+            mlp_steps(model, SLAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, compress_ratio=0.2, rescale=rescale,
+                                   min_compress_numel=1000, comm=MirrorComm(2), triton=True), range(2))
         for cls in (OneBitAdam, OneBitLAMB):
             model = small_mlp(8, 16, 4)
             mlp_steps(model, cls(param_groups_weight_decay(model, 0.01), lr=1e-2, freeze_step=2, comm=MirrorComm(2),
