@@ -1,5 +1,5 @@
-"""SLAMB's local pass and update in Triton kernels (`optim._triton`): each a launch or two per chunk, however many
-slots it holds (`SLAMB(triton=True)`).
+"""SLAMB's step in Triton kernels (`optim._triton`): each a launch or two per chunk, however many slots it holds
+(`SLAMB(triton=True)`).
 
 - The local pass (`triton_local_pass`): `moments_and_block_sums` reads g, m, v and w and writes m, v and the direction
   buffer, and `block_norms` adds each slot's block sums into the norms of its weights and direction: 7 tensor-sized
@@ -7,9 +7,14 @@ slots it holds (`SLAMB(triton=True)`).
 - The weights at S_t (`gather_rows`): the masked slots' selected rows read from the weights themselves into the
   compact vector, one launch where the aten ops take an index_select per tensor (the buffer that would let one
   gather per span serve them holds the direction, not the weights, after the fused pass).
-- The update (`slamb_apply`): `w += c * u`, c the slot's coefficient (an always-synced slot) or its row's (a masked
-  slot: one per `row_size` coordinates, read from the chunk's row coefficients), u read from the direction buffer: 3
-  reads and writes where a GPU's aten ops take 5 (the rows scaled in place, then a foreach addition).
+- The trust ratios: `fresh_direction_sums` forms the masked slots' direction at S_t (before and after the average)
+  with per-block sums of its squares and of the weights' there, and `trust_ratios` turns those and the local pass's
+  norms into every slot's phi_F and phi_U in one launch (the aten ops: about 30 small ops per chunk).
+- The update: `w += c * u`, u read from the direction buffer, c the slot's coefficient (an always-synced slot) or
+  its row's (a masked slot: one per `row_size` coordinates). `slamb_apply_rescaled` forms c as it adds, from the
+  slot's ratios and the row's freshness (the default `sum_of_products` rescale); `slamb_apply` reads it from the
+  chunk's row coefficients (the product form). 3 reads and writes where a GPU's aten ops take 5 (the rows scaled in
+  place, then a foreach addition), and none for the coefficients.
 
 This module imports triton (see `optim._triton`).
 """

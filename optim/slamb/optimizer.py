@@ -126,11 +126,12 @@ class SLAMB(torch.optim.Optimizer):
             compiled by torch.compile (inductor) into one pass over memory instead of a copy, torch's fused Adam
             kernel and two norms; collectives, masks, gathers and scatters stay eager. The first step compiles, and
             the steps round apart from the eager ones within 1e-5 relative (inductor orders the norms' sums otherwise).
-        triton: each chunk's local pass and update in Triton kernels (`optim.slamb._triton`), a launch or two each
-            however many tensors the chunk holds: the local pass as `compiled` fuses it (7 tensor-sized reads and
-            writes where the aten ops take 11), the update reading each row's coefficient as it adds (3 where a GPU's
-            aten ops take 5). CUDA tensors only (or Triton's interpreter, `TRITON_INTERPRET=1`, for tests); within
-            1e-5 relative of the eager steps. Not with `compiled`.
+        triton: each chunk's local pass, weights at S_t, fresh direction with its norms, trust ratios and update in
+            Triton kernels (`optim.slamb._triton`), a launch or two each however many tensors the chunk holds: the
+            local pass as `compiled` fuses it (7 tensor-sized reads and writes where the aten ops take 11), the update
+            forming each row's coefficient as it adds (3 where a GPU's aten ops take 5). CUDA tensors only (or
+            Triton's interpreter, `TRITON_INTERPRET=1`, for tests); within 1e-5 relative of the eager steps. Not with
+            `compiled`.
         comm: the communication layer (`optim.comm.Comm`); None builds one over the default process group,
             or a world of one when there is none.
 
