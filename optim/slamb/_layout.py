@@ -44,8 +44,8 @@ class Geometry:
         launch costs host time), a step dispatches a number of ops independent of the number of tensors, and
         every foreach op takes lists of equal shapes, which CUDA runs as one kernel per list (a broadcast or a
         per-tensor 0-d factor would launch one kernel per tensor).
-    draw_ahead: draw the next step's masks at the end of a step (`MaskSampler.draw_ahead`), where the host's draw
-        can overlap the device's work.
+    draw_ahead: draw the next step's random numbers on a thread of their own from the end of a step
+        (`MaskSampler.draw_ahead`), beside the host work that launches the next forward and backward pass.
     """
 
     chunk_numel: int | None

@@ -142,6 +142,24 @@ def test_mask_uniforms_are_the_same_bits_for_any_thread_count_and_split():
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], pieces)
 
 
+@pytest.mark.parametrize("mask", ["stratified", "bernoulli"])
+def test_masks_drawn_ahead_on_their_thread_are_the_masks_of_their_step(monkeypatch, mask):
+    """A GPU's layout draws the next step's random numbers on a thread of their own (`MaskSampler.draw_ahead`): the
+    masks asked for are those of their step, and a draw ahead for another step (a loaded state) changes nothing."""
+    monkeypatch.setitem(_layout.GEOMETRIES, "cpu", _layout.GEOMETRIES["cuda"])
+    optimizer = _slamb(SMALL_MLP(), mask=mask)
+    optimizer._ensure_layout()
+    seed, sampler = optimizer.state["slamb"]["seed"], optimizer._sampler
+    drawn_now = [optimizer.sync_masks(step) for step in (3, 4)]
+    sampler.draw_ahead(seed, 3)
+    assert sampler._ahead is not None and sampler._ahead[1] == 3
+    drawn_ahead = optimizer.sync_masks(3)
+    sampler.draw_ahead(seed, 9)  # not the step asked for next: drawn, waited for and dropped
+    for now, other in zip(drawn_now, (drawn_ahead, optimizer.sync_masks(4)), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(now, other, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(*drawn_now, strict=True))
+
+
 @pytest.mark.parametrize("mask", ["stratified", "bernoulli", "cyclic"])
 def test_masks_do_not_depend_on_the_chunking(monkeypatch, mask):
     """Chunks are 2^20 elements on a CPU and 2^26 on a GPU: the masks must not change with them."""
