@@ -105,15 +105,20 @@ def slamb_apply(params: list[Tensor], directions: list[Tensor], slot_coefs: Tens
                 row_first: list[int], row_shift: list[int]) -> None:
     """`w += c * u` per slot: c is `slot_coefs[i]` where `row_shift[i]` is -1, else the coefficient of the element's
     row, `row_coefs[row_first[i] + element >> row_shift[i]]` (rows of 2^row_shift elements)."""
+    _launch_update(_apply, params, directions, row_first, row_shift, slot_coefs, row_coefs)
+
+
+def _launch_update(kernel, params: list[Tensor], directions: list[Tensor], row_first: list[int],
+                   row_shift: list[int], *args) -> None:
+    """An update kernel over the chunk's slots, a program per block, with their rows' tables and then `args`."""
     device, sizes = params[0].device, tuple(p.numel() for p in params)
     tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
     if tensor_of_block.numel():
         addresses, aligned = address_table(device, params, directions)
-        _apply[(tensor_of_block.numel(),)](
+        kernel[(tensor_of_block.numel(),)](
             addresses, len(params), tensor_of_block, first_element, numels,
-            *_row_tables(tuple(row_first), tuple(row_shift), device), slot_coefs, row_coefs,
-            W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK,
-            ALIGNED=words_of_16_bytes(aligned, sizes))
+            *_row_tables(tuple(row_first), tuple(row_shift), device), *args, W_DTYPE=DTYPES[params[0].dtype],
+            BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, sizes))
 
 
 @slamb_apply.register_fake
@@ -130,15 +135,8 @@ def slamb_apply_rescaled(params: list[Tensor], directions: list[Tensor], fresh: 
     masked slot, the row's scaled freshness q (`freshness`, the chunk's rows; `row_first`, `row_shift` as in
     `slamb_apply`): `c = -lr_stale phi_U + q to_freshness (-lr_fresh phi_F + lr_stale phi_U)`, `-lr_fresh phi_F` in a
     slot synced whole."""
-    device, sizes = params[0].device, tuple(p.numel() for p in params)
-    tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
-    if tensor_of_block.numel():
-        addresses, aligned = address_table(device, params, directions)
-        _apply_rescaled[(tensor_of_block.numel(),)](
-            addresses, len(params), tensor_of_block, first_element, numels,
-            *_row_tables(tuple(row_first), tuple(row_shift), device), fresh, stale, one_d, freshness, c_min, c_max,
-            int(clamp_1d), int(adapt), lr_fresh, lr_stale, to_freshness, W_DTYPE=DTYPES[params[0].dtype],
-            BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, sizes))
+    _launch_update(_apply_rescaled, params, directions, row_first, row_shift, fresh, stale, one_d, freshness, c_min,
+                   c_max, int(clamp_1d), int(adapt), lr_fresh, lr_stale, to_freshness)
 
 
 @slamb_apply_rescaled.register_fake

@@ -195,3 +195,18 @@ def assert_onebit_ranks_as_eager(results: list[dict[str, list]], mode: str) -> N
             for r in results:
                 a, b = r[eager][0][step], r[fused][0][step]
                 assert float((a - b).abs().max() / a.abs().max()) <= RTOL, f"{name}, step {step + 1}"
+
+
+def assert_onebit_lamb_applies_a_groups_momentum_mask(mode: str) -> None:
+    """DeepSpeed's `exp_avg_mask` of a group multiplies the averaged momentum in `mode` as in the aten ops."""
+    models = small_mlp(8, 16, 4), small_mlp(8, 16, 4)
+    mask = torch.ones(16, 8)
+    mask[::3] = 0.0
+    for model, fused in zip(models, (None, mode), strict=True):
+        first, *rest = model.parameters()
+        optimizer = OneBitLAMB([{"params": [first], "exp_avg_mask": mask}, {"params": rest}], lr=0.01,
+                               freeze_step=3, comm=MirrorComm(2), **({fused: True} if fused else {}))
+        optimizer.deepspeed_roundings = False
+        mlp_steps(model, optimizer, range(ONEBIT_STEPS))
+        assert torch.equal(optimizer.state[first]["exp_avg"][::3], torch.zeros(6, 8))
+    assert_weights_close(*models)

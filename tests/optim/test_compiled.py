@@ -13,6 +13,7 @@ from helpers.fused_modes import (
     ONEBIT,
     ONEBIT_STEPS,
     assert_lamb_matches_eager,
+    assert_onebit_lamb_applies_a_groups_momentum_mask,
     assert_onebit_ranks_as_eager,
     assert_onebit_resumes_in_either_mode,
     lamb,
@@ -25,11 +26,10 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from core.options import InvalidOption
-from optim import LAMB, OneBitAdam, OneBitLAMB
+from optim import LAMB, OneBitAdam
 from optim._compiled import TENSORS_PER_GRAPH, CompiledMath, graph_chunks
 from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm
-from optim.mirror_comm import MirrorComm
 
 pytestmark = pytest.mark.usefixtures("fresh_compiles")  # each test compiles its own graphs
 
@@ -118,17 +118,7 @@ def test_a_onebit_checkpoint_resumes_in_either_mode(name):
 
 def test_compiled_onebit_lamb_applies_a_groups_momentum_mask():
     """DeepSpeed's `exp_avg_mask` of a group multiplies the averaged momentum inside the compiled pass too."""
-    models = small_mlp(8, 16, 4), small_mlp(8, 16, 4)
-    mask = torch.ones(16, 8)
-    mask[::3] = 0.0
-    for model, compiled in zip(models, (False, True), strict=True):
-        first, *rest = model.parameters()
-        optimizer = OneBitLAMB([{"params": [first], "exp_avg_mask": mask}, {"params": rest}], lr=0.01,
-                               freeze_step=3, comm=MirrorComm(2), compiled=compiled)
-        optimizer.deepspeed_roundings = False
-        mlp_steps(model, optimizer, range(ONEBIT_STEPS))
-        assert torch.equal(optimizer.state[first]["exp_avg"][::3], torch.zeros(6, 8))
-    assert_weights_close(*models)
+    assert_onebit_lamb_applies_a_groups_momentum_mask("compiled")
 
 
 def test_compiled_onebit_refuses_a_bucket_per_tensor():

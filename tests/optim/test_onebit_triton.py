@@ -13,6 +13,7 @@ from helpers.distributed_harness import run_on_ranks
 from helpers.fused_modes import (
     ONEBIT,
     ONEBIT_STEPS,
+    assert_onebit_lamb_applies_a_groups_momentum_mask,
     assert_onebit_ranks_as_eager,
     assert_onebit_resumes_in_either_mode,
     onebit,
@@ -78,17 +79,7 @@ def test_onebit_lamb_blocks_cut_across_tensors(monkeypatch):
 def test_triton_onebit_lamb_applies_a_groups_momentum_mask():
     """A group with DeepSpeed's `exp_avg_mask` takes the aten update (the mask between the all-reduce and the
     refresh), the compressed all-reduce still in the kernels."""
-    models = small_mlp(8, 16, 4), small_mlp(8, 16, 4)
-    mask = torch.ones(16, 8)
-    mask[::3] = 0.0
-    for model, triton in zip(models, (False, True), strict=True):
-        first, *rest = model.parameters()
-        optimizer = OneBitLAMB([{"params": [first], "exp_avg_mask": mask}, {"params": rest}], lr=0.01,
-                               freeze_step=3, comm=MirrorComm(2), triton=triton)
-        optimizer.deepspeed_roundings = False
-        mlp_steps(model, optimizer, range(ONEBIT_STEPS))
-        assert torch.equal(optimizer.state[first]["exp_avg"][::3], torch.zeros(6, 8))
-    assert_weights_close(*models)
+    assert_onebit_lamb_applies_a_groups_momentum_mask("triton")
 
 
 @pytest.mark.parametrize("name", list(ONEBIT))
