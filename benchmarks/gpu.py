@@ -100,8 +100,9 @@ PARTS = [  # in order of what matters most when the budget runs short
           "slamb", "onebit_lamb", "zero_one_adam", "--profile", "10"), 150,
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--triton",
           "--optimizers", "lamb", "--warmup", "0", "--repeats", "1"), r"copy bandwidth \d+ GB/s"),
+    # The slowest tests listed (--durations): the part takes about a quarter of the 8 minutes the command aims at.
     Part("gpu_tests", "the GPU tests (`pytest -m gpu`)", ("python", "-m", "pytest", "-m", "gpu", "-q", "-rs", "-n",
-                                                         "8", "{gpu_tests}"), 240,
+                                                         "8", "--durations", "8", "{gpu_tests}"), 240,
          ("python", "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "{gpu_tests}"),
          r"\d+ (?:passed|failed|skipped|errors?)"),
     Part("demo", "the demo (`python -m train`) on CUDA", ("python", "-m", "train", "trainer.device=cuda",
