@@ -94,30 +94,24 @@ def _apply_rescaled(addresses, count, tensor_of_block, first_element, numels, ro
     tl.store(w_at + offsets, (w + u * coef).to(W_DTYPE), mask=inside)
 
 
-@functools.cache
-def _row_tables(row_first: tuple[int, ...], row_shift: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
-    return (on_device(torch.tensor(row_first, dtype=torch.int64), device),
-            on_device(torch.tensor(row_shift, dtype=torch.int64), device))
-
-
 @torch.library.custom_op("slamb_optim::slamb_apply", mutates_args=("params",))
 def slamb_apply(params: list[Tensor], directions: list[Tensor], slot_coefs: Tensor, row_coefs: Tensor,
-                row_first: list[int], row_shift: list[int]) -> None:
+                row_first: Tensor, row_shift: Tensor) -> None:
     """`w += c * u` per slot: c is `slot_coefs[i]` where `row_shift[i]` is -1, else the coefficient of the element's
     row, `row_coefs[row_first[i] + element >> row_shift[i]]` (rows of 2^row_shift elements)."""
     _launch_update(_apply, params, directions, row_first, row_shift, slot_coefs, row_coefs)
 
 
-def _launch_update(kernel, params: list[Tensor], directions: list[Tensor], row_first: list[int],
-                   row_shift: list[int], *args) -> None:
+def _launch_update(kernel, params: list[Tensor], directions: list[Tensor], row_first: Tensor, row_shift: Tensor,
+                   *args) -> None:
     """An update kernel over the chunk's slots, a program per block, with their rows' tables and then `args`."""
     device, sizes = params[0].device, tuple(p.numel() for p in params)
     tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
     if tensor_of_block.numel():
         addresses, aligned = address_table(device, params, directions)
         kernel[(tensor_of_block.numel(),)](
-            addresses, len(params), tensor_of_block, first_element, numels,
-            *_row_tables(tuple(row_first), tuple(row_shift), device), *args, W_DTYPE=DTYPES[params[0].dtype],
+            addresses, len(params), tensor_of_block, first_element, numels, row_first, row_shift, *args,
+            W_DTYPE=DTYPES[params[0].dtype],
             BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, sizes))
 
 
@@ -128,7 +122,7 @@ def _(params, directions, slot_coefs, row_coefs, row_first, row_shift):
 
 @torch.library.custom_op("slamb_optim::slamb_apply_rescaled", mutates_args=("params",))
 def slamb_apply_rescaled(params: list[Tensor], directions: list[Tensor], fresh: Tensor, stale: Tensor, one_d: Tensor,
-                         freshness: Tensor, row_first: list[int], row_shift: list[int], c_min: float, c_max: float,
+                         freshness: Tensor, row_first: Tensor, row_shift: Tensor, c_min: float, c_max: float,
                          clamp_1d: bool, adapt: bool, lr_fresh: float, lr_stale: float, to_freshness: float) -> None:
     """`w += c * u` per slot with the default rescale (`sum_of_products`), c formed as it adds from the slot's raw
     ratios phi_F and phi_U (`fresh`, `stale`; clamped as `SLAMB._clamp_ratios` clamps them where `adapt`) and, in a

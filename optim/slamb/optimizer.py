@@ -329,12 +329,10 @@ class SLAMB(torch.optim.Optimizer):
         if fused == "triton" and self.rescale == "sum_of_products":  # the clamps and coefficients formed as it adds
             from optim.slamb._triton import slamb_apply_rescaled  # imports triton: `triton_refusal` allowed it
 
-            always = len(chunk.slots) - len(chunk.masked)
-            scaled = layout.scaled_freshness[chunk.rows[1]:chunk.rows[2]]
-            slamb_apply_rescaled([s.param for s in chunk.slots], chunk.directions, fresh, stale, chunk.one_d, scaled,
-                                 [0] * always + [s.row - chunk.rows[1] for s in chunk.masked],
-                                 [-1] * always + [s.row_size.bit_length() - 1 for s in chunk.masked],
-                                 *self.trust_ratio_bounds, self.clamp_1d, adapt, lr_fresh, lr_stale, to_freshness)
+            slamb_apply_rescaled([s.param for s in chunk.slots], chunk.directions, fresh, stale, chunk.one_d,
+                                 layout.scaled_freshness[chunk.rows[1]:chunk.rows[2]], chunk.row_first,
+                                 chunk.row_shift, *self.trust_ratio_bounds, self.clamp_1d, adapt, lr_fresh, lr_stale,
+                                 to_freshness)
             return
         if adapt:
             fresh_clamped, stale_clamped = self._clamp_ratios(chunk, fresh, stale)
@@ -550,9 +548,8 @@ class SLAMB(torch.optim.Optimizer):
         if fused == "triton":
             from optim.slamb._triton import slamb_apply  # imports triton: only where `triton_refusal` allowed it
 
-            slamb_apply([s.param for s in chunk.slots], chunk.directions, fresh_coef, layout.coef,
-                        [0] * always + [s.row - chunk.rows[1] for s in chunk.masked],
-                        [-1] * always + [s.row_size.bit_length() - 1 for s in chunk.masked])
+            slamb_apply([s.param for s in chunk.slots], chunk.directions, fresh_coef, layout.coef, chunk.row_first,
+                        chunk.row_shift)
             return
         if fused == "compiled":
             params = [s.param for s in chunk.slots[:always]] + [s.param.view(-1, s.row_size) for s in chunk.masked]
