@@ -7,13 +7,15 @@ checks it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import inspect
 import io
 import os
 import tempfile
 import time
-from collections.abc import Callable
+import unittest.mock
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from optim import get_optimizer_spec
+from optim._math import FOREACH_CHUNK_NUMEL
 from optim.memory import state_bytes
 from optim.zero_one_adam import zero_one_adam_step_kinds
 
@@ -120,6 +123,30 @@ def kernel_options(name: str, compiled: bool = False, triton: bool = False) -> d
     """The settings that turn on `compiled` or `triton` where optimizer `name` takes them (none where it does not)."""
     wanted = {"compiled": compiled, "triton": triton}
     return {option: True for option, on in wanted.items() if on and takes_option(name, option)}
+
+
+# Options that put the 1-bit optimizers in their compressed stage from step 3 (their warm-up ends at step 2), so that
+# a benchmark times or counts the stage they spend a run in.
+COMPRESSED_FROM = {"onebit_lamb": {"freeze_step": 2}, "onebit_adam": {"freeze_step": 2},
+                   "zero_one_adam": {"var_freeze_step": 2}}
+
+
+@contextlib.contextmanager
+def gpu_chunks() -> Iterator[None]:
+    """Tensor lists chunked as on a GPU, whatever device counts the step."""
+    saved = dict(FOREACH_CHUNK_NUMEL)
+    FOREACH_CHUNK_NUMEL.update(cpu=saved["cuda"], meta=saved["cuda"])
+    try:
+        yield
+    finally:
+        FOREACH_CHUNK_NUMEL.clear()
+        FOREACH_CHUNK_NUMEL.update(saved)
+
+
+def meta_kernels(triton: bool) -> contextlib.AbstractContextManager:
+    """Where `triton`, let optimizers over meta tensors take `triton=True` on any machine: they run no kernel, so the
+    option's refusal on a machine without a GPU does not apply to them (Triton's interpreter is what it allows)."""
+    return unittest.mock.patch.dict(os.environ, TRITON_INTERPRET="1") if triton else contextlib.nullcontext()
 
 
 def config_kwargs(name: str, **overrides) -> dict:

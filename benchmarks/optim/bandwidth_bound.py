@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import (
+    COMPRESSED_FROM,
     SIZES,
     bert_parameters,
     bytes_touched,
@@ -41,7 +42,6 @@ from optim import build_optimizer
 from optim.mirror_comm import MirrorComm
 
 OPTIMIZERS = ["lamb", "slamb", "onebit_lamb", "zero_one_adam", "adamw"]
-COMPRESSED_FROM = {"onebit_lamb": {"freeze_step": 2}, "zero_one_adam": {"var_freeze_step": 2}}
 
 
 def copy_bandwidth(device: torch.device, numel: int, repeats: int = 5) -> float:

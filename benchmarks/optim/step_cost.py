@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import unittest.mock
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -45,25 +43,24 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from benchmarks.common import (
+    COMPRESSED_FROM,
     SIZES,
     StepTraffic,
     bert_parameters,
     bytes_touched,
     config_kwargs,
+    gpu_chunks,
     kernel_options,
     markdown_table,
+    meta_kernels,
     optimizer_stepper,
 )
 from optim import build_optimizer, get_optimizer_spec
 from optim._compiled import CompiledMath
-from optim._math import FOREACH_CHUNK_NUMEL
 from optim.apex import APEX_OPTIMIZERS, runnable_optimizers
 from optim.mirror_comm import MirrorComm
 
-# Steps taken before the counted one: past the 1-bit warm-up (freeze at step 2) and past every first-step setup.
-COMPRESSED_FROM = {"onebit_lamb": {"freeze_step": 2}, "onebit_adam": {"freeze_step": 2},
-                   "zero_one_adam": {"var_freeze_step": 2}}
-SETTLING_STEPS = 4
+SETTLING_STEPS = 4  # steps before the counted one: past the 1-bit warm-up and past every first-step setup
 # Optimizers that take another path on the meta device than on the CPU or a GPU: counted on the CPU.
 REAL_DEVICE_ONLY = {"adamw"}  # torch's AdamW runs its fused kernel on real devices only
 
@@ -148,18 +145,6 @@ def _signature(leaf: Any) -> Any:
     return leaf
 
 
-@contextlib.contextmanager
-def gpu_chunks() -> Iterator[None]:
-    """Tensor lists chunked as on a GPU, whatever device counts the step."""
-    saved = dict(FOREACH_CHUNK_NUMEL)
-    FOREACH_CHUNK_NUMEL.update(cpu=saved["cuda"], meta=saved["cuda"])
-    try:
-        yield
-    finally:
-        FOREACH_CHUNK_NUMEL.clear()
-        FOREACH_CHUNK_NUMEL.update(saved)
-
-
 def count_step(name: str, size: str, world_size: int, device: torch.device, compiled: bool = False,
                triton: bool = False) -> dict[str, object]:
     """One row: optimizer `name`'s step on BERT-`size` parameters, counted after `SETTLING_STEPS` steps (with
@@ -168,9 +153,7 @@ def count_step(name: str, size: str, world_size: int, device: torch.device, comp
     params = [p for p in model.parameters() if p.requires_grad]
     grads = {p: p.grad for p in params}
     options = COMPRESSED_FROM.get(name, {}) | kernel_options(name, compiled, triton)
-    # Meta tensors run no Triton kernel: the option's refusal on a machine without a GPU does not apply to them.
-    machine = unittest.mock.patch.dict(os.environ, TRITON_INTERPRET="1") if triton else contextlib.nullcontext()
-    with gpu_chunks(), CompiledTraffic() as compiled_traffic, machine:
+    with gpu_chunks(), CompiledTraffic() as compiled_traffic, meta_kernels(triton):
         optimizer = build_optimizer(model, name, config_kwargs(name, **options), comm=MirrorComm(world_size))
         step = optimizer_stepper(name, optimizer, grads, clock=lambda: 0.0)
         for _ in range(SETTLING_STEPS):

@@ -17,7 +17,7 @@ LAYOUT = {  # the module names the docs use
     COMMON,
     "benchmarks.optim.bandwidth_bound", "benchmarks.optim.lamb_step", "benchmarks.optim.slamb_step",
     "benchmarks.optim.onebit_step", "benchmarks.optim.optimizers", "benchmarks.optim.deepspeed_reference",
-    "benchmarks.optim.step_cost",
+    "benchmarks.optim.step_cost", "benchmarks.optim.host_time",
     "benchmarks.throughput.training", "benchmarks.throughput.swin_builder", "benchmarks.throughput.conversions",
     "benchmarks.data.loader", "benchmarks.data.prepare", "benchmarks.data.padding", "benchmarks.gpu",
     "benchmarks.paper.reproduce", "benchmarks.paper.convergence", "benchmarks.paper.report", "benchmarks.paper.plots",
