@@ -181,6 +181,7 @@ class OneBitLAMB(OneBitFamily):
         if self.compiled:
             self._compiled_compressed_step(params, grads, scaling, momenta)
             return
+        factors = torch.stack(scaling) if self.triton else scaling  # the kernels read one vector
         if self.deepspeed_roundings:
             self._swap_in_momenta_(grads)
             torch._foreach_mul_(momenta, scaling)
@@ -188,16 +189,16 @@ class OneBitLAMB(OneBitFamily):
         else:
             for slice_, group in self._groups():  # the new momentum in the gradients' storage, for a moment
                 torch._foreach_lerp_(grads[slice_], momenta[slice_], group["betas"][0])
-            multiply_add_(self.buckets.worker_views, grads, torch.stack(scaling), self.triton)  # error + m s
+            multiply_add_(self.buckets.worker_views, grads, factors)  # error + m s
             torch._foreach_copy_(grads, momenta)  # the old momentum, exactly: every rank reconstructs alike
             self._compressed_mean_("exp_avg", fed_back=True)
         if self.triton and all(self._group_mask(group) is None for group in self.param_groups):
-            self._triton_update(params, grads, scaling, momenta)
+            self._triton_update(params, grads, factors, momenta)
             return
         if self.triton:
             from optim._triton_tensorwise import per_tensor_divide  # imports triton: `triton_refusal` allowed it
 
-            per_tensor_divide(momenta, torch.stack(scaling))
+            per_tensor_divide(momenta, factors)
         else:
             torch._foreach_div_(momenta, scaling)
         self._mask_("exp_avg")
@@ -249,15 +250,16 @@ class OneBitLAMB(OneBitFamily):
                               weight_decay=group["weight_decay"])
             self._lamb_coeffs.extend(coeffs.unbind())
 
-    def _triton_update(self, params: list[Tensor], olds: list[Tensor], scaling: list[Tensor],
+    def _triton_update(self, params: list[Tensor], olds: list[Tensor], factors: Tensor,
                        momenta: list[Tensor]) -> None:
         """The compression stage after the all-reduce in `optim._triton_onebit_lamb`'s kernels, per param group:
         the momentum unscaled, the fresh variance, the ratio maxima and the update's norms in one pass (8 reads and
         writes, where the aten ops take about 26), the update formed again and applied in another (4). Not where a
-        group has a momentum mask (`_compressed_step` takes the aten ops there)."""
+        group has a momentum mask (`_compressed_step` takes the aten ops there). `factors`: the scaling coefficients
+        as one vector."""
         from optim._triton_onebit_lamb import onebit_lamb_apply, refresh_and_stats  # imports triton: allowed
 
-        fresh, denoms, factors = self._states("exp_avg_sq_fresh"), self._denominators(), torch.stack(scaling)
+        fresh, denoms = self._states("exp_avg_sq_fresh"), self._denominators()
         freezes, last_factors = self._per_param("lamb_coeff_freeze"), self._per_param("last_factor")
         self._lamb_coeffs = []
         for span, group in self._groups():
@@ -415,19 +417,19 @@ def onebit_lamb_compressed_update_(params: list[Tensor], work: list[Tensor], exp
         torch._foreach_mul_(work, list(steps.unbind()))
         torch._foreach_add_(params, work)
     else:  # one multiply-add (its kernel may round once)
-        multiply_add_(params, work, steps, triton)
+        multiply_add_(params, work, steps if triton else list(steps.unbind()))
     return coeffs
 
 
-def multiply_add_(outs: list[Tensor], ins: list[Tensor], factors: Tensor, triton: bool) -> None:
-    """`outs[t] += factors[t] * ins[t]`: torch's foreach op launches a kernel per tensor for a factor each (a 0-d
-    tensor), `triton` one per list (`optim._triton_tensorwise`)."""
-    if triton:
+def multiply_add_(outs: list[Tensor], ins: list[Tensor], factors: Tensor | list[Tensor]) -> None:
+    """`outs[t] += factors[t] * ins[t]`: for a list of 0-d factors torch's foreach op, which launches a kernel per
+    tensor on a GPU; for one vector of them a Triton kernel, one launch (`optim._triton_tensorwise`)."""
+    if isinstance(factors, Tensor):
         from optim._triton_tensorwise import per_tensor_multiply_add  # imports triton: `triton_refusal` allowed it
 
         per_tensor_multiply_add(outs, ins, factors)
     else:
-        torch._foreach_addcmul_(outs, ins, list(factors.unbind()))
+        torch._foreach_addcmul_(outs, ins, factors)
 
 
 def frozen_coefficients(ratio_maxima: Tensor, prelim_norm: Tensor | None, update_norm: Tensor | None,
