@@ -25,6 +25,7 @@ from torch import nn
 
 from core.options import InvalidOption
 from optim import SLAMB
+from optim.comm import Comm
 
 pytest.importorskip("triton")
 
@@ -47,6 +48,15 @@ def test_blocks_cut_across_slots_and_rows(monkeypatch):
     mlp_steps(eager, _slamb(eager, False), range(2))
     mlp_steps(fused, _slamb(fused, True), range(2))
     assert_weights_close(eager, fused)
+
+
+def test_one_process_takes_the_ratios_from_its_local_sums():
+    """One process (nothing averaged): the fresh norms of the trust ratios are the local direction's block sums."""
+    eager, fused = slamb_model(), slamb_model()
+    mlp_steps(eager, slamb(eager, None, Comm()), range(4))
+    mlp_steps(fused, slamb(fused, "triton", Comm()), range(4))
+    assert_weights_close(eager, fused)
+    assert any(not torch.equal(p, q) for p, q in zip(eager.parameters(), fused.parameters(), strict=True))
 
 
 def test_a_slot_without_a_gradient_steps_its_chunk_eagerly():
