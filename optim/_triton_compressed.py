@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from optim._triton import SUM_BLOCK
+from optim._triton import SUM_BLOCK, kernel_op
 
 BLOCK = 2048  # elements per program: 256 packed bytes
 
@@ -117,7 +117,7 @@ def _check(*vectors: Tensor | None) -> None:
                              f"of strides {t.stride()}")
 
 
-@torch.library.custom_op("slamb_optim::sign_square_sums", mutates_args=())
+@kernel_op("slamb_optim::sign_square_sums", mutates_args=())
 def sign_square_sums(error: Tensor, x: Tensor | None, signs: Tensor | None, weights: Tensor | None) -> Tensor:
     """Per block of `BLOCK` elements the sum of `z^2`, `z` as `sign_compress` forms it: a float32 vector."""
     _check(error, x, weights)
@@ -134,7 +134,7 @@ def _(error, x, signs, weights):
     return error.new_empty(-(-error.numel() // BLOCK), dtype=torch.float32)
 
 
-@torch.library.custom_op("slamb_optim::rms_scale", mutates_args=())
+@kernel_op("slamb_optim::rms_scale", mutates_args=())
 def rms_scale(partials: Tensor, numel: int) -> Tensor:
     """`||z|| / sqrt(numel)` from `sign_square_sums`' block sums, as a (1,) float32 tensor."""
     out = partials.new_empty(1)
@@ -147,7 +147,7 @@ def _(partials, numel):
     return partials.new_empty(1)
 
 
-@torch.library.custom_op("slamb_optim::sign_compress", mutates_args=("error", "packed"))
+@kernel_op("slamb_optim::sign_compress", mutates_args=("error", "packed"))
 def sign_compress(error: Tensor, x: Tensor | None, signs: Tensor | None, weights: Tensor | None, scale: Tensor,
                   packed: Tensor) -> None:
     """`error = z - scale * sign(z)` and the sign bits of `z` packed into `packed`: rows of uint8 (any row stride),
@@ -168,7 +168,7 @@ def _(error, x, signs, weights, scale, packed):
     return None
 
 
-@torch.library.custom_op("slamb_optim::decode_signs", mutates_args=("out",))
+@kernel_op("slamb_optim::decode_signs", mutates_args=("out",))
 def decode_signs(out: Tensor, signs: Tensor, scales: Tensor, zeroed: Tensor | None) -> None:
     """`out[j] = +-scales[j]` from the bits of `signs[j]` for each row j of `out` (rows, n), contiguous fp32; with
     `zeroed` (`optim.compressed.zero_codes_` of `out`'s elements) the flagged elements +0.0."""

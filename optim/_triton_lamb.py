@@ -15,7 +15,6 @@ Ten reads and writes, as `compiled=True` moves, in three launches. This module i
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -26,6 +25,7 @@ from optim._triton import (
     address_table,
     block_of,
     blocks,
+    kernel_op,
     load_block,
     moments_and_block_sums,
     trust_factors,
@@ -44,7 +44,7 @@ def _apply(addresses, count, tensor_of_block, first_element, numels, factors, sc
     tl.store(w_at + offsets, (w + tl.load(factors + tensor) * u).to(DTYPE), mask=inside)
 
 
-@torch.library.custom_op("slamb_optim::lamb_apply", mutates_args=("params",))
+@kernel_op("slamb_optim::lamb_apply", mutates_args=("params",))
 def lamb_apply(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], factors: Tensor,
                scale: float, bias_correction2: float, eps: float, weight_decay: float) -> None:
     """`w += factor * u` per tensor, the update u formed again from w and the moments `moments_and_block_sums` wrote."""

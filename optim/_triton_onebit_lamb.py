@@ -27,6 +27,7 @@ from optim._triton import (
     address_table,
     block_of,
     blocks,
+    kernel_op,
     load_block,
     words_of_16_bytes,
 )
@@ -91,7 +92,7 @@ def _check(*lists: list[Tensor]) -> None:
         raise ValueError("1-bit LAMB's Triton kernels take contiguous fp32 tensors")
 
 
-@torch.library.custom_op("slamb_optim::onebit_lamb_refresh_and_stats", mutates_args=("exp_avgs", "fresh"))
+@kernel_op("slamb_optim::onebit_lamb_refresh_and_stats", mutates_args=("exp_avgs", "fresh"))
 def refresh_and_stats(exp_avgs: list[Tensor], olds: list[Tensor], fresh: list[Tensor], denoms: list[Tensor],
                       params: list[Tensor], scaling: Tensor, momentum_weight: float, beta2: float, eps: float,
                       weight_decay: float) -> Tensor:
@@ -119,7 +120,7 @@ def _(exp_avgs, olds, fresh, denoms, params, scaling, momentum_weight, beta2, ep
     return exp_avgs[0].new_empty((3, len(exp_avgs)), dtype=torch.float32)
 
 
-@torch.library.custom_op("slamb_optim::onebit_lamb_apply", mutates_args=("params",))
+@kernel_op("slamb_optim::onebit_lamb_apply", mutates_args=("params",))
 def onebit_lamb_apply(params: list[Tensor], exp_avgs: list[Tensor], denoms: list[Tensor], steps: Tensor,
                       weight_decay: float) -> None:
     """`w += steps[t] * (m / denom + weight_decay w)` for every tensor t."""

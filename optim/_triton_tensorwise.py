@@ -9,13 +9,12 @@ tensors pass through). This module imports triton (see `optim._triton`).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from optim import _triton
-from optim._triton import DTYPES, address_table, block_of, blocks, load_block, words_of_16_bytes
+from optim._triton import DTYPES, address_table, block_of, blocks, kernel_op, load_block, words_of_16_bytes
 
 
 @triton.jit
@@ -44,7 +43,7 @@ def _launch(outs: list[Tensor], ins: list[Tensor], factors: Tensor, divide: bool
             DIVIDE=divide, DTYPE=DTYPES[outs[0].dtype], BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, sizes))
 
 
-@torch.library.custom_op("slamb_optim::per_tensor_multiply_add", mutates_args=("outs",))
+@kernel_op("slamb_optim::per_tensor_multiply_add", mutates_args=("outs",))
 def per_tensor_multiply_add(outs: list[Tensor], ins: list[Tensor], factors: Tensor) -> None:
     """`outs[t] += factors[t] * ins[t]` for every tensor t (the factor rounded to the tensors' dtype first, as a 0-d
     factor of torch's foreach op is)."""
@@ -59,7 +58,7 @@ def _(outs, ins, factors):
     return None
 
 
-@torch.library.custom_op("slamb_optim::per_tensor_divide", mutates_args=("outs",))
+@kernel_op("slamb_optim::per_tensor_divide", mutates_args=("outs",))
 def per_tensor_divide(outs: list[Tensor], factors: Tensor) -> None:
     """`outs[t] /= factors[t]` for every tensor t."""
     if outs:

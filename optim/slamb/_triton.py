@@ -35,6 +35,7 @@ from optim._triton import (
     block_norms,
     block_of,
     blocks,
+    kernel_op,
     load_block,
     moments_and_block_sums,
     on_device,
@@ -94,7 +95,7 @@ def _apply_rescaled(addresses, count, tensor_of_block, first_element, numels, ro
     tl.store(w_at + offsets, (w + u * coef).to(W_DTYPE), mask=inside)
 
 
-@torch.library.custom_op("slamb_optim::slamb_apply", mutates_args=("params",))
+@kernel_op("slamb_optim::slamb_apply", mutates_args=("params",))
 def slamb_apply(params: list[Tensor], directions: list[Tensor], slot_coefs: Tensor, row_coefs: Tensor,
                 row_first: Tensor, row_shift: Tensor) -> None:
     """`w += c * u` per slot: c is `slot_coefs[i]` where `row_shift[i]` is -1, else the coefficient of the element's
@@ -120,7 +121,7 @@ def _(params, directions, slot_coefs, row_coefs, row_first, row_shift):
     return None
 
 
-@torch.library.custom_op("slamb_optim::slamb_apply_rescaled", mutates_args=("params",))
+@kernel_op("slamb_optim::slamb_apply_rescaled", mutates_args=("params",))
 def slamb_apply_rescaled(params: list[Tensor], directions: list[Tensor], fresh: Tensor, stale: Tensor, one_d: Tensor,
                          freshness: Tensor, row_first: Tensor, row_shift: Tensor, c_min: float, c_max: float,
                          clamp_1d: bool, adapt: bool, lr_fresh: float, lr_stale: float, to_freshness: float) -> None:
@@ -156,7 +157,7 @@ def _columns(device: torch.device, *columns: tuple[int, ...]) -> tuple[Tensor, .
     return tuple(on_device(torch.tensor(column, dtype=torch.int64), device) for column in columns)
 
 
-@torch.library.custom_op("slamb_optim::gather_rows", mutates_args=("out",))
+@kernel_op("slamb_optim::gather_rows", mutates_args=("out",))
 def gather_rows(params: list[Tensor], rows: Tensor, out: Tensor, sizes: list[int], row_start: list[int],
                 bases: list[int], shifts: list[int]) -> None:
     """`out` <- per tensor i, `sizes[i]` coordinates: its rows (of 2^shifts[i] elements) `rows[row_start[i]:] -
@@ -209,7 +210,7 @@ def _segments(sizes: tuple[int, ...], block: int, device: torch.device) -> tuple
     return (*blocks(sizes, block, device), on_device(torch.tensor(_starts(sizes), dtype=torch.int64), device))
 
 
-@torch.library.custom_op("slamb_optim::fresh_direction_sums", mutates_args=("fresh",))
+@kernel_op("slamb_optim::fresh_direction_sums", mutates_args=("fresh",))
 def fresh_direction_sums(fresh: Tensor, compact: Tensor, denominators: Tensor, weights: Tensor, valid: Tensor | None,
                          sizes: list[int], factor: float, decay: bool) -> Tensor:
     """The masked slots' direction at S_t, `[weights +] factor compact / denominators`, into `fresh`, and per block of
@@ -264,7 +265,7 @@ def _ratios(weight_norms, direction_norms, always_norms, local, averaged, total_
     tl.store(out + slots + slot, tl.where(stale_adapted, w_stale / tl.where(stale_adapted, u_stale, 1.0), fallback))
 
 
-@torch.library.custom_op("slamb_optim::slamb_trust_ratios", mutates_args=())
+@kernel_op("slamb_optim::slamb_trust_ratios", mutates_args=())
 def trust_ratios(weight_norms: Tensor, direction_norms: Tensor, always_norms: Tensor, local: Tensor, averaged: Tensor,
                  sizes: list[int], unit: float, fallback: float) -> Tensor:
     """Per slot the raw phi_F and phi_U (`SLAMB._trust_ratios`), a (2, slots) tensor, from the norms of the weights
