@@ -237,6 +237,7 @@ _INDEXED = {"aten::index_select": True, "aten::index_add_": True, "aten::index_c
 # The project's Triton kernels (custom ops, `optim._triton`): arguments they write without reading them, and the
 # gathers that read of their `params` only the coordinates they write to `out`.
 _WRITE_ONLY_ARGUMENTS = {"slamb_optim::moments_and_block_sums": {"directions"},
+                         "slamb_optim::always_directions": {"directions"},
                          "slamb_optim::sign_compress": {"packed"}, "slamb_optim::decode_signs": {"out"}}
 _ROW_GATHERS = {"slamb_optim::gather_rows"}
 

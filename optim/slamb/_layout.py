@@ -139,6 +139,7 @@ class Chunk:
     # chunk's masked rows and log2 of its row size (0 and -1 for an always-synced slot: one coefficient for it).
     row_first: Tensor
     row_shift: Tensor
+    always_at: Tensor  # per always-synced slot, on the device, its first element counted from the chunk's start
     # Views, built once (so a step dispatches no per-tensor view): per slot its m, v and direction (the work
     # buffer's direction space), shaped like it; per masked slot its direction's rows and its rows' coefficients
     # (a column of the coefficient buffer, which holds the chunk's masked rows from its first).
@@ -245,6 +246,7 @@ class Layout:
             row_counts=column([e - s.row for s, e in zip(masked, ends, strict=True)]),
             row_first=column([0 if s.always else s.row - rows[1] for s in slots]),
             row_shift=column([-1 if s.always else s.row_size.bit_length() - 1 for s in slots]),
+            always_at=column([s.offset - start for s in slots if s.always]),
             exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
             directions=[s.flat(self.work, start).view_as(s.param) for s in slots],
             direction_rows=[s.flat(self.work, start).view(-1, s.row_size) for s in masked],

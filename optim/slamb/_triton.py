@@ -187,12 +187,12 @@ def triton_gather_weights(chunk: Chunk, mask: Mask, out: Tensor) -> None:
 
 # ------------------------------------------------------------------------------------------ the trust ratios
 @triton.jit
-def _fresh(tensor_of_block, first_element, sizes, starts, fresh, compact, denominators, weights, valid, partials,
-           total_blocks, factor, DECAY: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
+def _fresh(tensor_of_block, first_element, sizes, starts, fresh, compact, exp_avg_sq, weights, valid, partials,
+           total_blocks, factor, eps, DECAY: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
     segment, at, inside = block_of(tensor_of_block, first_element, sizes, BLOCK, False)
     at = tl.load(starts + segment) + at
     m = tl.load(compact + at, mask=inside, other=0.0)
-    d = tl.load(denominators + at, mask=inside, other=1.0)
+    d = tl.sqrt(tl.load(exp_avg_sq + at, mask=inside, other=1.0)) + eps  # `SLAMB._denominators`' sqrt(v) + eps
     w = tl.load(weights + at, mask=inside, other=0.0)
     u = w + (factor * m) / d if DECAY else m / d  # `SLAMB._fresh_direction`'s addcdiv or division
     tl.store(fresh + at, u, mask=inside)
@@ -211,23 +211,23 @@ def _segments(sizes: tuple[int, ...], block: int, device: torch.device) -> tuple
 
 
 @kernel_op("slamb_optim::fresh_direction_sums", mutates_args=("fresh",))
-def fresh_direction_sums(fresh: Tensor, compact: Tensor, denominators: Tensor, weights: Tensor, valid: Tensor | None,
-                         sizes: list[int], factor: float, decay: bool) -> Tensor:
-    """The masked slots' direction at S_t, `[weights +] factor compact / denominators`, into `fresh`, and per block of
-    each slot's segment (`sizes`) the sums of its squares and of the weights' squares (`valid` ones only): a
-    (2, blocks) float32 tensor."""
+def fresh_direction_sums(fresh: Tensor, compact: Tensor, exp_avg_sq: Tensor, weights: Tensor, valid: Tensor | None,
+                         sizes: list[int], factor: float, eps: float, decay: bool) -> Tensor:
+    """The masked slots' direction at S_t, `[weights +] factor compact / (sqrt(exp_avg_sq) + eps)` (v gathered at
+    S_t), into `fresh`, and per block of each slot's segment (`sizes`) the sums of its squares and of the weights'
+    squares (`valid` ones only): a (2, blocks) float32 tensor."""
     tensor_of_block, first_element, numels, _, starts = _segments(tuple(sizes), _triton.BLOCK, fresh.device)
     partials = torch.empty((2, tensor_of_block.numel()), dtype=torch.float32, device=fresh.device)
     if tensor_of_block.numel():
         _fresh[(tensor_of_block.numel(),)](
-            tensor_of_block, first_element, numels, starts, fresh, compact, denominators, weights,
-            valid if valid is not None else fresh, partials, tensor_of_block.numel(), factor, DECAY=decay,
+            tensor_of_block, first_element, numels, starts, fresh, compact, exp_avg_sq, weights,
+            valid if valid is not None else fresh, partials, tensor_of_block.numel(), factor, eps, DECAY=decay,
             HAS_VALID=valid is not None, BLOCK=_triton.BLOCK)
     return partials
 
 
 @fresh_direction_sums.register_fake
-def _(fresh, compact, denominators, weights, valid, sizes, factor, decay):
+def _(fresh, compact, exp_avg_sq, weights, valid, sizes, factor, eps, decay):
     return fresh.new_empty((2, sum(-(-n // _triton.BLOCK) for n in sizes)), dtype=torch.float32)
 
 
@@ -247,8 +247,8 @@ def _ratios(weight_norms, direction_norms, always_norms, local, averaged, total_
     slot = tl.program_id(0)
     synced = slot < always  # a slot synced whole: everything fresh, no blocks of S_t
     segment = tl.maximum(slot - always, 0)
-    first = tl.load(first_block + segment)
-    last = tl.where(synced, first, tl.load(first_block + segment + 1))
+    first = tl.load(first_block + segment)  # the table holds one entry more than segments: at least one
+    last = tl.where(synced, first, tl.load(first_block + segment + 1, mask=slot >= always, other=0))
     w_total = tl.load(weight_norms + slot)
     w_square = _segment_sum(local, 1, total_blocks, first, last, SUM_BLOCK)
     local_square = _segment_sum(local, 0, total_blocks, first, last, SUM_BLOCK)
@@ -282,3 +282,45 @@ def trust_ratios(weight_norms: Tensor, direction_norms: Tensor, always_norms: Te
 @trust_ratios.register_fake
 def _(weight_norms, direction_norms, always_norms, local, averaged, sizes, unit, fallback):
     return weight_norms.new_empty((2, weight_norms.numel()))
+
+
+# ------------------------------------------------------------------------------------------ the averaged direction
+@triton.jit
+def _always(addresses, count, tensor_of_block, first_element, numels, starts, compact, exp_avg_sq, partials,
+            total_blocks, factor, eps, DECAY: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+            ALIGNED: tl.constexpr):
+    tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK, ALIGNED)
+    _, w = load_block(addresses, tensor, offsets, inside, W_DTYPE, ALIGNED)
+    u_at = tl.load(addresses + count + tensor).to(tl.pointer_type(tl.float32))
+    at = tl.load(starts + tensor) + offsets
+    m = tl.load(compact + at, mask=inside, other=0.0)
+    denominator = tl.sqrt(tl.load(exp_avg_sq + at, mask=inside, other=1.0)) + eps
+    u = w + (factor * m) / denominator if DECAY else m / denominator  # `SLAMB._average_directions`' formula
+    tl.store(u_at + offsets, u, mask=inside)
+    block = tl.program_id(0)
+    tl.store(partials + block, tl.sum(w * w, axis=0))
+    tl.store(partials + total_blocks + block, tl.sum(u * u, axis=0))
+
+
+@kernel_op("slamb_optim::always_directions", mutates_args=("directions",))
+def always_directions(params: list[Tensor], directions: list[Tensor], compact: Tensor, exp_avg_sq: Tensor,
+                      starts: Tensor, factor: float, eps: float, decay: bool) -> Tensor:
+    """The always-synced slots' direction `[w +] factor m / (sqrt(v) + eps)` formed again from the averaged momentum
+    (`compact`, laid out as the chunk's flat region, whose v is `exp_avg_sq`; slot i from `starts[i]`) into
+    `directions`, with each block's sums of w^2 and u^2 (`optim._triton.block_norms` takes them): a (2, blocks) tensor.
+    The aten ops: the square root and eps, a copy of the weights, a division and the norms, each a pass or a launch."""
+    device, sizes = params[0].device, tuple(p.numel() for p in params)
+    tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
+    partials = torch.empty((2, tensor_of_block.numel()), dtype=torch.float32, device=device)
+    if tensor_of_block.numel():
+        addresses, aligned = address_table(device, params, directions)
+        _always[(tensor_of_block.numel(),)](
+            addresses, len(params), tensor_of_block, first_element, numels, starts, compact, exp_avg_sq, partials,
+            tensor_of_block.numel(), factor, eps, DECAY=decay, W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK,
+            ALIGNED=words_of_16_bytes(aligned, sizes))
+    return partials
+
+
+@always_directions.register_fake
+def _(params, directions, compact, exp_avg_sq, starts, factor, eps, decay):
+    return params[0].new_empty((2, sum(-(-p.numel() // _triton.BLOCK) for p in params)), dtype=torch.float32)

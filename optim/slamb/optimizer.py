@@ -302,24 +302,31 @@ class SLAMB(torch.optim.Optimizer):
                  "triton" if self.triton and fusable and len({s.param.dtype for s in chunk.slots}) == 1 else None)
         norms = self._local_directions(layout, chunk, mask, scratch, factor, eps, decay_in_norms, adapt, fused)
         local_norms = None
+        always = len(chunk.slots) - len(chunk.masked)
         if self.comm.distributed or (adapt and chunk.masked):
             layout.gather(chunk, mask, scratch.compact)  # the local momentum at S_t
-            self._denominators(layout, chunk, mask, scratch, eps)
+            self._denominators(layout, chunk, mask, scratch, eps, fused)
         if adapt and chunk.masked:  # the stale norms' terms, from the local direction (see `_trust_ratios`)
-            local_sums = self._fresh_direction(chunk, mask, scratch, factor, decay_in_norms, fused)
-            always = len(chunk.slots) - len(chunk.masked)
+            local_sums = self._fresh_direction(chunk, mask, scratch, factor, eps, decay_in_norms, fused)
             local_total = (norms[1][always:] if norms is not None
                            else torch.stack(torch._foreach_norm(chunk.directions[always:])))
             local_norms = (local_total, local_sums if fused == "triton" else _fresh_norms(mask, scratch))
-        averaged_sums = None
+        averaged_sums = always_sums = None
         if self.comm.distributed:
             self._all_reduce_mean(scratch.compact)
             layout.scatter(chunk, mask, scratch.compact)
-            averaged_sums = self._average_directions(layout, chunk, mask, scratch, factor, decay_in_norms, fused)
+            averaged_sums, always_sums = self._average_directions(layout, chunk, mask, scratch, factor, eps,
+                                                                  decay_in_norms, fused)
         if adapt:
             weight_norms = None if norms is None else norms[0]
+            always_norms = None
+            if fused == "triton":  # the always-synced slots' direction norms: of the average, or of the local pass
+                from optim._triton import block_norms  # imports triton: `triton_refusal` allowed it
+
+                always_norms = (block_norms(always_sums, [s.numel for s in chunk.slots[:always]])[1]
+                                if always_sums is not None else norms[1][:always])
             fresh, stale = self._trust_ratios(chunk, mask, scratch, unit, local_norms, weight_norms, averaged_sums,
-                                              fused)
+                                              always_norms, fused)
         else:  # NVLAMB's plain Adam step: both ratios exactly 1, never clamped (no norms taken)
             fresh = stale = torch.ones(len(chunk.slots), device=layout.work.device)
         if weight_decay != 0 and not self.wd_in_trust_ratio:
@@ -416,9 +423,15 @@ class SLAMB(torch.optim.Optimizer):
             direction_norms.append(u)
         return torch.cat(weight_norms), torch.cat(direction_norms)
 
-    def _denominators(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, eps: float) -> None:
-        """sqrt(v) + eps' at S_t, laid out as the compact vector (the always-synced part only where it is averaged)."""
+    def _denominators(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, eps: float,
+                      fused: str | None) -> None:
+        """sqrt(v) + eps' at S_t, laid out as the compact vector (the always-synced part only where it is averaged).
+        `fused` "triton": the masked part's v only, whose square root the kernels take as they read it."""
         a = chunk.split - chunk.start
+        if fused == "triton":
+            if chunk.masked:
+                mask.select(layout.region(layout.exp_avg_sq, chunk), scratch.denominators[a:])
+            return
         if a and self.comm.distributed:
             torch.sqrt(layout.exp_avg_sq[chunk.start:chunk.split], out=scratch.denominators[:a]).add_(eps)
         if chunk.masked:
@@ -427,17 +440,18 @@ class SLAMB(torch.optim.Optimizer):
             masked.sqrt_().add_(eps)
 
     @staticmethod
-    def _fresh_direction(chunk: Chunk, mask: Mask, scratch: Scratch, factor: float, decay_in_norms: bool,
+    def _fresh_direction(chunk: Chunk, mask: Mask, scratch: Scratch, factor: float, eps: float, decay_in_norms: bool,
                          fused: str | None) -> Tensor | None:
         """The masked slots' direction at S_t from the momentum in the compact vector, into `scratch.fresh` (the
         fused kernel's formula, rounded apart from it by a few units in the last place). `fused` "triton": in one
-        kernel, which returns the block sums of its squares and of the weights' there (`_trust_ratios` takes them)."""
+        kernel, from v at S_t, which returns the block sums of its squares and of the weights' there
+        (`_trust_ratios` takes them)."""
         a = chunk.split - chunk.start
         if fused == "triton":
             from optim.slamb._triton import fresh_direction_sums  # imports triton: `triton_refusal` allowed it
 
             return fresh_direction_sums(scratch.fresh, scratch.compact[a:], scratch.denominators[a:], scratch.weights,
-                                        mask.valid, list(mask.sizes), factor, decay_in_norms)
+                                        mask.valid, list(mask.sizes), factor, eps, decay_in_norms)
         if decay_in_norms:
             torch.addcdiv(scratch.weights, scratch.compact[a:], scratch.denominators[a:], value=factor,
                           out=scratch.fresh)
@@ -461,12 +475,21 @@ class SLAMB(torch.optim.Optimizer):
             compact.copy_(payload)
 
     def _average_directions(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, factor: float,
-                            decay_in_norms: bool, fused: str | None) -> Tensor | None:
+                            eps: float, decay_in_norms: bool,
+                            fused: str | None) -> tuple[Tensor | None, Tensor | None]:
         """The direction at S_t formed again from the averaged momentum (in `scratch.compact`), into the direction
-        buffer: over the always-synced slots whole (a few short passes), at the masked slots' selected rows from
-        the compact space (where `scratch.fresh` keeps it for the norms). Returns `_fresh_direction`'s block sums."""
+        buffer: over the always-synced slots whole (a few short passes; with `fused` "triton" one kernel), at the
+        masked slots' selected rows from the compact space (where `scratch.fresh` keeps it for the norms). Returns the
+        Triton kernels' block sums: `_fresh_direction`'s and the always-synced slots' (None eagerly)."""
         always, a = len(chunk.slots) - len(chunk.masked), chunk.split - chunk.start
-        if a:
+        always_sums = None
+        if a and fused == "triton":
+            from optim.slamb._triton import always_directions  # imports triton: `triton_refusal` allowed it
+
+            always_sums = always_directions([s.param for s in chunk.slots[:always]], chunk.directions[:always],
+                                            scratch.compact[:a], layout.exp_avg_sq[chunk.start:chunk.split],
+                                            chunk.always_at, factor, eps, decay_in_norms)
+        elif a:
             direction = scratch.direction[:a]
             if decay_in_norms:
                 torch._foreach_copy_(chunk.directions[:always], [s.param for s in chunk.slots[:always]])
@@ -474,14 +497,15 @@ class SLAMB(torch.optim.Optimizer):
             else:
                 torch.div(scratch.compact[:a], scratch.denominators[:a], out=direction)
         if not chunk.masked:
-            return None
-        sums = self._fresh_direction(chunk, mask, scratch, factor, decay_in_norms, fused)
+            return None, always_sums
+        sums = self._fresh_direction(chunk, mask, scratch, factor, eps, decay_in_norms, fused)
         mask.put(scratch.direction, scratch.fresh)
-        return sums
+        return sums, always_sums
 
     def _trust_ratios(self, chunk: Chunk, mask: Mask, scratch: Scratch, unit: float,
                       local_norms: tuple[Tensor, Tensor] | None, weight_norms: Tensor | None = None,
-                      averaged_sums: Tensor | None = None, fused: str | None = None) -> tuple[Tensor, Tensor]:
+                      averaged_sums: Tensor | None = None, always_norms: Tensor | None = None,
+                      fused: str | None = None) -> tuple[Tensor, Tensor]:
         """Per slot the raw (unclamped) phi_F and phi_U over the fresh coordinates S_t and the stale rest, with
         their fallbacks for zero norms.
 
@@ -493,16 +517,14 @@ class SLAMB(torch.optim.Optimizer):
         ranks, a factor that multiplies the fp32 rounding of the difference. The weights' stale norms are a
         difference too: w has no such outliers. `weight_norms`: the slots' weight norms, where the compiled local
         pass took them. `fused` "triton": `local_norms` holds the block sums of `_fresh_direction`'s kernel, not norms,
-        and `averaged_sums` those after the average (None on one rank); the ratios are then one kernel
-        (`optim.slamb._triton.trust_ratios`).
+        and `averaged_sums` those after the average (None on one rank), `always_norms` the always-synced slots'
+        direction norms; the ratios are then one kernel (`optim.slamb._triton.trust_ratios`).
         """
         always = len(chunk.slots) - len(chunk.masked)  # the chunk's first slots are synced whole every step
-        if fused == "triton" and chunk.masked:
+        if fused == "triton":
             from optim.slamb._triton import trust_ratios  # imports triton: `triton_refusal` allowed it
 
-            local_total, local_sums = local_norms
-            always_norms = (torch.stack(torch._foreach_norm(chunk.directions[:always])) if always
-                            else local_total[:0])
+            local_total, local_sums = local_norms or (always_norms[:0], always_norms.new_empty((2, 0)))
             ratios = trust_ratios(weight_norms, local_total, always_norms, local_sums,
                                   local_sums if averaged_sums is None else averaged_sums, list(mask.sizes), unit,
                                   self.stale_ratio_fallback)

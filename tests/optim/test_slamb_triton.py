@@ -50,6 +50,17 @@ def test_blocks_cut_across_slots_and_rows(monkeypatch):
     assert_weights_close(eager, fused)
 
 
+@pytest.mark.parametrize("wd_in_trust_ratio", [True, False])
+def test_decayed_tensors_synced_whole(wd_in_trust_ratio):
+    """A decayed weight below `min_compress_numel` is synced whole every step: its direction formed again from the
+    averaged momentum in the always-synced slots' kernel, the decay in its norms or not."""
+    eager, fused = slamb_model(), slamb_model()
+    options = dict(min_compress_numel=7000, wd_in_trust_ratio=wd_in_trust_ratio)  # the 201 x 30 weight: whole
+    mlp_steps(eager, slamb(eager, None, **options), range(SLAMB_STEPS))
+    mlp_steps(fused, slamb(fused, "triton", **options), range(SLAMB_STEPS))
+    assert_weights_close(eager, fused)
+
+
 def test_one_process_takes_the_ratios_from_its_local_sums():
     """One process (nothing averaged): the fresh norms of the trust ratios are the local direction's block sums."""
     eager, fused = slamb_model(), slamb_model()

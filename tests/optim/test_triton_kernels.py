@@ -26,7 +26,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 
 ARCHS = [80, 90]
 KERNELS = {"optim._triton": ("_moments_and_sums", "_reduce_sums"), "optim._triton_lamb": ("_apply",),
-           "optim.slamb._triton": ("_apply", "_apply_rescaled", "_gather", "_fresh", "_ratios"),
+           "optim.slamb._triton": ("_apply", "_apply_rescaled", "_gather", "_fresh", "_ratios", "_always"),
            "optim._triton_compressed": ("_square_sums", "_rms", "_compress", "_decode"),
            "optim._triton_tensorwise": ("_per_tensor",),
            "optim._triton_onebit_lamb": ("_refresh_and_stats", "_tensor_stats", "_apply")}  # the kernels launched
