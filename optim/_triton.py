@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,6 +71,25 @@ def words_of_16_bytes(aligned: bool, numels: Sequence[int]) -> bool:
     """Whether a kernel may move 16 bytes per access (its `ALIGNED`): every tensor starts on a 16-byte boundary
     (`address_table`'s flag) and holds a multiple of 16 elements. Otherwise it moves one element per access."""
     return aligned and all(n % 16 == 0 for n in numels)
+
+
+@dataclass(frozen=True)
+class MultiTensorLaunch:
+    """One launch of a multi-tensor kernel over the tensors of a list, a program per block of `BLOCK` elements."""
+
+    programs: int
+    head: tuple  # what every such kernel takes first: the address table, the tensor count, the block table
+    first_block: Tensor  # per tensor its first block, one entry more (for a reduction of per-block sums)
+    aligned: bool  # the kernel's `ALIGNED` (`words_of_16_bytes`)
+
+
+def multi_tensor_launch(*lists: Sequence[Tensor]) -> MultiTensorLaunch:
+    """The tables of a launch over the tensors of `lists[0]` that reaches every tensor of `lists` (list after list)."""
+    device, sizes = lists[0][0].device, tuple(t.numel() for t in lists[0])
+    tensor_of_block, first_element, numels, first_block = blocks(sizes, BLOCK, device)
+    addresses, aligned = address_table(device, *lists)
+    return MultiTensorLaunch(tensor_of_block.numel(), (addresses, len(sizes), tensor_of_block, first_element, numels),
+                             first_block, words_of_16_bytes(aligned, sizes))
 
 
 def on_device(host: Tensor, device: torch.device) -> Tensor:
@@ -208,18 +228,14 @@ def moments_and_block_sums(params: list[Tensor], grads: list[Tensor], exp_avgs: 
     """m and v moved by the gradients (divided by `divisor` when given), the direction
     `u = scale m / (sqrt(v / bias_correction2) + eps) + weight_decay w` (written to `directions`, fp32, unless that
     list is empty), and per block of `BLOCK` elements the sums of w^2 and u^2: a (2, blocks) float32 tensor."""
-    device, sizes = params[0].device, tuple(p.numel() for p in params)
-    tensor_of_block, first_element, numels, _ = blocks(sizes, BLOCK, device)
-    partials = torch.empty((2, tensor_of_block.numel()), dtype=torch.float32, device=device)
-    if tensor_of_block.numel():
-        addresses, aligned = address_table(device, params, grads, exp_avgs, exp_avg_sqs, directions)
-        _moments_and_sums[(tensor_of_block.numel(),)](
-            addresses, len(params), tensor_of_block,
-            first_element, numels, partials, tensor_of_block.numel(), divisor if divisor is not None else partials,
+    launch = multi_tensor_launch(params, grads, exp_avgs, exp_avg_sqs, directions)
+    partials = torch.empty((2, launch.programs), dtype=torch.float32, device=params[0].device)
+    if launch.programs:
+        _moments_and_sums[(launch.programs,)](
+            *launch.head, partials, launch.programs, divisor if divisor is not None else partials,
             beta1, beta2, scale, bias_correction2 ** 0.5, eps, weight_decay, HAS_DIVISOR=divisor is not None,
             STORE_DIRECTION=bool(directions), W_DTYPE=DTYPES[params[0].dtype], G_DTYPE=DTYPES[grads[0].dtype],
-            S_DTYPE=DTYPES[exp_avgs[0].dtype], BLOCK=BLOCK,
-            ALIGNED=words_of_16_bytes(aligned, sizes))
+            S_DTYPE=DTYPES[exp_avgs[0].dtype], BLOCK=BLOCK, ALIGNED=launch.aligned)
     return partials
 
 

@@ -22,14 +22,12 @@ from torch import Tensor
 from optim import _triton
 from optim._triton import (
     DTYPES,
-    address_table,
     block_of,
-    blocks,
     kernel_op,
     load_block,
     moments_and_block_sums,
+    multi_tensor_launch,
     trust_factors,
-    words_of_16_bytes,
 )
 
 
@@ -48,14 +46,10 @@ def _apply(addresses, count, tensor_of_block, first_element, numels, factors, sc
 def lamb_apply(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], factors: Tensor,
                scale: float, bias_correction2: float, eps: float, weight_decay: float) -> None:
     """`w += factor * u` per tensor, the update u formed again from w and the moments `moments_and_block_sums` wrote."""
-    device, sizes = params[0].device, tuple(p.numel() for p in params)
-    tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
-    if tensor_of_block.numel():
-        addresses, aligned = address_table(device, params, exp_avgs, exp_avg_sqs)
-        _apply[(tensor_of_block.numel(),)](
-            addresses, len(params), tensor_of_block, first_element,
-            numels, factors, scale, bias_correction2 ** 0.5, eps, weight_decay, DTYPE=DTYPES[params[0].dtype],
-            BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, sizes))
+    launch = multi_tensor_launch(params, exp_avgs, exp_avg_sqs)
+    if launch.programs:
+        _apply[(launch.programs,)](*launch.head, factors, scale, bias_correction2 ** 0.5, eps, weight_decay,
+                                   DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK, ALIGNED=launch.aligned)
 
 
 @lamb_apply.register_fake

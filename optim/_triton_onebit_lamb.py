@@ -24,12 +24,10 @@ from torch import Tensor
 from optim import _triton
 from optim._triton import (
     SUM_BLOCK,
-    address_table,
     block_of,
-    blocks,
     kernel_op,
     load_block,
-    words_of_16_bytes,
+    multi_tensor_launch,
 )
 
 
@@ -100,18 +98,15 @@ def refresh_and_stats(exp_avgs: list[Tensor], olds: list[Tensor], fresh: list[Te
     and new momenta (`lerp(old, m, momentum_weight)`), and per tensor (a column of a (3, tensors) float32 tensor) the
     largest `denom / (sqrt(v_fresh) + eps)`, the norm of `m / denom` and that of `m / denom + weight_decay w`."""
     _check(exp_avgs, olds, fresh, denoms, params)
-    device, sizes = exp_avgs[0].device, tuple(t.numel() for t in exp_avgs)
-    tensor_of_block, first_element, numels, first_block = blocks(sizes, _triton.BLOCK, device)
-    partials = torch.empty((3, tensor_of_block.numel()), dtype=torch.float32, device=device)
-    stats = torch.empty((3, len(sizes)), dtype=torch.float32, device=device)
-    if tensor_of_block.numel():
-        addresses, aligned = address_table(device, exp_avgs, olds, fresh, denoms, params)
-        _refresh_and_stats[(tensor_of_block.numel(),)](
-            addresses, len(sizes), tensor_of_block, first_element, numels, scaling.float().contiguous(), partials,
-            tensor_of_block.numel(), momentum_weight, 1.0 - beta2, eps, weight_decay, BLOCK=_triton.BLOCK,
-            ALIGNED=words_of_16_bytes(aligned, sizes))
-        _tensor_stats[(len(sizes),)](partials, tensor_of_block.numel(), first_block, stats, len(sizes),
-                                     SUM_BLOCK=SUM_BLOCK)
+    device, count = exp_avgs[0].device, len(exp_avgs)
+    launch = multi_tensor_launch(exp_avgs, olds, fresh, denoms, params)
+    partials = torch.empty((3, launch.programs), dtype=torch.float32, device=device)
+    stats = torch.empty((3, count), dtype=torch.float32, device=device)
+    if launch.programs:
+        _refresh_and_stats[(launch.programs,)](
+            *launch.head, scaling.float().contiguous(), partials, launch.programs, momentum_weight, 1.0 - beta2, eps,
+            weight_decay, BLOCK=_triton.BLOCK, ALIGNED=launch.aligned)
+        _tensor_stats[(count,)](partials, launch.programs, launch.first_block, stats, count, SUM_BLOCK=SUM_BLOCK)
     return stats
 
 
@@ -125,13 +120,10 @@ def onebit_lamb_apply(params: list[Tensor], exp_avgs: list[Tensor], denoms: list
                       weight_decay: float) -> None:
     """`w += steps[t] * (m / denom + weight_decay w)` for every tensor t."""
     _check(params, exp_avgs, denoms)
-    device, sizes = params[0].device, tuple(p.numel() for p in params)
-    tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
-    if tensor_of_block.numel():
-        addresses, aligned = address_table(device, params, exp_avgs, denoms)
-        _apply[(tensor_of_block.numel(),)](addresses, len(sizes), tensor_of_block, first_element, numels,
-                                           steps.float().contiguous(), weight_decay, BLOCK=_triton.BLOCK,
-                                           ALIGNED=words_of_16_bytes(aligned, sizes))
+    launch = multi_tensor_launch(params, exp_avgs, denoms)
+    if launch.programs:
+        _apply[(launch.programs,)](*launch.head, steps.float().contiguous(), weight_decay, BLOCK=_triton.BLOCK,
+                                   ALIGNED=launch.aligned)
 
 
 @onebit_lamb_apply.register_fake

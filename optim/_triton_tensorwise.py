@@ -14,7 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from optim import _triton
-from optim._triton import DTYPES, address_table, block_of, blocks, kernel_op, load_block, words_of_16_bytes
+from optim._triton import DTYPES, block_of, kernel_op, load_block, multi_tensor_launch
 
 
 @triton.jit
@@ -34,13 +34,10 @@ def _per_tensor(addresses, count, tensor_of_block, first_element, numels, factor
 def _launch(outs: list[Tensor], ins: list[Tensor], factors: Tensor, divide: bool) -> None:
     if any(t.dtype != outs[0].dtype or not t.is_contiguous() for t in (*outs, *ins)) or factors.numel() != len(outs):
         raise ValueError("per-tensor Triton ops take contiguous tensors of one dtype and a factor per tensor")
-    device, sizes = outs[0].device, tuple(t.numel() for t in outs)
-    tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
-    if tensor_of_block.numel():
-        addresses, aligned = address_table(device, outs, ins)
-        _per_tensor[(tensor_of_block.numel(),)](
-            addresses, len(outs), tensor_of_block, first_element, numels, factors.float().contiguous(),
-            DIVIDE=divide, DTYPE=DTYPES[outs[0].dtype], BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, sizes))
+    launch = multi_tensor_launch(outs, ins)
+    if launch.programs:
+        _per_tensor[(launch.programs,)](*launch.head, factors.float().contiguous(), DIVIDE=divide,
+                                        DTYPE=DTYPES[outs[0].dtype], BLOCK=_triton.BLOCK, ALIGNED=launch.aligned)
 
 
 @kernel_op("slamb_optim::per_tensor_multiply_add", mutates_args=("outs",))

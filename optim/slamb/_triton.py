@@ -38,8 +38,8 @@ from optim._triton import (
     kernel_op,
     load_block,
     moments_and_block_sums,
+    multi_tensor_launch,
     on_device,
-    words_of_16_bytes,
 )
 from optim.slamb._layout import Chunk
 from optim.slamb._masks import Mask, _starts
@@ -106,14 +106,10 @@ def slamb_apply(params: list[Tensor], directions: list[Tensor], slot_coefs: Tens
 def _launch_update(kernel, params: list[Tensor], directions: list[Tensor], row_first: Tensor, row_shift: Tensor,
                    *args) -> None:
     """An update kernel over the chunk's slots, a program per block, with their rows' tables and then `args`."""
-    device, sizes = params[0].device, tuple(p.numel() for p in params)
-    tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
-    if tensor_of_block.numel():
-        addresses, aligned = address_table(device, params, directions)
-        kernel[(tensor_of_block.numel(),)](
-            addresses, len(params), tensor_of_block, first_element, numels, row_first, row_shift, *args,
-            W_DTYPE=DTYPES[params[0].dtype],
-            BLOCK=_triton.BLOCK, ALIGNED=words_of_16_bytes(aligned, sizes))
+    launch = multi_tensor_launch(params, directions)
+    if launch.programs:
+        kernel[(launch.programs,)](*launch.head, row_first, row_shift, *args, W_DTYPE=DTYPES[params[0].dtype],
+                                   BLOCK=_triton.BLOCK, ALIGNED=launch.aligned)
 
 
 @slamb_apply.register_fake
@@ -309,15 +305,12 @@ def always_directions(params: list[Tensor], directions: list[Tensor], compact: T
     (`compact`, laid out as the chunk's flat region, whose v is `exp_avg_sq`; slot i from `starts[i]`) into
     `directions`, with each block's sums of w^2 and u^2 (`optim._triton.block_norms` takes them): a (2, blocks) tensor.
     The aten ops: the square root and eps, a copy of the weights, a division and the norms, each a pass or a launch."""
-    device, sizes = params[0].device, tuple(p.numel() for p in params)
-    tensor_of_block, first_element, numels, _ = blocks(sizes, _triton.BLOCK, device)
-    partials = torch.empty((2, tensor_of_block.numel()), dtype=torch.float32, device=device)
-    if tensor_of_block.numel():
-        addresses, aligned = address_table(device, params, directions)
-        _always[(tensor_of_block.numel(),)](
-            addresses, len(params), tensor_of_block, first_element, numels, starts, compact, exp_avg_sq, partials,
-            tensor_of_block.numel(), factor, eps, DECAY=decay, W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK,
-            ALIGNED=words_of_16_bytes(aligned, sizes))
+    launch = multi_tensor_launch(params, directions)
+    partials = torch.empty((2, launch.programs), dtype=torch.float32, device=params[0].device)
+    if launch.programs:
+        _always[(launch.programs,)](
+            *launch.head, starts, compact, exp_avg_sq, partials, launch.programs, factor, eps, DECAY=decay,
+            W_DTYPE=DTYPES[params[0].dtype], BLOCK=_triton.BLOCK, ALIGNED=launch.aligned)
     return partials
 
 
