@@ -15,6 +15,13 @@ Variants: SLAMB with each other mask (Slamb_V2's Bernoulli draw, the naive cycli
 product-form rescale, and the slamb_v2_official preset. Memory is the bytes of the optimizer's
 persistent tensors: LAMB's m and v (8 bytes per parameter); SLAMB's m, v and freshness (state: 10 bytes, 12 in
 the parity preset, whose freshness is fp32) plus its work buffers (scratch), as a ratio to LAMB's.
+
+Last, what SLAMB's step adds to LAMB's in memory traffic, timed in the same run: a gather and a scatter of a tenth of
+the rows of 16 of a buffer of the model's size (the rows the stratified mask picks, one per stratum), each in units of
+one streaming read of that buffer (a norm), beside LAMB's best step in the same unit. A row op touches a tenth of the
+bytes of a pass, but on a CPU each 64-byte row waits for memory, so it costs about a pass: SLAMB's step makes three
+gathers (m, v and the weights at S_t) and two scatters (the averaged m, and the direction formed from it) beside
+LAMB's passes, whose kernels (fused Adam, two norms, the update) it shares.
 """
 
 from __future__ import annotations
@@ -22,13 +29,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import SIZES, bert_parameters, chosen_device, config_kwargs, device_label, step_times
+from benchmarks.common import (
+    SIZES,
+    bert_parameters,
+    chosen_device,
+    config_kwargs,
+    device_label,
+    step_times,
+    synchronize,
+)
 from optim import build_optimizer
 from optim.memory import state_bytes
 from optim.mirror_comm import MirrorComm
+from optim.slamb._masks import ROW_NUMEL
 
 VARIANTS = {  # label -> (registry name, overrides of its conf/optim YAML)
     "SLAMB (conf/optim/slamb.yaml)": ("slamb", {}),
@@ -76,6 +93,42 @@ def main(argv: list[str] | None = None) -> None:
         memory = slamb.memory_bytes()
         _row(label, times[label], best_ref, median_ref, memory["state"], memory["scratch"], reference_bytes)
         del slamb
+    del lamb
+    stream, gather, scatter = row_traffic(numel, 0.1, device, args.repeats, clock)
+    print(f"row traffic, in streaming reads of {numel / 1e6:.1f}M fp32 values ({stream * 1e3:.1f} ms): gather of a "
+          f"tenth of the rows of {ROW_NUMEL} {gather / stream:.2f}, scatter {scatter / stream:.2f}; LAMB's best step "
+          f"{best_ref / stream:.1f}; SLAMB's adds 3 gathers and 2 scatters: "
+          f"{(3 * gather + 2 * scatter) / stream:.1f}", flush=True)
+
+
+def row_traffic(numel: int, ratio: float, device: torch.device, repeats: int,
+                clock: Callable[[], float]) -> tuple[float, float, float]:
+    """Best times (of `repeats`) of one streaming read of `numel` fp32 values (their norm), of a gather of `ratio`
+    of their rows of `ROW_NUMEL` (one row at random in each of as many strata, as the stratified mask picks them)
+    and of the scatter back, by the ops SLAMB's masks use."""
+    generator = torch.Generator().manual_seed(0)
+    rows = numel // ROW_NUMEL
+    picks = max(1, round(ratio * rows))
+    strata = torch.arange(picks + 1) * rows // picks
+    chosen = strata[:-1] + (torch.rand(picks, generator=generator) * strata.diff()).long()
+    buffer = torch.randn(rows, ROW_NUMEL, generator=generator).to(device)
+    words = buffer.view(torch.float64)  # as `optim.slamb._masks.Mask` moves rows: 8-byte words
+    chosen = chosen.to(device)
+    compact = words.index_select(0, chosen)
+
+    def best(op: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            synchronize(device)
+            start = clock()
+            op()
+            synchronize(device)
+            times.append(clock() - start)
+        return min(times)
+
+    return (best(lambda: torch.linalg.vector_norm(buffer)),
+            best(lambda: torch.index_select(words, 0, chosen, out=compact)),
+            best(lambda: words.index_copy_(0, chosen, compact)))
 
 
 def _row(label: str, values: list[float], best_ref: float, median_ref: float, state: int, scratch: int,
