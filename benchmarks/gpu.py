@@ -86,10 +86,11 @@ PARTS = [  # in order of what matters most when the budget runs short
     Part("phase2_o2_packed", "BERT-Large phase 2, O2, the same sequences packed 3 a row",
          (*PHASE2, *O2, "--lengths", "demo", "--pack", "3"), 120,
          (*THROUGHPUT, "--seq", "512", *O2, *TINY_BERT, "--lengths", "demo", "--pack", "3"), THROUGHPUT_FIGURES),
-    Part("bandwidth", "optimizer steps against their memory-bandwidth bound, BERT-Large",
-         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large"), 90,
+    # Each step's top kernels follow its row: where the steps that their bytes do not explain spend their time.
+    Part("bandwidth", "optimizer steps against their memory-bandwidth bound, BERT-Large, with their top kernels",
+         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--profile", "15"), 90,
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--optimizers",
-          "lamb", "--warmup", "1", "--repeats", "1"), r"copy bandwidth \d+ GB/s"),
+          "lamb", "--warmup", "1", "--repeats", "1", "--profile", "5"), r"copy bandwidth \d+ GB/s"),
     # The Triton kernels (`triton=True`), beside the aten steps of `bandwidth`, with the top kernels. Counted on the
     # CPU (BERT-Large, x one fused pass in launches, aten ops in brackets): LAMB 1.43x in 37 (2.00x in 313), SLAMB 1.81x
     # in 131 (2.82x in 562), 1-bit LAMB 2.76x in 90 (5.85x in 1,609), 0/1 Adam 2.76x in 148 (4.18x in 319). The
@@ -108,11 +109,6 @@ PARTS = [  # in order of what matters most when the budget runs short
     Part("demo", "the demo (`python -m train`) on CUDA", ("python", "-m", "train", "trainer.device=cuda",
                                                           "hydra.run.dir={tmp}/demo"), 120,
          ("python", "-m", "train", "hydra.run.dir={tmp}/demo", *TINY_DEMO), r"eval/loss [\d.]+"),
-    Part("step_profile", "where the steps that their bytes do not explain spend their time: the top kernels",
-         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--optimizers", "slamb", "onebit_lamb",
-          "zero_one_adam", "--repeats", "3", "--profile", "15"), 90,
-         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--optimizers",
-          "onebit_lamb", "--warmup", "1", "--repeats", "1", "--profile", "5")),
     Part("swin", "Swin-B (224 px), bf16 autocast, AdamW", (*THROUGHPUT, "--task", "swin", "--precision", "bf16",
                                                            "--micro-batch", "128", *TIMED), 90,
          (*THROUGHPUT, "--task", "swin", *TINY_BERT), THROUGHPUT_FIGURES),
@@ -151,14 +147,20 @@ PARTS = [  # in order of what matters most when the budget runs short
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--compiled",
           "--optimizers", "lamb", "--warmup", "1", "--repeats", "1", "--inductor", "combo_kernels=True"),
          r"copy bandwidth \d+ GB/s", optional=True),
+    # The profile alone, of the three steps furthest from their bound (`bandwidth` profiles every step).
+    Part("step_profile", "where the steps that their bytes do not explain spend their time: the top kernels",
+         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--optimizers", "slamb", "onebit_lamb",
+          "zero_one_adam", "--repeats", "3", "--profile", "15"), 90,
+         ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--optimizers",
+          "onebit_lamb", "--warmup", "1", "--repeats", "1", "--profile", "5"), optional=True),
     Part("step_cost", "optimizer steps counted: ops and bytes against one fused pass, BERT-Large, 2 ranks",
          ("python", "-m", "benchmarks.optim.step_cost", "--size", "large", "--ranks", "2"), 90,
          ("python", "-m", "benchmarks.optim.step_cost", "--size", "tiny", "--ranks", "2", "--optimizers", "lamb"),
          optional=True),
 ]
 BUDGET_S = 540  # the whole command's limit, 9 minutes. By the part times of 64ad0e9 and 6f1393c on one H100 (the two
-# demo-length parts at about 31 s each, step_triton at about 60 s) the default parts come to about 600 s: the budget
-# may cut the last two (step_profile, swin).
+# demo-length parts at about 31 s each, step_triton at about 60 s, bandwidth's profiles about 5 s) the default parts
+# come to about 585 s: the budget may cut the last two (demo, swin).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 TAIL_LINES = 25
 ENVIRONMENT = r"""
