@@ -224,8 +224,9 @@ def _put_scale(rows: Tensor, scale: Tensor) -> None:
 
 def _split_scale(rows: Tensor) -> tuple[Tensor, Tensor]:
     """(packed signs, float32 scales of shape (rows, 1)) from rows built by `_put_scale`; the signs are a view (each
-    row contiguous: the decoders read them in place)."""
-    scales = rows[:, -_SCALE_BYTES:].contiguous().view(torch.float32)
+    row contiguous: the decoders read them in place). The scales are copied, as 4-byte aligned floats: a single row's
+    slice is contiguous already, at any byte offset."""
+    scales = rows[:, -_SCALE_BYTES:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     return rows[:, :-_SCALE_BYTES], scales
 
 

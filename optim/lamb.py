@@ -24,7 +24,7 @@ from optim._math import (
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.flat import foreach_chunks
-from optim.option_checks import check_adam_hyperparameters, check_flags, check_triton, triton_refusal
+from optim.option_checks import check_adam_hyperparameters, check_flags, check_triton, use_triton
 
 
 class LAMB(torch.optim.Optimizer):
@@ -70,7 +70,8 @@ class LAMB(torch.optim.Optimizer):
             again and applied. 10 tensor-sized reads and writes in 3 launches, however many tensors (the aten ops: 14,
             and a launch per tensor for the ratios). CUDA tensors only (or Triton's interpreter, `TRITON_INTERPRET=1`,
             for tests); the update rounds apart from the aten ops' within 1e-5 relative (other orders of the norms'
-            sums). Needs `foreach` true or null, and not `compiled`.
+            sums). Needs `foreach` true or null, and not `compiled`. None: the kernels where they can run (CUDA
+            tensors of one device and dtype, not `compiled`), the aten ops elsewhere.
         compiled: run the multi-tensor path's decayed tensors in two passes compiled by torch.compile (inductor):
             one writes the moments and reduces the norms of the weights and the update, the other forms the
             update again and writes the weights (10 tensor-sized reads and writes where the aten ops take 14).
@@ -107,7 +108,7 @@ class LAMB(torch.optim.Optimizer):
         always_adapt: bool = False,
         foreach: bool | None = None,
         compiled: bool = False,
-        triton: bool = False,
+        triton: bool | None = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -222,7 +223,7 @@ def lamb(
     always_adapt: bool,
     foreach: bool | None = None,
     compiled: bool = False,
-    triton: bool = False,
+    triton: bool | None = False,
 ) -> None:
     """Functional LAMB over one param group (see `LAMB`); `grad_divisor` is NVLAMB's pre-normalisation.
 
@@ -238,11 +239,9 @@ def lamb(
     if compiled and not uniform:
         raise ValueError("LAMB(compiled=True) runs the multi-tensor path, which needs each group's tensors on one "
                          "device and dtype, with gradients laid out as their parameters; set compiled=False")
-    if triton:
-        refusal = triton_refusal(params[0].device) or (None if uniform else "needs each group's tensors on one device "
-                                                       "and dtype, with gradients laid out as their parameters")
-        if refusal is not None:
-            raise ValueError(f"LAMB(triton=True) {refusal}; set triton=False")
+    triton = use_triton(triton, params[0].device, "LAMB", obstacle=(
+        "and compiled are two ways to fuse the step: choose one" if compiled else None if uniform else
+        "needs each group's tensors on one device and dtype, with gradients laid out as their parameters"))
     options = dict(
         grad_divisor=grad_divisor,
         lr=lr,

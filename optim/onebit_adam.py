@@ -15,7 +15,7 @@ from optim.comm import WIRE_DTYPES, Comm, average_tensors_
 from optim.compressed import CompressedBuckets, bucket_layout, padded_numel, zero_codes_
 from optim.flat import FlatLayout, FlatState, pop_flat_entries
 from optim.memory import onebit_family_bytes
-from optim.option_checks import check_adam_hyperparameters, check_flags, check_triton, triton_refusal
+from optim.option_checks import check_adam_hyperparameters, check_flags, check_triton, use_triton
 
 # Kept in every docstring of the family: where we differ from DeepSpeed 0.19.6.
 # Elements per bucket of the full-precision gradient average (warm-up, variance steps): DeepSpeed's engine averages
@@ -100,7 +100,8 @@ class OneBitFamily(torch.optim.Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], comm: Comm | None, bucketing: str,
                  init_noop_step: bool, mask_zero_variance: bool, dense_comm_dtype: str, compiled: bool = False,
-                 triton: bool = False, keep_tail: bool = False, flat_keys: Sequence[str] = ("exp_avg_sq",)) -> None:
+                 triton: bool | None = False, keep_tail: bool = False,
+                 flat_keys: Sequence[str] = ("exp_avg_sq",)) -> None:
         super().__init__(params, defaults)
         for group in self.param_groups:  # empty tensors would give NaN scales
             group["params"] = [p for p in group["params"] if p.numel() > 0]
@@ -115,11 +116,9 @@ class OneBitFamily(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: all parameters must share one device and dtype (its state "
                              f"lives in flat buffers); got {sorted({(str(p.device), str(p.dtype)) for p in params})}")
         device, dtype = params[0].device, params[0].dtype
-        refusal = triton_refusal(device) if triton else None
-        if refusal is None and triton and dtype != torch.float32:
-            refusal = f"takes fp32 parameters (its kernels work on fp32 buffers), not {dtype}"
-        if refusal is not None:
-            raise ValueError(f"{type(self).__name__}(triton=True) {refusal}; set triton=False")
+        triton = use_triton(triton, device, type(self).__name__, obstacle=(
+            "and compiled are two ways to fuse the step: choose one" if compiled else None if dtype == torch.float32
+            else f"takes fp32 parameters (its kernels work on fp32 buffers), not {dtype}"))
         groups = [index for index, group in enumerate(self.param_groups) for _ in group["params"]]
         buckets = bucket_layout([len(g["params"]) for g in self.param_groups], bucketing)
         layout = FlatLayout.packed([p.shape for p in params], groups, buckets,
@@ -357,7 +356,8 @@ class OneBitAdam(OneBitFamily):
         triton: the compressed all-reduce's passes in Triton kernels (`optim._triton_compressed`): each compression
             two passes over its vector (the norm, then the error and the packed signs, the sum never stored) and the
             decoding one, on the fused roundings. fp32 CUDA tensors (or Triton's interpreter, `TRITON_INTERPRET=1`,
-            for tests). Not with ``compiled``.
+            for tests). Not with ``compiled``. None: the kernels where they can run (fp32 CUDA tensors, not
+            ``compiled``), the aten ops elsewhere.
         comm: the communication layer (given by `build_optimizer`); None means one process.
     """
 
@@ -366,7 +366,7 @@ class OneBitAdam(OneBitFamily):
     def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100000, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, dense_comm_dtype: str = "fp32",
-                 compiled: bool = False, triton: bool = False, comm: Comm | None = None) -> None:
+                 compiled: bool = False, triton: bool | None = False, comm: Comm | None = None) -> None:
         run_check(type(self).__name__, check_onebit_adam_options, dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, bucketing=bucketing,
             init_noop_step=init_noop_step, mask_zero_variance=mask_zero_variance, dense_comm_dtype=dense_comm_dtype,

@@ -91,7 +91,7 @@ class OneBitLAMB(OneBitFamily):
                  min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, bucketing: str = "flat_scaled", init_noop_step: bool = True,
                  mask_zero_variance: bool = True, dense_comm_dtype: str = "fp32", compiled: bool = False,
-                 triton: bool = False, comm: Comm | None = None) -> None:
+                 triton: bool | None = False, comm: Comm | None = None) -> None:
         run_check(type(self).__name__, check_onebit_lamb_options, dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step, max_coeff=max_coeff,
             min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,

@@ -33,13 +33,32 @@ def check_flags(options: Mapping[str, Any], *keys: str) -> None:
 
 
 def check_triton(options: Mapping[str, Any]) -> None:
-    """`triton` (an optimizer's own Triton kernels, `optim._triton`): a switch, exclusive with `compiled`, refused
-    where it cannot run (no triton, or neither a GPU nor Triton's interpreter)."""
-    check_flags(options, "triton")
+    """`triton` (an optimizer's own Triton kernels, `optim._triton`): true, exclusive with `compiled` and refused
+    where it cannot run (no triton, or neither a GPU nor Triton's interpreter); false; or null, the kernels wherever
+    they can run (`use_triton`)."""
+    require(options["triton"] is None or isinstance(options["triton"], bool), "triton", options["triton"],
+            "must be true, false or null (the kernels on CUDA tensors, the aten ops elsewhere)")
     if options["triton"]:
         require(not options.get("compiled"), "triton", True, "and compiled are two ways to fuse the step: choose one")
         refusal = triton_refusal(None)
         require(refusal is None, "triton", True, f"{refusal}; set it to false")
+
+
+def use_triton(setting: bool | None, device: torch.device, owner: str, obstacle: str | None = None) -> bool:
+    """Whether `owner`'s steps of tensors on `device` take its Triton kernels, by its `triton` option.
+
+    True: yes, or a ValueError naming why they cannot (`triton_refusal`, or the optimizer's own `obstacle`: a dtype,
+    a layout, `compiled`). False: no. None: where they can run on a GPU, CUDA tensors (not the interpreter's host
+    tensors, nor the meta tensors of a count), with no obstacle; elsewhere the aten ops.
+    """
+    if setting is False:
+        return False
+    refusal = triton_refusal(device) or obstacle
+    if setting is None:
+        return refusal is None and device.type == "cuda"
+    if refusal is not None:
+        raise ValueError(f"{owner}(triton=True) {refusal}; set triton=False")
+    return True
 
 
 def triton_refusal(device: torch.device | None) -> str | None:

@@ -139,7 +139,7 @@ class ZeroOneAdam(OneBitFamily):
                  weight_decay: float = 0.0, var_freeze_step: int = 100000, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, bucketing: str = "per_group",
                  init_noop_step: bool = True, mask_zero_variance: bool = True, dense_comm_dtype: str = "fp32",
-                 compiled: bool = False, triton: bool = False, comm: Comm | None = None) -> None:
+                 compiled: bool = False, triton: bool | None = False, comm: Comm | None = None) -> None:
         run_check(type(self).__name__, check_zero_one_adam_options, dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, var_freeze_step=var_freeze_step,
             var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,

@@ -15,7 +15,7 @@ from optim._math import adam_moments_, bias_corrections, closure_loss, fused_add
 from optim._registry import OptimSpec, register_optimizer, run_check
 from optim.comm import WIRE_DTYPES, Comm, average_tensors_
 from optim.flat import pop_flat_entries
-from optim.option_checks import check_adam_hyperparameters, check_flags, check_triton, triton_refusal
+from optim.option_checks import check_adam_hyperparameters, check_flags, check_triton, use_triton
 from optim.restart import load_with_current_hyperparameters, zero_step_counts
 from optim.slamb._layout import FRESHNESS_DTYPES, Chunk, Layout, Scratch
 from optim.slamb._masks import MASKS, ROW_NUMEL, Mask, MaskSampler, check_masks_agree
@@ -131,7 +131,7 @@ class SLAMB(torch.optim.Optimizer):
             local pass as `compiled` fuses it (7 tensor-sized reads and writes where the aten ops take 11), the update
             forming each row's coefficient as it adds (3 where a GPU's aten ops take 5). CUDA tensors only (or
             Triton's interpreter, `TRITON_INTERPRET=1`, for tests); within 1e-5 relative of the eager steps. Not with
-            `compiled`.
+            `compiled`. None: the kernels where they can run (CUDA tensors, not `compiled`), the aten ops elsewhere.
         comm: the communication layer (`optim.comm.Comm`); None builds one over the default process group,
             or a world of one when there is none.
 
@@ -186,7 +186,7 @@ class SLAMB(torch.optim.Optimizer):
         bucket_mb: float = 64.0,
         seed: int = 0,
         compiled: bool = False,
-        triton: bool = False,
+        triton: bool | None = False,
         comm: Comm | None = None,
     ) -> None:
         run_check("SLAMB", check_slamb_options, dict(
@@ -214,7 +214,7 @@ class SLAMB(torch.optim.Optimizer):
         self.sync_offset = int(sync_offset)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.compiled = bool(compiled)
-        self.triton = bool(triton)
+        self.triton = triton  # None until the layout resolves it for the parameters' device (`use_triton`)
         self.comm = comm if comm is not None else Comm()
         self.world_size = self.comm.world_size  # read once, from the group (the official V2 starts at 1)
         self.state[_GLOBAL] = {"step": 0, "seed": int(seed)}
@@ -694,9 +694,8 @@ class SLAMB(torch.optim.Optimizer):
     def _ensure_layout(self) -> Layout:
         if self._layout is None:
             device = self.param_groups[0]["params"][0].device
-            refusal = triton_refusal(device) if self.triton else None
-            if refusal is not None:
-                raise ValueError(f"SLAMB(triton=True) {refusal}; set triton=False")
+            self.triton = use_triton(self.triton, device, "SLAMB", obstacle=(
+                "and compiled are two ways to fuse the step: choose one" if self.compiled else None))
             self._layout = Layout(self.param_groups, self.state, self.min_compress_numel, self.mask,
                                   self.compress_ratio, self.beta3, self.freshness_dtype,
                                   self.rescale == "product_of_interpolations")
