@@ -216,8 +216,8 @@ class ZeroOneAdam(OneBitFamily):
         params, anchors, denoms, errors = self._params(), self._states("sync_anchor"), self._denominators(), \
             self.buckets.worker_views
         momenta = self._states("exp_avg")
-        if self.compiled:
-            self._compiled_step_and_sync(params, grads, momenta, anchors, denoms, errors)
+        if self.compiled or self.triton:
+            self._step_and_sync_in_two_passes(params, grads, momenta, anchors, denoms, errors)
             return
         self._momentum_(grads)
         for slice_, group in self._groups():
@@ -236,25 +236,34 @@ class ZeroOneAdam(OneBitFamily):
         torch._foreach_copy_(params, anchors)
         self.lr_sums = [0.0] * len(self.param_groups)
 
-    def _compiled_step_and_sync(self, params: list[Tensor], grads: list[Tensor], momenta: list[Tensor],
-                                anchors: list[Tensor], denoms: list[Tensor], errors: list[Tensor]) -> None:
-        """`_step_and_sync_fused` in two compiled passes around the compressed call, per chunk of a group's tensors:
-        the momentum and `q` into the error (w, g, m, w_a, the denominator and the error read, m and the error
-        written: 8, where the aten ops take 13 to 17; the weights are left alone, the sync overwrites them), then
+    def _step_and_sync_in_two_passes(self, params: list[Tensor], grads: list[Tensor], momenta: list[Tensor],
+                                     anchors: list[Tensor], denoms: list[Tensor], errors: list[Tensor]) -> None:
+        """`_step_and_sync_fused` in two passes around the compressed call, per param group, compiled (per chunk of
+        the group's tensors) or in Triton kernels (`optim._triton_zero_one_adam`, one launch for all of them): the
+        momentum and `q` into the error (w, g, m, w_a, the denominator and the error read, m and the error written:
+        8, where the aten ops take 13 to 17; the weights are left alone, the sync overwrites them), then
         `w_a + q_bar / d` into the anchors and the weights (5, not 6)."""
+        if self.triton:
+            from optim._triton_zero_one_adam import sync_error, sync_weights  # imports triton: `use_triton` allowed it
         device = self.flat.device
         for slice_, group in self._groups():
-            lr, = device_scalars(device, group["lr"])
             lists = [t[slice_] for t in (params, grads, momenta, anchors, denoms, errors)]
+            beta1, weight_decay = group["betas"][0], group["weight_decay"]
+            if self.triton:
+                sync_error(*lists, beta1, group["lr"], weight_decay)
+                continue
+            lr, = device_scalars(device, group["lr"])
             for chunk in graph_chunks(lists[0]):
-                _SYNC_ERROR(*(t[chunk] for t in lists), lr, beta1=group["betas"][0],
-                            weight_decay=group["weight_decay"])
+                _SYNC_ERROR(*(t[chunk] for t in lists), lr, beta1=beta1, weight_decay=weight_decay)
         self._compressed_mean_("exp_avg", fed_back=True,
                                divisors=[-self.lr_sums[group] for group in self.bucket_groups])
         self._mask_("exp_avg")
         for (slice_, _), lr_sum in zip(self._groups(), self.lr_sums, strict=True):
-            total, = device_scalars(device, lr_sum)
             lists = [t[slice_] for t in (params, anchors, momenta, denoms)]
+            if self.triton:
+                sync_weights(*lists, lr_sum)
+                continue
+            total, = device_scalars(device, lr_sum)
             for chunk in graph_chunks(lists[0]):
                 _SYNC_WEIGHTS(*(t[chunk] for t in lists), total)
         self.lr_sums = [0.0] * len(self.param_groups)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers.mlp import mlp_steps, small_mlp
 
-from optim import LAMB, SLAMB, OneBitAdam, OneBitLAMB, param_groups_weight_decay
+from optim import LAMB, SLAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, param_groups_weight_decay
 from optim.mirror_comm import MirrorComm
 
 triton = pytest.importorskip("triton")
@@ -29,7 +29,8 @@ KERNELS = {"optim._triton": ("_moments_and_sums", "_reduce_sums"), "optim._trito
            "optim.slamb._triton": ("_apply", "_apply_rescaled", "_gather", "_fresh", "_ratios", "_always"),
            "optim._triton_compressed": ("_square_sums", "_rms", "_compress", "_decode"),
            "optim._triton_tensorwise": ("_per_tensor",),
-           "optim._triton_onebit_lamb": ("_refresh_and_stats", "_tensor_stats", "_apply")}  # the kernels launched
+           "optim._triton_onebit_lamb": ("_refresh_and_stats", "_tensor_stats", "_apply"),
+           "optim._triton_zero_one_adam": ("_sync_error", "_sync_weights")}  # the kernels launched
 COMPILE = """
 import importlib, json, sys
 import triton, triton.language as tl
@@ -62,7 +63,7 @@ class _Recording:
 def launches() -> list:
     """The kernel launches of LAMB's steps (pre-normalised, with a clipped ratio, in bf16), of SLAMB's (both rescale
     forms) and of the 1-bit family's compressed steps (1-bit Adam compresses `x + error`, 1-bit LAMB its fed-back
-    error)."""
+    error, 0/1 Adam's syncs feed q into the error and form the weights again)."""
     recorded: list = []
     with pytest.MonkeyPatch.context() as patch:
         for module, names in KERNELS.items():
@@ -85,6 +86,10 @@ def launches() -> list:
             model = small_mlp(8, 16, 4)
             mlp_steps(model, cls(param_groups_weight_decay(model, 0.01), lr=1e-2, freeze_step=2, comm=MirrorComm(2),
                                  triton=True), range(4))
+        model = small_mlp(8, 16, 4)  # a sync after each local step from step 3
+        mlp_steps(model, ZeroOneAdam(param_groups_weight_decay(model, 0.01), lr=1e-2, var_freeze_step=2,
+                                     local_step_scaler=1, local_step_clipper=1, comm=MirrorComm(2), triton=True),
+                  range(5))
     return recorded
 
 
