@@ -93,7 +93,7 @@ PARTS = [  # in order of what matters most when the budget runs short
           "lamb", "--warmup", "1", "--repeats", "1", "--profile", "5"), r"copy bandwidth \d+ GB/s"),
     # The Triton kernels (`triton=True`), beside the aten steps of `bandwidth`, with the top kernels. Counted on the
     # CPU (BERT-Large, x one fused pass in launches, aten ops in brackets): LAMB 1.43x in 37 (2.00x in 313), SLAMB 1.81x
-    # in 131 (2.82x in 562), 1-bit LAMB 2.76x in 90 (5.85x in 1,609), 0/1 Adam 2.76x in 148 (4.18x in 319). The
+    # in 131 (2.82x in 562), 1-bit LAMB 2.76x in 90 (5.85x in 1,609), 0/1 Adam 2.20x in 36 (4.18x in 319). The
     # first step compiles the kernels (seconds).
     Part("step_triton", "LAMB, SLAMB, 1-bit LAMB and 0/1 Adam in their Triton kernels against the memory-bandwidth "
          "bound, BERT-Large",
