@@ -60,3 +60,20 @@ def test_null_steps_host_tensors_with_the_aten_ops_bit_for_bit(name):
         mlp_steps(model, optimizer, range(4))
     assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True))
     assert getattr(optimizers[1], "triton", False) is False  # resolved, where the optimizer keeps the switch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", WITH_KERNELS)
+def test_null_steps_cuda_tensors_in_the_kernels_bit_for_bit(name):
+    """On CUDA tensors null takes the kernels: the same weights as true, bit for bit (no atomic adds)."""
+    models = [small_mlp(12, 16, 3).cuda() for _ in range(2)]
+    optimizers = [build_optimizer(model, name, config_kwargs(name, triton=triton, **COMPRESSED_FROM.get(name, {})),
+                                  comm=MirrorComm(1)) for model, triton in zip(models, (True, None), strict=True)]
+    for model, optimizer in zip(models, optimizers, strict=True):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for _ in range(4):  # the same gradients for both (no backward, whose kernels may round otherwise)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g, device="cuda") * 1e-2
+            optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True))
