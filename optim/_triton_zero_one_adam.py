@@ -49,7 +49,9 @@ def _sync_error(addresses, count, tensor_of_block, first_element, numels, weight
 def _sync_weights(addresses, count, tensor_of_block, first_element, numels, lr_sum, BLOCK: tl.constexpr,
                   ALIGNED: tl.constexpr):
     tensor, offsets, inside = block_of(tensor_of_block, first_element, numels, BLOCK, ALIGNED)
-    w_at, _ = load_block(addresses, tensor, offsets, inside, tl.float32, ALIGNED)
+    w_at = tl.load(addresses + tensor).to(tl.pointer_type(tl.float32))  # written, never read
+    if ALIGNED:
+        w_at = tl.multiple_of(w_at, 16)
     anchor_at, anchor = load_block(addresses, count + tensor, offsets, inside, tl.float32, ALIGNED)
     _, m = load_block(addresses, 2 * count + tensor, offsets, inside, tl.float32, ALIGNED)
     _, d = load_block(addresses, 3 * count + tensor, offsets, inside, tl.float32, ALIGNED)
