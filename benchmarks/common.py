@@ -206,12 +206,17 @@ def step_times(
     times: dict[str, list[float]] = {name: [] for name in optimizers}
     for _ in range(repeats):
         for name, optimizer in optimizers.items():
-            synchronize(device)
-            start = clock()
-            optimizer.step()
-            synchronize(device)
-            times[name].append(clock() - start)
+            times[name].append(timed(optimizer.step, device, clock))
     return times
+
+
+def timed(work: Callable[[], object], device: torch.device, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of `clock` that one call of `work` takes, its queued device work included."""
+    synchronize(device)
+    start = clock()
+    work()
+    synchronize(device)
+    return clock() - start
 
 
 # ------------------------------------------------------------------------------------------ memory traffic

@@ -41,7 +41,7 @@ from benchmarks.common import (
     config_kwargs,
     device_label,
     step_times,
-    synchronize,
+    timed,
 )
 from optim import build_optimizer
 from optim.memory import state_bytes
@@ -124,14 +124,7 @@ def row_traffic(numel: int, ratio: float, device: torch.device, repeats: int,
     compact = words.index_select(0, chosen)
 
     def best(op: Callable[[], object]) -> float:
-        times = []
-        for _ in range(repeats):
-            synchronize(device)
-            start = clock()
-            op()
-            synchronize(device)
-            times.append(clock() - start)
-        return min(times)
+        return min(timed(op, device, clock) for _ in range(repeats))
 
     return (best(lambda: torch.linalg.vector_norm(buffer)),
             best(lambda: torch.index_select(words, 0, chosen, out=compact)),
