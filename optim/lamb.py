@@ -239,8 +239,7 @@ def lamb(
     if compiled and not uniform:
         raise ValueError("LAMB(compiled=True) runs the multi-tensor path, which needs each group's tensors on one "
                          "device and dtype, with gradients laid out as their parameters; set compiled=False")
-    triton = use_triton(triton, params[0].device, "LAMB", obstacle=(
-        "and compiled are two ways to fuse the step: choose one" if compiled else None if uniform else
+    triton = use_triton(triton, params[0].device, "LAMB", compiled, obstacle=None if uniform else (
         "needs each group's tensors on one device and dtype, with gradients laid out as their parameters"))
     options = dict(
         grad_divisor=grad_divisor,

@@ -116,9 +116,8 @@ class OneBitFamily(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: all parameters must share one device and dtype (its state "
                              f"lives in flat buffers); got {sorted({(str(p.device), str(p.dtype)) for p in params})}")
         device, dtype = params[0].device, params[0].dtype
-        triton = use_triton(triton, device, type(self).__name__, obstacle=(
-            "and compiled are two ways to fuse the step: choose one" if compiled else None if dtype == torch.float32
-            else f"takes fp32 parameters (its kernels work on fp32 buffers), not {dtype}"))
+        triton = use_triton(triton, device, type(self).__name__, compiled, obstacle=None if dtype == torch.float32
+                            else f"takes fp32 parameters (its kernels work on fp32 buffers), not {dtype}")
         groups = [index for index, group in enumerate(self.param_groups) for _ in group["params"]]
         buckets = bucket_layout([len(g["params"]) for g in self.param_groups], bucketing)
         layout = FlatLayout.packed([p.shape for p in params], groups, buckets,

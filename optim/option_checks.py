@@ -32,6 +32,9 @@ def check_flags(options: Mapping[str, Any], *keys: str) -> None:
         require(isinstance(options[key], bool), key, options[key], "must be true or false")
 
 
+_BOTH_FUSIONS = "and compiled are two ways to fuse the step: choose one"
+
+
 def check_triton(options: Mapping[str, Any]) -> None:
     """`triton` (an optimizer's own Triton kernels, `optim._triton`): true, exclusive with `compiled` and refused
     where it cannot run (no triton, or neither a GPU nor Triton's interpreter); false; or null, the kernels wherever
@@ -39,21 +42,22 @@ def check_triton(options: Mapping[str, Any]) -> None:
     require(options["triton"] is None or isinstance(options["triton"], bool), "triton", options["triton"],
             "must be true, false or null (the kernels on CUDA tensors, the aten ops elsewhere)")
     if options["triton"]:
-        require(not options.get("compiled"), "triton", True, "and compiled are two ways to fuse the step: choose one")
+        require(not options.get("compiled"), "triton", True, _BOTH_FUSIONS)
         refusal = triton_refusal(None)
         require(refusal is None, "triton", True, f"{refusal}; set it to false")
 
 
-def use_triton(setting: bool | None, device: torch.device, owner: str, obstacle: str | None = None) -> bool:
+def use_triton(setting: bool | None, device: torch.device, owner: str, compiled: bool = False,
+               obstacle: str | None = None) -> bool:
     """Whether `owner`'s steps of tensors on `device` take its Triton kernels, by its `triton` option.
 
-    True: yes, or a ValueError naming why they cannot (`triton_refusal`, or the optimizer's own `obstacle`: a dtype,
-    a layout, `compiled`). False: no. None: where they can run on a GPU, CUDA tensors (not the interpreter's host
-    tensors, nor the meta tensors of a count), with no obstacle; elsewhere the aten ops.
+    True: yes, or a ValueError naming why they cannot (`triton_refusal`, `compiled` set too, or the optimizer's own
+    `obstacle`: a dtype, a layout). False: no. None: where they can run on a GPU, CUDA tensors (not the
+    interpreter's host tensors, nor the meta tensors of a count), with neither; elsewhere the aten ops.
     """
     if setting is False:
         return False
-    refusal = triton_refusal(device) or obstacle
+    refusal = triton_refusal(device) or (_BOTH_FUSIONS if compiled else obstacle)
     if setting is None:
         return refusal is None and device.type == "cuda"
     if refusal is not None:

@@ -694,8 +694,7 @@ class SLAMB(torch.optim.Optimizer):
     def _ensure_layout(self) -> Layout:
         if self._layout is None:
             device = self.param_groups[0]["params"][0].device
-            self.triton = use_triton(self.triton, device, "SLAMB", obstacle=(
-                "and compiled are two ways to fuse the step: choose one" if self.compiled else None))
+            self.triton = use_triton(self.triton, device, "SLAMB", self.compiled)
             self._layout = Layout(self.param_groups, self.state, self.min_compress_numel, self.mask,
                                   self.compress_ratio, self.beta3, self.freshness_dtype,
                                   self.rescale == "product_of_interpolations")

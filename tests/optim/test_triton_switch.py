@@ -31,12 +31,15 @@ def test_every_optimizer_with_kernels_takes_the_switch():
     (None, torch.device("meta"), None, False),  # a count of the aten step stays one
 ])
 def test_null_takes_the_kernels_on_cuda_tensors_only(setting, device, obstacle, expected):
-    assert use_triton(setting, device, "LAMB", obstacle) is expected
+    assert use_triton(setting, device, "LAMB", obstacle=obstacle) is expected
+    assert use_triton(setting, device, "LAMB", compiled=True, obstacle=obstacle) is False
 
 
 def test_true_names_the_optimizer_and_why_the_kernels_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match=r"^OneBitLAMB\(triton=True\) takes fp32 parameters; set triton=False$"):
-        use_triton(True, CUDA, "OneBitLAMB", "takes fp32 parameters")
+        use_triton(True, CUDA, "OneBitLAMB", obstacle="takes fp32 parameters")
+    with pytest.raises(ValueError, match=r"^SLAMB\(triton=True\) and compiled are two ways to fuse the step"):
+        use_triton(True, CUDA, "SLAMB", compiled=True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"LAMB\(triton=True\) needs CUDA tensors .* not cpu ones"):
         use_triton(True, torch.device("cpu"), "LAMB")
