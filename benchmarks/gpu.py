@@ -48,7 +48,7 @@ TINY_DEMO = ("trainer.device=cpu", "trainer.max_steps=2", "trainer.global_batch_
              "model.num_hidden_layers=1", "data.dupe_factor=1", "data.heldout_sequences=8", "data.eval_batch_size=8",
              "logger.progress_bar=false")
 COMPILED_OPTIMIZERS = ("lamb", "onebit_lamb", "zero_one_adam", "slamb")  # with `compiled=True`: the step_compiled part
-THROUGHPUT_FIGURES = r"[\d.]+ (?:seq|img)/s|\d+ tokens/s|MFU [\d.]+%"
+THROUGHPUT_FIGURES = r"[\d.]+ (?:seq|img)/s|\d+ tokens/s|MFU [\d.]+%|first step +[\d.]+ s"
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,9 @@ class Part:
 
 
 PARTS = [  # in order of what matters most when the budget runs short
-    # autocast beside O2 with torch.compile, the recipes' setting: compiling takes about 75 s of each part. On the
-    # CPU the smoke runs eagerly: a compile there takes minutes.
+    # autocast beside O2 with torch.compile, the recipes' setting. Compiling the whole model took about 75 s of each
+    # part (64ad0e9); the trainer now compiles BERT's layers one by one, one compile for the 24 (the part's "first
+    # step" figure holds it). On the CPU the smoke runs eagerly: a compile there takes minutes.
     Part("phase1", "BERT-Large phase 1 (seq 128), bf16 autocast, LAMB", PHASE1, 120,
          (*THROUGHPUT, *TINY_BERT), THROUGHPUT_FIGURES),
     Part("phase1_o2_compile", "BERT-Large phase 1, O2, torch.compile", (*O2_PHASE1, "--compile"), 180,
@@ -117,6 +118,10 @@ PARTS = [  # in order of what matters most when the budget runs short
     # GPU (docs/results/optimizer-step-cost.md takes it on the CPU).
     # Phase 2 under autocast: 277, 274 and 268 seq/s at 6cc3f4d, 4eaead7 and 64ad0e9; phase 1's autocast part stays
     # the same-run reference of what O2 gains.
+    # The whole model compiled as one graph, as the trainer compiled it up to 64ad0e9 (1,677 seq/s there): what
+    # compiling BERT layer by layer costs or gains, in the same run as phase1_o2_compile.
+    Part("phase1_o2_compile_whole", "BERT-Large phase 1, O2, the whole model compiled as one graph",
+         (*O2_PHASE1, "--compile", "whole"), 180, (*THROUGHPUT, *O2, *TINY_BERT), THROUGHPUT_FIGURES, optional=True),
     Part("phase2", "BERT-Large phase 2 (seq 512), bf16 autocast, LAMB", PHASE2, 120,
          (*THROUGHPUT, "--seq", "512", *TINY_BERT), THROUGHPUT_FIGURES, optional=True),
     Part("phase1_o2", "BERT-Large phase 1, O2 (bf16 weights and activations, fp32 masters), LAMB", O2_PHASE1,

@@ -4,7 +4,7 @@ the check that a model can start from given weights (`trainer.init_from`)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,9 @@ class ModelSpec:
     # Why the builder's options cannot take an export of its family (its config.json), or None; without it the
     # export's weights are checked tensor by tensor.
     export_refusal: Callable[[Mapping[str, Any], Mapping[str, Any], Path], str | None] | None = None
+    # The modules of a built model that torch.compile compiles one at a time (`models.compile`), or None to compile
+    # the whole model: one compile serves every instance of a repeated block.
+    compile_regions: Callable[[nn.Module], Iterable[nn.Module]] | None = None
 
 
 # Filled by the model modules of `models/`, which it imports on its first lookup.
@@ -36,18 +39,20 @@ MODELS: Registry[ModelSpec] = Registry("model", "model.name", "models")
 def register_model(*, family: str, check: Callable[..., None] | None = None,
                    in_use: Callable[..., dict[str, Any]] | None = None,
                    export_refusal: Callable[[Mapping[str, Any], Mapping[str, Any], Path], str | None] | None = None,
-                   ) -> Any:
+                   compile_regions: Callable[[nn.Module], Iterable[nn.Module]] | None = None) -> Any:
     """Register a builder under its own function name: `@register_model(family="bert", check=...)`.
 
     `family` names the weights the model starts from (`ModelSpec.family`). `check` takes the builder's keyword
     arguments (None ones dropped, as `create_model` does) and raises `InvalidOption` for a value that cannot build;
     `in_use` takes them too and returns them with each null replaced by the value the builder uses for it (BERT's
-    shape from its `size`); `export_refusal` takes them, an export's config.json and its directory. A second builder
-    with the same name is an error.
+    shape from its `size`); `export_refusal` takes them, an export's config.json and its directory;
+    `compile_regions` takes a built model and returns the modules `trainer.compile` compiles one by one
+    (`ModelSpec.compile_regions`). A second builder with the same name is an error.
     """
 
     def add(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        MODELS.register(builder.__name__, ModelSpec(builder.__name__, builder, family, check, in_use, export_refusal))
+        MODELS.register(builder.__name__, ModelSpec(builder.__name__, builder, family, check, in_use, export_refusal,
+                                                    compile_regions))
         return builder
 
     return add

@@ -145,10 +145,20 @@ def bert_export_refusal(options: Mapping[str, Any], export_config: Mapping[str, 
     return None
 
 
+def _encoder_regions(model: nn.Module) -> list[nn.Module]:
+    """What `trainer.compile` compiles of a BERT: the embeddings and each encoder layer (one compile serves all)."""
+    return [model.bert.embeddings, *model.bert.encoder.layer]
+
+
+def _pretraining_regions(model: nn.Module) -> list[nn.Module]:
+    """The encoder's regions and the MLM head's transform and decoder."""
+    return [*_encoder_regions(model), model.cls.predictions]
+
+
 _FAMILY = dict(family="bert", check=check_bert_options, in_use=bert_options_in_use, export_refusal=bert_export_refusal)
 
 
-@register_model(**_FAMILY)
+@register_model(**_FAMILY, compile_regions=_pretraining_regions)
 def bert_pretraining(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
                      **config_kwargs) -> BertForPreTrainingMaskedLM:
     """BERT with MLM + NSP heads; the other keyword arguments are those of `build_bert_config`."""
@@ -160,7 +170,7 @@ def bert_pretraining(fused_layer_norm: bool = False, activation_checkpointing: b
     return _with_options(model, fused_layer_norm, activation_checkpointing)
 
 
-@register_model(**_FAMILY)
+@register_model(**_FAMILY, compile_regions=_encoder_regions)
 def bert_question_answering(fused_layer_norm: bool = False, activation_checkpointing: bool = False,
                             **config_kwargs) -> BertForQuestionAnswering:
     """BERT with a span start/end head (SQuAD); the other keyword arguments are those of `build_bert_config`."""

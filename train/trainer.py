@@ -18,6 +18,7 @@ from torch import nn
 
 from core.errors import UserError
 from data import atomic_write_json, build_data
+from models import compiled_for_training
 from optim import build_lr_schedule, build_optimizer, get_optimizer_spec
 from optim.comm import Comm
 from optim.memory import estimate_memory, memory_lines
@@ -81,9 +82,9 @@ class Trainer:
         # The one place that asks the optimizer how gradients become global.
         self.grad_sync = build_grad_sync(self.spec.grad_sync, comm, self.device, self._wire_dtype())
         self.half = self._build_half_copy()  # O2: forward and backward on it, the optimizer on self.model
-        self.train_model = self.grad_sync.wrap(self.model if self.half is None else self.half.module)
-        if settings.compile:
-            self.train_model = torch.compile(self.train_model)
+        trained = self.model if self.half is None else self.half.module
+        self.train_model = (compiled_for_training(plan.model.name, trained, self.grad_sync.wrap) if settings.compile
+                            else self.grad_sync.wrap(trained))
         self.ema = self._build_ema(settings.ema_decay)  # after the set-up broadcast: it starts from the same weights
         self.checkpointer = Checkpointer(self.run_dir.checkpoints_dir, settings.keep_last, comm,
                                          keep_best=settings.keep_best, best_mode=settings.best_metric_mode)

@@ -8,13 +8,15 @@ published per-GPU figures.
     python -m benchmarks.throughput.training --task bert --size large --seq 512 --lengths demo --pack 3
     python -m benchmarks.throughput.training --task bert --size large --seq 128 --precision bf16_o2 --micro-batch 64
     python -m benchmarks.throughput.training --task swin --size base --precision bf16 --micro-batch 64
+    python -m benchmarks.throughput.training --size narrow --compile      # its first step's compile; --compile whole
     python -m benchmarks.throughput.training      # on CPU: tiny shapes, so the code path is exercised anywhere
 
 A step is what the trainer runs per micro-batch on one device, built from the same parts: the model from
 `models.create_model`, the task's loss (BERT: MLM on the masked positions only + NSP), autocast and the loss
 scaler of `train.precision` (or, with `--precision bf16_o2` / `fp16_o2`, O2's half copy of `train.half_weights`:
 half weights and activations, the optimizer on the fp32 masters), backward, and the optimizer from the registry
-(LAMB for BERT, AdamW for Swin, `--optim` for another). Batches are already on the device, so data loading never
+(LAMB for BERT, AdamW for Swin, `--optim` for another); `--compile` compiles it as `trainer.compile` does, and the
+first warm-up step's time (its compile) is printed. Batches are already on the device, so data loading never
 stalls it. BERT's rows are synthetic and full unless `--padding` pads each row's end, or, with `--lengths demo`, they
 are the demo corpus's sequences at `--seq` as `data=demo` builds them (real lengths and masks; phase 2 pads about
 30 %, `benchmarks.data.padding`), one a row or packed `--pack` a row by the training's own plan (`data.text.packing`).
@@ -43,8 +45,9 @@ from benchmarks.common import (
     device_label,
     predictions_per_row,
     print_top_kernels,
+    timed,
 )
-from models import create_model
+from models import compiled_for_training, create_model
 from optim import build_optimizer
 from train.half_weights import HalfCopy
 from train.precision import PRECISIONS, half_weights_dtype, make_grad_scaler, set_matmul_precision, training_autocast
@@ -63,8 +66,9 @@ DEVICE_PEAKS = {
     "A100": (312.0, 156.0, 19.5),
     "V100": (125.0, 15.7, 15.7),  # no TF32 on Volta: fp32 rate
 }
-BERT_SIZES = {  # (hidden, layers, heads, feed-forward); `tiny` is the CPU demo's model
-    "large": (1024, 24, 16, 4096), "base": (768, 12, 12, 3072), "tiny": (128, 2, 2, 512),
+BERT_SIZES = {  # (hidden, layers, heads, feed-forward); `tiny` is the CPU demo's model, `narrow` BERT-Large's depth
+    # at a width a CPU trains fast: what `--compile` costs to compile scales with the layers it traces
+    "large": (1024, 24, 16, 4096), "base": (768, 12, 12, 3072), "tiny": (128, 2, 2, 512), "narrow": (64, 24, 2, 256),
 }
 SWIN_SIZES = {  # `tiny` shrinks Swin-B to a CPU-sized model with the same code path
     "base": {}, "tiny": {"img_size": 64, "embed_dim": 32, "depths": [1, 1, 1, 1], "num_heads": [1, 2, 4, 8],
@@ -74,6 +78,7 @@ SWIN_SIZES = {  # `tiny` shrinks Swin-B to a CPU-sized model with the same code 
 
 @dataclass
 class Workload:
+    model_name: str  # the registry's, which says how `--compile` compiles it
     model: torch.nn.Module
     batches: list[dict[str, torch.Tensor]]  # the micro-batches, on the device, taken in turn
     task: str
@@ -94,8 +99,8 @@ def bert_workload(size: str, seq: int, micro_batch: int, device: torch.device, p
         label += ", the demo corpus's sequences" + (f" packed {pack} a row" if pack > 1 else "")
     else:
         batches = [bert_pretraining_batch(seq, micro_batch, padding)]
-    return Workload(model, [{k: v.to(device) for k, v in batch.items()} for batch in batches], "bert_pretraining",
-                    "lamb", label)
+    return Workload("bert_pretraining", model, [{k: v.to(device) for k, v in batch.items()} for batch in batches],
+                    "bert_pretraining", "lamb", label)
 
 
 def demo_micro_batches(seq: int, micro_batch: int, pack: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -121,7 +126,7 @@ def swin_workload(size: str, micro_batch: int, device: torch.device) -> Workload
     batch = {"image": torch.randn(micro_batch, 3, img, img, generator=g),
              "target": torch.softmax(torch.randn(micro_batch, 1000, generator=g), -1),
              "label": torch.randint(0, 1000, (micro_batch,), generator=g)}
-    return Workload(model, [{k: v.to(device) for k, v in batch.items()}], "image_classification", "adamw",
+    return Workload("swin", model, [{k: v.to(device) for k, v in batch.items()}], "image_classification", "adamw",
                     f"Swin-{size} {img} px")
 
 
@@ -137,7 +142,7 @@ def device_peak_tflops(device: torch.device, precision: str) -> float | None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=["bert", "swin"], default="bert")
-    parser.add_argument("--size", default=None, help="bert: large|base|tiny; swin: base|tiny (default: the "
+    parser.add_argument("--size", default=None, help="bert: large|base|tiny|narrow; swin: base|tiny (default: the "
                         "published model on a GPU, tiny on CPU)")
     parser.add_argument("--seq", type=int, choices=[128, 512], default=128)
     parser.add_argument("--padding", type=float, default=0.0, metavar="FRACTION",
@@ -155,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulation", type=int, default=1, metavar="N",
                         help="micro-batches per optimizer step, as the recipes accumulate (NVIDIA's phase 1: 128 "
                         "per step on 8 GPUs at 64 per micro-batch); 1 steps the optimizer on every micro-batch")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--compile", nargs="?", const="regions", choices=["regions", "whole"], default=None,
+                        help="torch.compile the model as the trainer does (regions: BERT's layers one by one, one "
+                        "compile for all of them), or whole (one graph of the model, to compare)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 20 on GPU, 3 on CPU)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -178,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
                      "--padding")
     if args.pack < 1 or (args.pack > 1 and args.lengths != "demo"):
         parser.error(f"--pack {args.pack}: give 1 or more sequences a row; packing needs --lengths demo")
+    if args.compile and args.warmup < 1:
+        parser.error(f"--warmup {args.warmup} with --compile: the first step compiles, so time from the second on "
+                     "(give --warmup 1 or more)")
     if args.accumulation < 1:
         parser.error(f"--accumulation {args.accumulation}: give 1 or more micro-batches per optimizer step")
     precision = args.precision or ("bf16" if gpu else "fp32")
@@ -200,7 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     half = HalfCopy(model, half_dtype) if half_dtype is not None else None
     eager = model if half is None else half.module
     step_fn = get_task(work.task).step
-    train_model = torch.compile(eager) if args.compile else eager
+    if args.compile == "whole":
+        train_model = torch.compile(eager)
+    else:
+        train_model = compiled_for_training(work.model_name, eager) if args.compile else eager
     micro_batches = itertools.cycle(work.batches)
 
     def step(forward: torch.nn.Module = train_model) -> None:
@@ -216,8 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         if half is not None:
             half.pull_()
 
-    for _ in range(args.warmup):
-        step()
+    warmup_seconds = [timed(step, device) for _ in range(args.warmup)]  # the first one compiles
     # One more step, counted on the eager model (the same FLOPs): the counter's global module hooks would make a
     # compiled model warn that they fire twice.
     with FlopCounterMode(display=False) as counter:
@@ -241,13 +253,16 @@ def main(argv: list[str] | None = None) -> None:
     params = sum(p.numel() for p in model.parameters())
     unit = "rows/s" if args.task == "bert" else "img/s"
     print(f"{work.label}, {params / 1e6:.1f}M params, micro-batch {micro_batch} x {args.accumulation}, {precision}"
-          f"{', compiled' if args.compile else ''}, optimizer {args.optim or work.optim} | {where} | "
+          f"{f', compiled ({args.compile})' if args.compile else ''}, optimizer {args.optim or work.optim} | {where} | "
           f"torch {torch.__version__} | mean of {steps} steps after {args.warmup + 1} warm-up")
     print(f"throughput   {rate:10.2f} {unit}  ({seconds * 1e3:.1f} ms/step)")
+    if warmup_seconds:
+        print(f"first step   {warmup_seconds[0]:10.1f} s" + (f"  (compiling: {args.compile})" if args.compile else ""))
     if args.task == "bert":  # sequences and real (non-pad) tokens, as the attention masks count them
         rows = samples_per_step * steps
-        timed = timed_micro_batches(work.batches, (args.warmup + 1) * args.accumulation, steps * args.accumulation)
-        sequences, tokens = count_sequences_and_tokens(timed)
+        timed_batches = timed_micro_batches(work.batches, (args.warmup + 1) * args.accumulation,
+                                            steps * args.accumulation)
+        sequences, tokens = count_sequences_and_tokens(timed_batches)
         sequence_rate = rate * sequences / rows
         print(f"sequences    {sequence_rate:10.2f} seq/s  ({sequences / rows:.2f} a row)")
         print(f"real tokens  {rate * tokens / rows:10.0f} tokens/s  ({1 - tokens / (rows * args.seq):.1%} padding)")

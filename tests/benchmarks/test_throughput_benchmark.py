@@ -27,6 +27,14 @@ def test_bert_step_is_timed_and_its_flops_counted(capsys):
     assert "MFU n/a" in out  # no GPU peak for a CPU
 
 
+def test_the_first_warm_up_step_is_timed_apart_and_a_compile_needs_one(capsys):
+    main(["--device", "cpu", "--steps", "1", "--warmup", "1", "--micro-batch", "2"])
+    assert re.search(r"^first step +[\d.]+ s$", capsys.readouterr().out, re.MULTILINE)
+    with pytest.raises(SystemExit) as refused:  # its compile would be timed as a step
+        main(["--device", "cpu", "--warmup", "0", "--compile"])
+    assert refused.value.code == 2 and "--warmup 0 with --compile" in capsys.readouterr().err
+
+
 def test_swin_step_runs():
     main(["--task", "swin", "--device", "cpu", "--steps", "1", "--warmup", "0", "--micro-batch", "2"])
 

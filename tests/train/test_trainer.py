@@ -104,6 +104,16 @@ def test_schedule_sets_lr_per_optimizer_step(tmp_path):
     assert lrs == sorted(lrs[:4]) + sorted(lrs[4:], reverse=True)
 
 
+@pytest.mark.slow
+def test_a_compiled_run_trains_the_eager_runs_series(tmp_path):
+    # Without dropout (the compiled graph draws its own random numbers) the series agree to float rounding.
+    eager = _train(tmp_path / "eager", *NO_DROPOUT, "trainer.max_steps=3")
+    compiled = _train(tmp_path / "compiled", *NO_DROPOUT, "trainer.max_steps=3", "trainer.compile=true")
+    for ours, reference in zip(compiled, eager, strict=True):
+        assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert ours["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_runs(tmp_path, precision):
     records = _train(tmp_path, f"precision={precision}", "trainer.max_steps=3")

@@ -1,0 +1,33 @@
+"""torch.compile for training (`trainer.compile`, the throughput benchmark's `--compile`).
+
+A model whose builder names its repeated blocks (`ModelSpec.compile_regions`) has each of them compiled on its own:
+the 24 layers of BERT-Large share one compiled graph, so a cold compile traces and lowers one layer instead of 24
+(`benchmarks.throughput.compile_time` measures what that saves). The blocks are
+compiled in a copy that shares every parameter and buffer with the model: the model itself stays eager, so what is
+copied from it (EMA, averaged replicas) stays a plain module. Other models are compiled whole.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from models._registry import _spec
+
+
+def compiled_for_training(name: str, model: nn.Module,
+                          wrap: Callable[[nn.Module], nn.Module] = lambda module: module) -> nn.Module:
+    """The module to train `model` (built by model `name`) with: its regions compiled one by one in a copy sharing
+    its tensors, or, for a model without regions, the whole model compiled. `wrap` (DDP) goes around the copy, or
+    inside the whole-model compile, where torch.compile splits the graph at DDP's buckets."""
+    regions = _spec(name).compile_regions
+    if regions is None:
+        return torch.compile(wrap(model))
+    shared = {id(tensor): tensor for tensor in (*model.parameters(), *model.buffers())}
+    twin = copy.deepcopy(model, memo=shared)
+    for region in regions(twin):
+        region.compile()
+    return wrap(twin)
