@@ -105,10 +105,17 @@ def test_schedule_sets_lr_per_optimizer_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_compiled_run_trains_the_eager_runs_series(tmp_path):
-    # Without dropout (the compiled graph draws its own random numbers) the series agree to float rounding.
-    eager = _train(tmp_path / "eager", *NO_DROPOUT, "trainer.max_steps=3")
-    compiled = _train(tmp_path / "compiled", *NO_DROPOUT, "trainer.max_steps=3", "trainer.compile=true")
+def test_a_compiled_ddp_run_trains_the_eager_runs_series(tmp_path):
+    # Two local workers (DDP around the copy whose layers are compiled). Without dropout (a compiled graph draws its
+    # own random numbers) the series agree to float rounding.
+    series = []
+    for name, compile in (("eager", "false"), ("compiled", "true")):
+        result = run_train([*TINY, *NO_DROPOUT, "trainer.nproc_per_node=2", "trainer.micro_batch_size=2",
+                            "trainer.max_steps=3", f"trainer.compile={compile}", f"hydra.run.dir={tmp_path / name}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        series.append(read_metrics(tmp_path / name))
+    eager, compiled = series
+    assert len(compiled) == 3
     for ours, reference in zip(compiled, eager, strict=True):
         assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert ours["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
