@@ -22,9 +22,10 @@ def _loss_and_grads(forward: nn.Module, model: nn.Module, batch: dict) -> tuple[
 
 
 @pytest.mark.slow
-def test_bert_layers_share_one_compile_and_the_model_stays_eager():
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation checkpointing"])
+def test_bert_layers_share_one_compile_and_the_model_stays_eager(checkpointing):
     torch.manual_seed(0)
-    model = create_model("bert_pretraining", **TINY_BERT)
+    model = create_model("bert_pretraining", activation_checkpointing=checkpointing, **TINY_BERT)
     batch = bert_pretraining_batch(32, 2, 0.25)
     eager_loss, eager_grads = _loss_and_grads(model, model, batch)
     wrapped = []
