@@ -6,7 +6,7 @@ timm): the builders do, so a process that only checks a config stays light. The 
 `models._bert_heads.BertForPreTrainingMaskedLM`, is private for that reason: only a builder imports it.
 """
 
-from models._compile import compiled_for_training
+from models._compile import compiled_for_training, compiles_by_regions
 from models._pretrained import export_names, init_summary, pretrained_state, quiet_transformers
 from models._registry import (
     check_model_config,
@@ -24,6 +24,7 @@ __all__ = [
     "build_bert_config",
     "check_model_config",
     "compiled_for_training",
+    "compiles_by_regions",
     "create_model",
     "export_names",
     "export_timm_model",

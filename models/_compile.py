@@ -31,3 +31,8 @@ def compiled_for_training(name: str, model: nn.Module,
     for region in regions(twin):
         region.compile()
     return wrap(twin)
+
+
+def compiles_by_regions(name: str) -> bool:
+    """Whether `compiled_for_training` compiles model `name` region by region (else as a whole)."""
+    return _spec(name).compile_regions is not None

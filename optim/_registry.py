@@ -49,9 +49,9 @@ class OptimSpec:
     `trust_clip=True`). Precedence, lowest first: the class signature, `defaults`, the config.
 
     `samples_layers`: the optimizer picks, each step, which layers compute gradients at all (JointSpar). The
-    trainer then calls its `begin_step()` before each step's first forward, runs eagerly (a compiled graph
-    would be rebuilt for every new layer set), and the optimizer gets `(name, parameter)` pairs, since its
-    layers are named blocks of the model.
+    trainer then calls its `begin_step()` before each step's first forward, compiles the model only region by
+    region (a whole-model graph would be rebuilt for every new layer set), and the optimizer gets
+    `(name, parameter)` pairs, since its layers are named blocks of the model.
 
     `state_bytes_per_param`: the optimizer's persistent bytes per trainable parameter element (state and the
     work buffers that grow with the model), for the start-up memory estimate (`optim.memory`): a number, or a

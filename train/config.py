@@ -28,7 +28,7 @@ from core.options import (
     require,
 )
 from data import check_data, data_schemas
-from models import check_model_config
+from models import check_model_config, compiles_by_regions
 from optim import check_optimizer_config, get_optimizer_spec
 from optim.comm import WIRE_DTYPES
 from optim.network import parse_cluster
@@ -198,18 +198,31 @@ def _options(node: DictConfig) -> dict[str, Any]:
     return {key: value for key, value in plain.items() if key != "name"}
 
 
+def _check_compiled_layer_sampling(cfg: DictConfig) -> None:
+    """An optimizer that switches layers' gradients on and off each step (JointSpar) runs compiled only where each
+    compiled graph sees a few such switches: the model compiled by regions, the optimizer sampling whole blocks
+    (its `granularity`). Each region then compiles once per pattern of its blocks (a BERT layer: on or off, its
+    input needing a gradient or not). A whole-model graph, or one that sees every tensor switch on its own, would
+    be compiled again for most new draws."""
+    whole = not compiles_by_regions(cfg.model.name)
+    if whole or OmegaConf.select(cfg, "optim.granularity") == "tensor":
+        why = (f"model.name={cfg.model.name} is compiled as a whole" if whole
+               else "optim.granularity=tensor switches every tensor on its own")
+        raise ConfigError(f"trainer.compile=true with optim={cfg.optim.name}, which changes every step which "
+                          f"layers compute gradients, and {why}: a compiled graph would be rebuilt for most new "
+                          "draws. Set trainer.compile=false")
+
+
 def _check_across_groups(cfg: DictConfig) -> None:
     """What no single group can check: the data's class count must be the model head's, its sequences must fit
     the model's position embeddings, a gradient all-reduce dtype needs an optimizer that uses DDP, and an
-    optimizer that samples layers needs eager mode."""
+    optimizer that samples layers compiles only by regions."""
     data_classes, model_classes = OmegaConf.select(cfg, "data.num_classes"), OmegaConf.select(cfg, "model.num_classes")
     if data_classes is not None and model_classes is not None and data_classes != model_classes:
         raise ConfigError(f"data.num_classes={data_classes} differs from model.num_classes={model_classes}")
     wire, spec = cfg.trainer.grad_allreduce_dtype, get_optimizer_spec(cfg.optim.name)
     if spec.samples_layers and cfg.trainer.compile:
-        raise ConfigError(f"trainer.compile=true with optim={cfg.optim.name}, which changes every step which "
-                          "layers compute gradients (a compiled graph would be rebuilt each time): set "
-                          "trainer.compile=false")
+        _check_compiled_layer_sampling(cfg)
     if wire != "fp32" and spec.grad_sync != "ddp":
         raise ConfigError(f"trainer.grad_allreduce_dtype={wire} sets DDP's gradient all-reduce, which "
                           f"optim={cfg.optim.name} does not use (it communicates by itself; see its own options)")

@@ -1,10 +1,11 @@
-"""JointSpar in the trainer: its layers over BERT, the eager-mode config check, and a 2-rank run that learns and logs
-the bytes of the layers it drew."""
+"""JointSpar in the trainer: its layers over BERT, compiled by regions (and the config check where it cannot be), and a
+2-rank run that learns and logs the bytes of the layers it drew."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 from helpers.config import TINY, compose
 from helpers.runs import run_train
 
@@ -15,11 +16,32 @@ from optim.jointspar import systematic_sample
 from train.config import validate
 from train.metrics import read_metrics
 from train.model_init import build_model
+from train.run import run
 
 
-def test_compile_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"trainer.compile=true with optim=jointspar"):
-        validate(compose(["optim=jointspar", "trainer.compile=true", "trainer.device=cpu"]))
+@pytest.mark.parametrize(("overrides", "why"), [
+    (["experiment=jointspar_swin_demo"], "model.name=swin is compiled as a whole"),
+    (["optim=jointspar", "optim.granularity=tensor"], "optim.granularity=tensor switches every tensor on its own"),
+], ids=["whole model", "tensor granularity"])
+def test_compile_where_a_graph_would_be_rebuilt_for_most_draws_is_a_config_error(overrides, why):
+    with pytest.raises(ConfigError, match=rf"trainer.compile=true with optim=jointspar, .*{why}.*compile=false"):
+        validate(compose([*overrides, "trainer.compile=true", "trainer.device=cpu"]))
+
+
+@pytest.mark.slow
+def test_bert_compiled_by_regions_trains_the_eager_series_without_compiling_each_draw_again(tmp_path):
+    # 4 layers, half of them drawn each step: a graph per draw would pass dynamo's limit of 8 per function. Without
+    # dropout (a compiled graph draws its own random numbers) the series agree to float rounding.
+    overrides = [*TINY, "optim=jointspar", "optim.sample_ratio=0.5", "optim.p_min=0.1", "model.num_hidden_layers=4",
+                 "model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0", "trainer.max_steps=8"]
+    run(compose(overrides), tmp_path / "eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        run(compose([*overrides, "trainer.compile=true"]), tmp_path / "compiled")
+    eager, compiled = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "compiled")
+    assert len(compiled) == 8
+    for ours, reference in zip(compiled, eager, strict=True):
+        assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)
 
 
 def test_the_trainer_builds_it_over_named_layers_of_bert():
