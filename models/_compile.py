@@ -2,9 +2,9 @@
 
 A model whose builder names its repeated blocks (`ModelSpec.compile_regions`) has each of them compiled on its own:
 the 24 layers of BERT-Large share one compiled graph, so a cold compile traces and lowers one layer instead of 24
-(`benchmarks.throughput.compile_time` measures what that saves). The blocks are
-compiled in a copy that shares every parameter and buffer with the model: the model itself stays eager, so what is
-copied from it (EMA, averaged replicas) stays a plain module. Other models are compiled whole.
+(`python -m benchmarks.throughput.training --compile`, and `--compile whole`, print the first step's time). The
+blocks are compiled in a copy that shares every parameter and buffer with the model: the model itself stays eager, so
+what is copied from it (EMA, averaged replicas) stays a plain module. Other models are compiled whole.
 """
 
 from __future__ import annotations
