@@ -4,7 +4,9 @@ A model whose builder names its repeated blocks (`ModelSpec.compile_regions`) ha
 the 24 layers of BERT-Large share one compiled graph, so a cold compile traces and lowers one layer instead of 24
 (`python -m benchmarks.throughput.training --compile`, and `--compile whole`, print the first step's time). The
 blocks are compiled in a copy that shares every parameter and buffer with the model: the model itself stays eager, so
-what is copied from it (EMA, averaged replicas) stays a plain module. Other models are compiled whole.
+evaluation, EMA and the averaged replicas run it (and copies of it) as they did beside a whole-model compile, and
+compile nothing of their own (eval mode, no_grad and their batch shapes would each add graphs). Other models are
+compiled whole.
 """
 
 from __future__ import annotations
