@@ -27,8 +27,8 @@ class ModelSpec:
     # Why the builder's options cannot take an export of its family (its config.json), or None; without it the
     # export's weights are checked tensor by tensor.
     export_refusal: Callable[[Mapping[str, Any], Mapping[str, Any], Path], str | None] | None = None
-    # The modules of a built model that torch.compile compiles one at a time (`models.compile`), or None to compile
-    # the whole model: one compile serves every instance of a repeated block.
+    # The modules of a built model that torch.compile compiles one at a time (`models.compiled_for_training`), or
+    # None to compile the whole model: one compile serves every instance of a repeated block.
     compile_regions: Callable[[nn.Module], Iterable[nn.Module]] | None = None
 
 

@@ -212,8 +212,10 @@ def main(argv: list[str] | None = None) -> None:
     step_fn = get_task(work.task).step
     if args.compile == "whole":
         train_model = torch.compile(eager)
+    elif args.compile:
+        train_model = compiled_for_training(work.model_name, eager)
     else:
-        train_model = compiled_for_training(work.model_name, eager) if args.compile else eager
+        train_model = eager
     micro_batches = itertools.cycle(work.batches)
 
     def step(forward: torch.nn.Module = train_model) -> None:

@@ -27,6 +27,9 @@ TINY = [
     "logger.wandb=disabled",
 ]
 
+# BERT without dropout: runs that should agree to float rounding (accumulation, compiled or not, another world size).
+NO_DROPOUT = ["model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0"]
+
 # The SQuAD demo on TINY's model and the vendored vocab instead of the demo model's (whose weights it still starts
 # from unless `trainer.init_from` is overridden): one epoch.
 QA_TINY = [

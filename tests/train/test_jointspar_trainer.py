@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from helpers.config import TINY, compose
+from helpers.config import NO_DROPOUT, TINY, compose
 from helpers.runs import run_train
 
 from core.errors import ConfigError
@@ -32,8 +32,8 @@ def test_compile_where_a_graph_would_be_rebuilt_for_most_draws_is_a_config_error
 def test_bert_compiled_by_regions_trains_the_eager_series_without_compiling_each_draw_again(tmp_path):
     # 4 layers, half of them drawn each step: a graph per draw would pass dynamo's limit of 8 per function. Without
     # dropout (a compiled graph draws its own random numbers) the series agree to float rounding.
-    overrides = [*TINY, "optim=jointspar", "optim.sample_ratio=0.5", "optim.p_min=0.1", "model.num_hidden_layers=4",
-                 "model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0", "trainer.max_steps=8"]
+    overrides = [*TINY, *NO_DROPOUT, "optim=jointspar", "optim.sample_ratio=0.5", "optim.p_min=0.1",
+                 "model.num_hidden_layers=4", "trainer.max_steps=8"]
     run(compose(overrides), tmp_path / "eager")
     torch._dynamo.reset()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):

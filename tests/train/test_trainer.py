@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.config import REPO, TINY, compose
+from helpers.config import NO_DROPOUT, REPO, TINY, compose
 from helpers.distributed_harness import run_on_ranks
 from helpers.runs import popen_train, run_train, wait_for_step
 from transformers import AutoTokenizer, BertForPreTraining
@@ -30,8 +30,6 @@ from train.plan import plan_run
 from train.precision import set_matmul_precision
 from train.run import run
 from train.stop import RunStopped
-
-NO_DROPOUT = ["model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0"]
 
 
 def _train(tmp_path: Path, *overrides: str) -> list[dict]:

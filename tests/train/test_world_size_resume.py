@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.config import TINY, compose
+from helpers.config import NO_DROPOUT, TINY, compose
 from helpers.distributed_harness import run_on_ranks
 from helpers.runs import run_train
 
@@ -15,7 +15,6 @@ from core.errors import ConfigError
 from train.metrics import read_metrics
 from train.run import run
 
-NO_DROPOUT = ["model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0"]
 # global batch 8: micro 4 x 2 ranks x 1 accumulation step, then micro 4 x 1 rank x 2 accumulation steps
 LAMB = [*TINY, *NO_DROPOUT, "trainer.max_steps=6", "trainer.checkpoint_every=3"]
 SLAMB = [*TINY, "optim=slamb", "trainer.max_steps=4"]
