@@ -70,23 +70,10 @@ class Part:
 
 
 PARTS = [  # in order of what matters most when the budget runs short
-    # autocast beside O2 with torch.compile, the recipes' setting. Compiling the whole model took about 75 s of each
-    # part (64ad0e9); the trainer now compiles BERT's layers one by one, one compile for the 24 (the part's "first
-    # step" figure holds it). On the CPU the smoke runs eagerly: a compile there takes minutes.
-    Part("phase1", "BERT-Large phase 1 (seq 128), bf16 autocast, LAMB", PHASE1, 120,
-         (*THROUGHPUT, *TINY_BERT), THROUGHPUT_FIGURES),
-    Part("phase1_o2_compile", "BERT-Large phase 1, O2, torch.compile", (*O2_PHASE1, "--compile"), 180,
-         (*THROUGHPUT, *O2, *TINY_BERT), THROUGHPUT_FIGURES),
-    Part("phase2_o2_compile", "BERT-Large phase 2, O2, torch.compile", (*O2_PHASE2, "--compile"), 180,
-         (*THROUGHPUT, "--seq", "512", *O2, *TINY_BERT), THROUGHPUT_FIGURES),
-    # Phase 2 on real sequence lengths (the demo corpus's, about 30 % padding), one a row and packed 3 a row as the
-    # phase-2 presets pack them: the same rows of 512 positions, so the gain is in sequences/s and real tokens/s.
-    Part("phase2_o2_padded", "BERT-Large phase 2, O2, the demo corpus's sequences one a row (padded)",
-         (*PHASE2, *O2, "--lengths", "demo"), 120, (*THROUGHPUT, "--seq", "512", *O2, *TINY_BERT, "--lengths", "demo"),
-         THROUGHPUT_FIGURES),
-    Part("phase2_o2_packed", "BERT-Large phase 2, O2, the same sequences packed 3 a row",
-         (*PHASE2, *O2, "--lengths", "demo", "--pack", "3"), 120,
-         (*THROUGHPUT, "--seq", "512", *O2, *TINY_BERT, "--lengths", "demo", "--pack", "3"), THROUGHPUT_FIGURES),
+    # First the optimizer steps and the GPU tests: the Triton kernels (`triton=True`) have run on no GPU yet, and
+    # their correctness there (the GPU tests compare them with the aten ops) and their step times decide the
+    # optimizers' defaults. Together about 4 minutes by the part times so far, so that the throughput parts
+    # after them still fit the budget if the compiled parts take as long as they did with the whole model compiled.
     # Each step's top kernels follow its row: where the steps that their bytes do not explain spend their time.
     Part("bandwidth", "optimizer steps against their memory-bandwidth bound, BERT-Large, with their top kernels",
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--profile", "15"), 90,
@@ -107,6 +94,23 @@ PARTS = [  # in order of what matters most when the budget runs short
                                                          "8", "--durations", "8", "{gpu_tests}"), 240,
          ("python", "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "{gpu_tests}"),
          r"\d+ (?:passed|failed|skipped|errors?)"),
+    # autocast beside O2 with torch.compile, the recipes' setting. Compiling the whole model took about 75 s of each
+    # part (64ad0e9); the trainer now compiles BERT's layers one by one, one compile for the 24 (the part's "first
+    # step" figure holds it). On the CPU the smoke runs eagerly: a compile there takes minutes.
+    Part("phase1", "BERT-Large phase 1 (seq 128), bf16 autocast, LAMB", PHASE1, 120,
+         (*THROUGHPUT, *TINY_BERT), THROUGHPUT_FIGURES),
+    Part("phase1_o2_compile", "BERT-Large phase 1, O2, torch.compile", (*O2_PHASE1, "--compile"), 180,
+         (*THROUGHPUT, *O2, *TINY_BERT), THROUGHPUT_FIGURES),
+    Part("phase2_o2_compile", "BERT-Large phase 2, O2, torch.compile", (*O2_PHASE2, "--compile"), 180,
+         (*THROUGHPUT, "--seq", "512", *O2, *TINY_BERT), THROUGHPUT_FIGURES),
+    # Phase 2 on real sequence lengths (the demo corpus's, about 30 % padding), one a row and packed 3 a row as the
+    # phase-2 presets pack them: the same rows of 512 positions, so the gain is in sequences/s and real tokens/s.
+    Part("phase2_o2_padded", "BERT-Large phase 2, O2, the demo corpus's sequences one a row (padded)",
+         (*PHASE2, *O2, "--lengths", "demo"), 120, (*THROUGHPUT, "--seq", "512", *O2, *TINY_BERT, "--lengths", "demo"),
+         THROUGHPUT_FIGURES),
+    Part("phase2_o2_packed", "BERT-Large phase 2, O2, the same sequences packed 3 a row",
+         (*PHASE2, *O2, "--lengths", "demo", "--pack", "3"), 120,
+         (*THROUGHPUT, "--seq", "512", *O2, *TINY_BERT, "--lengths", "demo", "--pack", "3"), THROUGHPUT_FIGURES),
     Part("demo", "the demo (`python -m train`) on CUDA", ("python", "-m", "train", "trainer.device=cuda",
                                                           "hydra.run.dir={tmp}/demo"), 120,
          ("python", "-m", "train", "hydra.run.dir={tmp}/demo", *TINY_DEMO), r"eval/loss [\d.]+"),
