@@ -103,10 +103,21 @@ def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     return _sign_table(dtype, packed.device)[packed.reshape(-1).int()].reshape(-1)
 
 
-def _bits(packed: Tensor) -> Tensor:
-    """The bits of `packed` (uint8, n bytes) as bools, MSB first: (n, 8), two elementwise passes."""
+def _bit_values(packed: Tensor) -> Tensor:
+    """The bits of `packed` (uint8, n bytes) as bytes of 0 or 1, MSB first: (n, 8), two elementwise passes."""
     shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
-    return torch.bitwise_right_shift(packed.unsqueeze(-1), shifts).bitwise_and_(1).view(torch.bool)
+    return torch.bitwise_right_shift(packed.unsqueeze(-1), shifts).bitwise_and_(1)
+
+
+def _bits(packed: Tensor) -> Tensor:
+    """`_bit_values` as bools, for the eager ops: a view, no pass of its own."""
+    return _bit_values(packed).view(torch.bool)
+
+
+def _traced_bits(packed: Tensor) -> Tensor:
+    """`_bits` for the passes inductor compiles: a comparison, which it fuses into the pass on any CPU. Its C++ for a
+    bool view of bytes fails to compile where the CPU has AVX2 but not AVX-512 (torch 2.14.1)."""
+    return _bit_values(packed) != 0
 
 
 def _decode_into(out: Tensor, packed: Tensor, scales: Tensor, zeroed: Tensor | None = None,
@@ -134,9 +145,9 @@ def _decode_into(out: Tensor, packed: Tensor, scales: Tensor, zeroed: Tensor | N
 
 def _decode_row_(out: Tensor, packed: Tensor, scale: Tensor, zero: Tensor | None) -> None:
     """`_decode_into`'s arithmetic for one row, for inductor: read the bytes, write the values, nothing between."""
-    values = torch.where(_bits(packed), scale, -scale)
+    values = torch.where(_traced_bits(packed), scale, -scale)
     if zero is not None:
-        values = torch.where(_bits(zero), 0.0, values)
+        values = torch.where(_traced_bits(zero), 0.0, values)
     out.copy_(values.reshape(-1))
 
 
@@ -202,7 +213,7 @@ def _server_compress_(signs: Tensor, weights: Tensor, error: Tensor, packed: Ten
     """The server's compression of `sum_j weights[j] * signs[j] + error`, `signs` the W ranks' packed rows of its
     chunk (`_decode_sum_into_`'s sum, formed in the same pass): its scale."""
     column = weights.to(error.dtype).reshape(-1, 1, 1)
-    decoded = torch.where(_bits(signs), column, -column).sum(0).reshape(-1)  # _bits: (W, n / 8, 8)
+    decoded = torch.where(_traced_bits(signs), column, -column).sum(0).reshape(-1)  # (W, n / 8, 8) bits
     return _compress_into_(decoded + error, error, packed)
 
 
