@@ -30,6 +30,7 @@ from optim import LAMB, OneBitAdam
 from optim._compiled import TENSORS_PER_GRAPH, CompiledMath, graph_chunks
 from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm
+from optim.compressed import _SERVER_COMPRESS, _decode_into, compress_, unpack_signs
 
 pytestmark = pytest.mark.usefixtures("fresh_compiles")  # each test compiles its own graphs
 
@@ -119,6 +120,24 @@ def test_a_onebit_checkpoint_resumes_in_either_mode(name):
 def test_compiled_onebit_lamb_applies_a_groups_momentum_mask():
     """DeepSpeed's `exp_avg_mask` of a group multiplies the averaged momentum inside the compiled pass too."""
     assert_onebit_lamb_applies_a_groups_momentum_mask("compiled")
+
+
+def test_the_compiled_decodings_build_for_a_cpu_without_avx512():
+    """Inductor's C++ at 256-bit vectors (the AVX2 code of a CPU without AVX-512) builds the traced decodings, which
+    give the sign table's values: with a bool view of the bytes, that C++ called a member torch 2.14.1's AVX2
+    vectors lack, and every compiled 1-bit step failed on such a CPU."""
+    generator = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (2, 64), dtype=torch.uint8, generator=generator)
+    scales, zeroed = torch.tensor([0.5, 1.5]), torch.zeros(2 * 64, dtype=torch.uint8)
+    zeroed[::5] = 0b10000001
+    error = torch.randn(512, generator=generator)
+    out, ranks_packed = torch.empty(2, 512), torch.empty(64, dtype=torch.uint8)
+    with torch._inductor.config.patch({"cpp.simdlen": 256}):
+        _decode_into(out, packed, scales, zeroed, compiled=True)
+        scale = _SERVER_COMPRESS(packed, scales, error.clone(), ranks_packed)
+    decoded = torch.stack([s * unpack_signs(p) for p, s in zip(packed, scales, strict=True)])
+    assert torch.equal(out, decoded.masked_fill(unpack_signs(zeroed).view(2, 512) > 0, 0.0))
+    assert torch.allclose(scale, compress_(decoded.sum(0) + error, torch.empty(512)), rtol=1e-6)
 
 
 def test_compiled_onebit_refuses_a_bucket_per_tensor():
