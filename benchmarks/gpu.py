@@ -171,7 +171,8 @@ BUDGET_S = 540  # the whole command's limit, 9 minutes. By the part times of 64a
 # demo-length parts at about 31 s each, step_triton at about 60 s, bandwidth's profiles about 5 s) the default parts
 # came to about 585 s with the whole model compiled in each compiled part (about 75 s of its 107-110 s). Compiling by
 # regions took a 24-layer BERT's first step 4.1-4.5x less time on the CPU (docs/results/compile.md); if the GPU's
-# compile shrinks as much, the default parts come to about 470 s, under the 8 minutes aimed at. Not yet timed.
+# compile shrinks as much, the default parts come to about 470 s, under the 8 minutes aimed at. Not yet timed, and
+# the GPU tests in that sum took 133 s for 42 tests (64ad0e9): they are 57 now, most of them the Triton kernels'.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 TAIL_LINES = 25
 ENVIRONMENT = r"""
