@@ -120,9 +120,10 @@ def takes_option(name: str, option: str) -> bool:
 
 
 def kernel_options(name: str, compiled: bool = False, triton: bool = False) -> dict[str, bool]:
-    """The settings that turn on `compiled` or `triton` where optimizer `name` takes them (none where it does not)."""
+    """`compiled` and `triton` set on or off where optimizer `name` takes them (absent where it does not): off
+    explicitly, so that a row of aten ops stays one where a preset's `triton: null` takes the kernels on a GPU."""
     wanted = {"compiled": compiled, "triton": triton}
-    return {option: True for option, on in wanted.items() if on and takes_option(name, option)}
+    return {option: on for option, on in wanted.items() if takes_option(name, option)}
 
 
 # Options that put the 1-bit optimizers in their compressed stage from step 3 (their warm-up ends at step 2), so that

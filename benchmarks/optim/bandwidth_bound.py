@@ -132,7 +132,7 @@ def _time_optimizers(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         times = time_steps(optimizer, device, args.warmup, args.repeats)
         touched = bytes_touched(params, optimizer)
         bound = touched / bandwidth
-        compiled, triton = "compiled" in kernels, "triton" in kernels
+        compiled, triton = kernels.get("compiled", False), kernels.get("triton", False)
         print(f"{name:<15} {compiled!s:>8} {triton!s:>6} {touched / 1e9:>10.3f} {bound * 1e3:>9.2f} "
               f"{min(times) * 1e3:>8.2f} {statistics.median(times) * 1e3:>10.2f} {min(times) / bound:>12.2f}",
               flush=True)

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         times = host_times(name, args.size, args.triton, args.gap_ms / 1e3, args.warmup, args.repeats)
         reference = min(times["drawn in the step"])
         for label, seconds in times.items():
-            print(f"{name:<15} {bool(kernel_options(name, triton=args.triton))!s:>6} {label:<18} "
+            print(f"{name:<15} {kernel_options(name, triton=args.triton).get('triton', False)!s:>6} {label:<18} "
                   f"{min(seconds) * 1e3:>8.2f} {statistics.median(seconds) * 1e3:>10.2f} "
                   f"{min(seconds) / reference:>10.2f}", flush=True)
 

@@ -77,8 +77,8 @@ def count_step_on(name: str, size: str, ranks: int, device: torch.device, compil
     others)."""
     world = ranks if get_optimizer_spec(name).grad_sync == "self" else 1
     kernels = kernel_options(name, compiled, triton)
-    compiled = "compiled" in kernels
-    if "triton" in kernels:
+    compiled = kernels.get("compiled", False)
+    if kernels.get("triton"):
         return count_step(name, size, world, torch.device("meta"), triton=True)
     if device.type == "meta" and name not in REAL_DEVICE_ONLY and not compiled:
         try:

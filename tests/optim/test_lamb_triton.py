@@ -59,6 +59,35 @@ def test_blocks_cut_across_tensors_of_any_size(monkeypatch, dtype):
     assert not torch.equal(aten[0][0], state[0][0])
 
 
+@pytest.mark.parametrize(("layout", "kernels"), [("transposed", True), ("every other row", False)])
+def test_the_kernels_take_tensors_that_fill_their_memory(monkeypatch, layout, kernels):
+    """A transposed tensor fills one block of memory, as the kernels read it: they step it, as the aten ops do. A view
+    of every other row does not: its chunk takes the aten ops."""
+    import optim._triton_lamb
+
+    launched, fused_update = [], optim._triton_lamb.triton_lamb_update_
+
+    def recorded(*args, **kwargs) -> None:
+        launched.append(args[0])
+        fused_update(*args, **kwargs)
+
+    monkeypatch.setattr(optim._triton_lamb, "triton_lamb_update_", recorded)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(6, 10, generator=g) for _ in range(3)]
+    full.insert(3, torch.rand(6, 10, generator=g))  # v >= 0
+
+    def laid_out(t: torch.Tensor) -> torch.Tensor:
+        return t.t() if layout == "transposed" else t[::2]
+
+    aten, fused = ([[laid_out(t.clone())] for t in full] for _ in range(2))
+    assert not fused[0][0].is_contiguous()
+    _functional_step(aten, triton=False)
+    _functional_step(fused, triton=True)
+    assert bool(launched) == kernels
+    torch.testing.assert_close(fused[0][0], aten[0][0], rtol=RTOL, atol=RTOL * float(aten[0][0].abs().max()))
+    assert not torch.equal(aten[0][0], laid_out(full[0]))
+
+
 def test_a_checkpoint_resumes_exactly():
     model, _, resumed, _ = resumed_alongside(lambda: small_mlp(8, 16, 4), lambda m: _lamb(m, True, lr=1e-2),
                                           range(3), range(3, 6))
