@@ -70,23 +70,22 @@ class Part:
 
 
 PARTS = [  # in order of what matters most when the budget runs short
-    # First the optimizer steps and the GPU tests: the Triton kernels (`triton=True`) have run on no GPU yet, and
-    # their correctness there (the GPU tests compare them with the aten ops) and their step times decide the
-    # optimizers' defaults. Together about 4 minutes by the part times so far, so that the throughput parts
-    # after them still fit the budget if the compiled parts take as long as they did with the whole model compiled.
-    # Each step's top kernels follow its row: where the steps that their bytes do not explain spend their time.
+    # First the optimizer steps and the GPU tests: the presets take the Triton kernels on a GPU (`triton: null`), and
+    # the GPU tests compare them with the aten ops there. Together 255 s on one H100 at d74660f (bandwidth 27 s,
+    # step_triton 34 s, gpu_tests 194 s). Each step's top kernels follow its row: where the steps that their bytes
+    # do not explain spend their time.
     Part("bandwidth", "optimizer steps against their memory-bandwidth bound, BERT-Large, with their top kernels",
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--profile", "15"), 90,
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--optimizers",
           "lamb", "--warmup", "1", "--repeats", "1", "--profile", "5"), r"copy bandwidth \d+ GB/s"),
-    # The Triton kernels (`triton=True`), beside the aten steps of `bandwidth`, with the top kernels. Counted on the
-    # CPU (BERT-Large, x one fused pass in launches, aten ops in brackets): LAMB 1.43x in 37 (2.00x in 313), SLAMB 1.81x
-    # in 131 (2.82x in 562), 1-bit LAMB 2.76x in 90 (5.85x in 1,609), 0/1 Adam 2.20x in 36 (4.18x in 319). The
-    # first step compiles the kernels (seconds).
-    Part("step_triton", "LAMB, SLAMB, 1-bit LAMB and 0/1 Adam in their Triton kernels against the memory-bandwidth "
+    # The Triton kernels (`triton=True`, the presets' choice on a GPU), beside the aten steps of `bandwidth`, with the
+    # top kernels and the host's top functions (the steps a host bounds: SLAMB's waits for its mask draw). On one H100
+    # at d74660f (34 s), x the bound: LAMB 6.95 (1.75 with the host's layout check fixed since), SLAMB 5.45, 1-bit LAMB
+    # 3.22, 0/1 Adam 2.24; 1-bit Adam 2.46 after. The first step compiles the kernels (seconds).
+    Part("step_triton", "LAMB, SLAMB and the 1-bit family in their Triton kernels against the memory-bandwidth "
          "bound, BERT-Large",
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--triton", "--optimizers", "lamb",
-          "slamb", "onebit_lamb", "zero_one_adam", "--profile", "10"), 150,
+          "slamb", "onebit_lamb", "zero_one_adam", "onebit_adam", "--profile", "10", "--host-profile", "8"), 150,
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--triton",
           "--optimizers", "lamb", "--warmup", "0", "--repeats", "1"), r"copy bandwidth \d+ GB/s"),
     # The slowest tests listed (--durations): the part takes about a quarter of the 8 minutes the command aims at.
@@ -167,12 +166,9 @@ PARTS = [  # in order of what matters most when the budget runs short
          ("python", "-m", "benchmarks.optim.step_cost", "--size", "tiny", "--ranks", "2", "--optimizers", "lamb"),
          optional=True),
 ]
-BUDGET_S = 540  # the whole command's limit, 9 minutes. By the part times of 64ad0e9 and 6f1393c on one H100 (the two
-# demo-length parts at about 31 s each, step_triton at about 60 s, bandwidth's profiles about 5 s) the default parts
-# came to about 585 s with the whole model compiled in each compiled part (about 75 s of its 107-110 s). Compiling by
-# regions took a 24-layer BERT's first step 4.1-4.5x less time on the CPU (docs/results/compile.md); if the GPU's
-# compile shrinks as much, the default parts come to about 470 s, under the 8 minutes aimed at. Not yet timed, and
-# the GPU tests in that sum took 133 s for 42 tests (64ad0e9): they are 57 now, most of them the Triton kernels'.
+BUDGET_S = 540  # the whole command's limit, 9 minutes. The default parts took 494 s on one H100 at d74660f: the GPU
+# tests 194 s (57 tests), the two compiled parts 47 s each (their first steps, compiling by regions, 13-15 s), the
+# other throughput parts 15-38 s, about 20 s of each BERT part building the model and starting up.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 TAIL_LINES = 25
 ENVIRONMENT = r"""

@@ -12,6 +12,10 @@ communication layer (`optim.comm.MirrorComm` of one rank) whose collectives retu
 stages included), so no network time is counted; the 1-bit optimizers are timed after their warm-up stage, in the
 compressed one.
 
+`host ms` is the least time the host took to return from a step: where it nears `min ms`, the step waits for its
+host (Python, launches, host draws), not for its kernels; `--host-profile` then names the functions it spends that
+time in.
+
 `--compiled` times the optimizers that take `compiled=True` with it (their math compiled by inductor; the warm-up
 steps compile it), the others as they are; the `compiled` column says which. `--triton` does the same with
 `triton=True` (the Triton kernels of LAMB, SLAMB and the 1-bit family: CUDA only), in the `triton` column.
@@ -21,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import cProfile
+import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -48,27 +55,46 @@ def copy_bandwidth(device: torch.device, numel: int, repeats: int = 5) -> float:
     """Bytes per second of the best of `repeats` copies of `numel` fp32 values, counting bytes read and written."""
     src = torch.ones(numel, device=device)
     dst = torch.empty_like(src)
-    best = min(_seconds(lambda: dst.copy_(src), device) for _ in range(repeats + 1))
+    best = min(_seconds(lambda: dst.copy_(src), device)[0] for _ in range(repeats + 1))
     return 2 * src.nbytes / best
 
 
-def _seconds(work: Callable[[], object], device: torch.device) -> float:
+def _seconds(work: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """The work's time to the end of its last kernel, and the host's until the call returned."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        start_s = time.perf_counter()
         work()
+        host = time.perf_counter() - start_s
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3, host
     start_s = time.perf_counter()
     work()
-    return time.perf_counter() - start_s
+    seconds = time.perf_counter() - start_s
+    return seconds, seconds
 
 
-def time_steps(optimizer: torch.optim.Optimizer, device: torch.device, warmup: int, repeats: int) -> list[float]:
+def time_steps(optimizer: torch.optim.Optimizer, device: torch.device, warmup: int,
+               repeats: int) -> list[tuple[float, float]]:
+    """(time, host time) of each of `repeats` steps after `warmup` untimed ones (`_seconds`)."""
     for _ in range(warmup):
         optimizer.step()
     return [_seconds(optimizer.step, device) for _ in range(repeats)]
+
+
+def print_host_profile(step: Callable[[], None], device: torch.device, top: int, steps: int = 3) -> None:
+    """The `top` Python functions by their own time over `steps` steps (cProfile): where a host-bound step goes."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    profiler.disable()
+    print(f"host profile of {steps} steps, top {top} functions by their own time:")
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(top)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after each optimizer's timing, profile 3 of its steps and print the N kernels (CPU: ops) "
                         "that take most time: where a step's time goes when its bytes do not say")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="after each optimizer's timing, profile 3 of its steps on the host (cProfile) and print "
+                        "the N Python functions that take most time: where a step whose host time nears its time goes")
     parser.add_argument("--compiled", action="store_true",
                         help="compiled=True for the optimizers that take it (the warm-up steps compile)")
     parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE", type=_inductor_setting,
@@ -124,20 +153,24 @@ def _time_optimizers(args: argparse.Namespace, parser: argparse.ArgumentParser) 
           f"{len(params)} tensors | {where} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e9:.0f} GB/s "
           f"(read + write) | min and median of {args.repeats} steps after {args.warmup}")
     print(f"{'optimizer':<15} {'compiled':>8} {'triton':>6} {'GB touched':>10} {'bound ms':>9} {'min ms':>8} "
-          f"{'median ms':>10} {'min x bound':>12}")
+          f"{'median ms':>10} {'host ms':>8} {'min x bound':>12}")
     for name in args.optimizers:
         kernels = kernel_options(name, args.compiled, args.triton)
         options = COMPRESSED_FROM.get(name, {}) | kernels
         optimizer = build_optimizer(model, name, config_kwargs(name, **options), comm=MirrorComm(1))
-        times = time_steps(optimizer, device, args.warmup, args.repeats)
+        timed = time_steps(optimizer, device, args.warmup, args.repeats)
+        times, host = [seconds for seconds, _ in timed], min(host for _, host in timed)
         touched = bytes_touched(params, optimizer)
         bound = touched / bandwidth
         compiled, triton = kernels.get("compiled", False), kernels.get("triton", False)
         print(f"{name:<15} {compiled!s:>8} {triton!s:>6} {touched / 1e9:>10.3f} {bound * 1e3:>9.2f} "
-              f"{min(times) * 1e3:>8.2f} {statistics.median(times) * 1e3:>10.2f} {min(times) / bound:>12.2f}",
+              f"{min(times) * 1e3:>8.2f} {statistics.median(times) * 1e3:>10.2f} {host * 1e3:>8.2f} "
+              f"{min(times) / bound:>12.2f}",
               flush=True)
         if args.profile:
             print_top_kernels(optimizer.step, device, args.profile)
+        if args.host_profile:
+            print_host_profile(optimizer.step, device, args.host_profile)
         del optimizer
 
 

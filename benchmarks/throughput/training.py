@@ -91,8 +91,9 @@ def bert_workload(size: str, seq: int, micro_batch: int, device: torch.device, p
     """A BERT step on synthetic rows of `seq` positions whose last `padding` fraction is padding, or on the demo
     corpus's sequences (`lengths="demo"`), packed `pack` a row."""
     hidden, layers, heads, ffn = BERT_SIZES[size]
-    model = create_model("bert_pretraining", size="large", hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, intermediate_size=ffn)
+    with torch.device(device):  # initialised where it trains: on a host its random init takes seconds
+        model = create_model("bert_pretraining", size="large", hidden_size=hidden, num_hidden_layers=layers,
+                             num_attention_heads=heads, intermediate_size=ffn)
     label = f"BERT-{size} seq {seq}"
     if lengths == "demo":
         batches = demo_micro_batches(seq, micro_batch, pack)
@@ -119,8 +120,9 @@ def demo_micro_batches(seq: int, micro_batch: int, pack: int = 1) -> list[dict[s
 
 def swin_workload(size: str, micro_batch: int, device: torch.device) -> Workload:
     options = SWIN_SIZES[size]
-    model = create_model("swin", arch="swin_base_patch4_window7_224", num_classes=1000, drop_path_rate=0.5,
-                         **options)
+    with torch.device(device):  # initialised where it trains, as BERT
+        model = create_model("swin", arch="swin_base_patch4_window7_224", num_classes=1000, drop_path_rate=0.5,
+                             **options)
     img = options.get("img_size", 224)
     g = torch.Generator().manual_seed(0)
     batch = {"image": torch.randn(micro_batch, 3, img, img, generator=g),

@@ -113,13 +113,22 @@ def test_bandwidth_bound_counts_the_bytes_a_fused_step_must_touch(capsys):
                      "--warmup", "1", "--repeats", "1"])
     out = capsys.readouterr().out
     numel = float(re.search(r"([\d.]+)M fp32 parameters", out).group(1)) * 1e6
-    header = ["optimizer", "compiled", "triton", "GB touched", "bound ms", "min ms", "median ms", "min x bound"]
+    header = ["optimizer", "compiled", "triton", "GB touched", "bound ms", "min ms", "median ms", "host ms",
+              "min x bound"]
     assert out.splitlines()[1].split() == " ".join(header).split()
     rows = {line.split()[0]: dict(zip(header, line.split(), strict=True)) for line in out.splitlines()[2:]}
     # fp32 LAMB and AdamW: parameters read and written, gradients read, two moments read and written.
     for name in ("lamb", "adamw"):
         assert float(rows[name]["GB touched"]) * 1e9 == pytest.approx(28 * numel, rel=0.01)
         assert float(rows[name]["min x bound"]) > 0 and rows[name]["compiled"] == rows[name]["triton"] == "False"
+
+
+def test_bandwidth_bound_names_the_host_functions_a_step_spends_its_host_time_in(capsys):
+    bandwidth_bound(["--size", "tiny", "--device", "cpu", "--optimizers", "lamb", "--warmup", "1", "--repeats", "1",
+                     "--host-profile", "4"])
+    out = capsys.readouterr().out
+    assert "host profile of 3 steps, top 4 functions by their own time" in out
+    assert "torch._fused_adam_" in out  # LAMB's moments: a host function of every step
 
 
 @pytest.mark.parametrize(("settings", "says"), [
