@@ -88,9 +88,12 @@ PARTS = [  # in order of what matters most when the budget runs short
           "slamb", "onebit_lamb", "zero_one_adam", "onebit_adam", "--profile", "10", "--host-profile", "8"), 150,
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--triton",
           "--optimizers", "lamb", "--warmup", "0", "--repeats", "1"), r"copy bandwidth \d+ GB/s"),
-    # The slowest tests listed (--durations): the part takes about a quarter of the 8 minutes the command aims at.
+    # The slowest tests listed (--durations). A test to each worker as it frees (`--dist load`, where the project's
+    # pytest settings keep a file on one worker): at d74660f the part took 191 s, at least 152 s of them in
+    # tests/integration/test_gpu.py's tests on one worker, with the two 52-55 s resume tests on another.
     Part("gpu_tests", "the GPU tests (`pytest -m gpu`)", ("python", "-m", "pytest", "-m", "gpu", "-q", "-rs", "-n",
-                                                         "8", "--durations", "8", "{gpu_tests}"), 240,
+                                                         "8", "--dist", "load", "--durations", "8", "{gpu_tests}"),
+         240,
          ("python", "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "{gpu_tests}"),
          r"\d+ (?:passed|failed|skipped|errors?)"),
     # autocast beside O2 with torch.compile, the recipes' setting. Compiling the whole model took about 75 s of each

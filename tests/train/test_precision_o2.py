@@ -212,7 +212,8 @@ def test_two_ranks_all_reduce_half_gradients_in_half_the_bytes_and_keep_their_ma
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("options", [["precision=bf16_o2"], ["precision=fp16_o2"],
-                                     ["precision=bf16_o2", "trainer.compile=true"]], ids=" ".join)
+                                     ["precision=bf16_o2", "trainer.compile=true"],
+                                     ["precision=bf16_o2", "trainer.compile=true", "optim=jointspar"]], ids=" ".join)
 def test_o2_trains_on_cuda(tmp_path, options):
     on_cuda = [o for o in TINY if not o.startswith("trainer.device=")] + ["trainer.device=cuda"]
     run(compose([*on_cuda, *options, "trainer.max_steps=8", "optim.lr=1e-3"]), tmp_path)
