@@ -33,6 +33,9 @@ def check_flags(options: Mapping[str, Any], *keys: str) -> None:
 
 
 _BOTH_FUSIONS = "and compiled are two ways to fuse the step: choose one"
+# The oldest GPU that `triton: null` gives the kernels: the tests compile every launch for sm_80 (A100) and sm_90, and
+# they ran on an H100; a V100 (sm_70) takes the aten ops unless `triton: true` asks for the kernels.
+KERNELS_FROM_CAPABILITY = (8, 0)
 
 
 def check_triton(options: Mapping[str, Any]) -> None:
@@ -52,14 +55,16 @@ def use_triton(setting: bool | None, device: torch.device, owner: str, compiled:
     """Whether `owner`'s steps of tensors on `device` take its Triton kernels, by its `triton` option.
 
     True: yes, or a ValueError naming why they cannot (`triton_refusal`, `compiled` set too, or the optimizer's own
-    `obstacle`: a dtype, a layout). False: no. None: where they can run on a GPU, CUDA tensors (not the
-    interpreter's host tensors, nor the meta tensors of a count), with neither; elsewhere the aten ops.
+    `obstacle`: a dtype, a layout). False: no. None: where they can run on a GPU they were built for, CUDA tensors
+    of compute capability `KERNELS_FROM_CAPABILITY` or newer (not the interpreter's host tensors, nor the meta
+    tensors of a count), with neither; elsewhere the aten ops.
     """
     if setting is False:
         return False
     refusal = triton_refusal(device) or (_BOTH_FUSIONS if compiled else obstacle)
     if setting is None:
-        return refusal is None and device.type == "cuda"
+        return (refusal is None and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) >= KERNELS_FROM_CAPABILITY)
     if refusal is not None:
         raise ValueError(f"{owner}(triton=True) {refusal}; set triton=False")
     return True

@@ -23,14 +23,18 @@ def test_every_optimizer_with_kernels_takes_the_switch():
     assert set(WITH_KERNELS) >= {"lamb", "slamb", "slamb_v2_official", "onebit_adam", "onebit_lamb", "zero_one_adam"}
 
 
-@pytest.mark.parametrize(("setting", "device", "obstacle", "expected"), [
-    (False, CUDA, None, False),
-    (None, CUDA, None, importlib.util.find_spec("triton") is not None),
-    (None, CUDA, "takes fp32 parameters", False),
-    (None, torch.device("cpu"), None, False),  # even under Triton's interpreter (the tests' setting here)
-    (None, torch.device("meta"), None, False),  # a count of the aten step stays one
+@pytest.mark.parametrize(("setting", "device", "obstacle", "capability", "expected"), [
+    (False, CUDA, None, (9, 0), False),
+    (None, CUDA, None, (9, 0), importlib.util.find_spec("triton") is not None),
+    (None, CUDA, None, (8, 0), importlib.util.find_spec("triton") is not None),
+    (None, CUDA, None, (7, 0), False),  # a V100: the kernels were built and run for newer GPUs only
+    (None, CUDA, "takes fp32 parameters", (9, 0), False),
+    (None, torch.device("cpu"), None, None, False),  # even under Triton's interpreter (the tests' setting here)
+    (None, torch.device("meta"), None, None, False),  # a count of the aten step stays one
 ])
-def test_null_takes_the_kernels_on_cuda_tensors_only(setting, device, obstacle, expected):
+def test_null_takes_the_kernels_on_cuda_tensors_of_the_gpus_they_were_built_for(monkeypatch, setting, device, obstacle,
+                                                                                  capability, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)  # no GPU needed
     assert use_triton(setting, device, "LAMB", obstacle=obstacle) is expected
     assert use_triton(setting, device, "LAMB", compiled=True, obstacle=obstacle) is False
 
