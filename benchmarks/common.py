@@ -241,10 +241,11 @@ _FUSED_STEPS = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_"
 _INDEXED = {"aten::index_select": True, "aten::index_add_": True, "aten::index_copy_": False,
             "aten::index_fill_": False}
 # The project's Triton kernels (custom ops, `optim._triton`): arguments they write without reading them, and the
-# gathers that read of their `params` only the coordinates they write to `out`.
+# gathers that read of each list of their `sources` only the coordinates they write to its output in `outs`.
 _WRITE_ONLY_ARGUMENTS = {"slamb_optim::moments_and_block_sums": {"directions"},
                          "slamb_optim::always_directions": {"directions"},
-                         "slamb_optim::sign_compress": {"packed"}, "slamb_optim::decode_signs": {"out"}}
+                         "slamb_optim::sign_compress": {"packed"}, "slamb_optim::decode_signs": {"out"},
+                         "slamb_optim::gather_rows": {"outs"}}
 _ROW_GATHERS = {"slamb_optim::gather_rows"}
 
 # Allocations return memory nobody has written: no traffic (the op that fills it counts its writes).
@@ -327,8 +328,9 @@ class StepTraffic(TorchDispatchMode):
             if schema.name in _INDEXED and argument.name == "self":
                 size = min(size, size // max(value.size(named["dim"]), 1) * named["index"].numel())
                 reads = _INDEXED[schema.name]
-            if schema.name in _ROW_GATHERS and argument.name == "params":
-                size = named["out"].numel() * value[0].element_size() if value else 0
+            if schema.name in _ROW_GATHERS and argument.name == "sources":
+                per_list = len(value) // max(len(named["outs"]), 1)
+                size = sum(out.numel() * value[j * per_list].element_size() for j, out in enumerate(named["outs"]))
             self.bytes += size * (int(reads) + int(mutated))
         fresh = [r.alias_info is None for r in schema.returns]
         results = out if isinstance(out, tuple) else (out,)

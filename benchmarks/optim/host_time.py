@@ -7,7 +7,7 @@ A GPU step whose kernels are short is bound by the host that launches them. Its 
 device, so every op costs its Python and dispatch time and no arithmetic, on a GPU's layout (chunks, one mask draw,
 the next step's masks drawn ahead). Between steps the main thread spends `--gap-ms` on other work, holding the GIL, as
 a trainer's forward and backward launches do. Each optimizer runs twice in one process, interleaved: with SLAMB's
-mask draw on its own thread (`MaskSampler.draw_ahead`, what a GPU does) and with the draw in the step, the reference.
+mask draws on their threads (`MaskSampler.draw_ahead`, what a GPU does) and with the draw in the step, the reference.
 
 Meta ops are not CUDA ops: some run Python decompositions slower than a GPU's dispatch, so the absolute times are a
 bound on the host's share, not a forecast of it. The ratio to the reference in the same run is the figure.
@@ -50,7 +50,7 @@ def host_times(name: str, size: str, triton: bool, gap: float, warmup: int, repe
     geometry = _layout.GEOMETRIES["cuda"]
     steppers = {}
     with gpu_chunks():
-        for label, ahead in (("drawn ahead", True), ("drawn in the step", False)):
+        for label, ahead in (("drawn ahead", geometry.draw_ahead), ("drawn in the step", 0)):
             model = bert_parameters(size, torch.device("meta"))
             grads = {p: p.grad for p in model.parameters() if p.requires_grad}
             world = 2 if get_optimizer_spec(name).grad_sync == "self" else 1

@@ -44,19 +44,21 @@ class Geometry:
         launch costs host time), a step dispatches a number of ops independent of the number of tensors, and
         every foreach op takes lists of equal shapes, which CUDA runs as one kernel per list (a broadcast or a
         per-tensor 0-d factor would launch one kernel per tensor).
-    draw_ahead: draw the next step's random numbers on a thread of their own from the end of a step
-        (`MaskSampler.draw_ahead`), beside the host work that launches the next forward and backward pass.
+    draw_ahead: from the end of a step, draw the random numbers of this many next steps, each on a thread of its
+        own (`MaskSampler.draw_ahead`), beside the host work that launches the next forward and backward pass (0:
+        drawn in the step). An H100 host took 13 ms for one BERT-Large draw, where the Triton kernels' step takes
+        about 8: three draws at once keep up with steps run back to back.
     """
 
     chunk_numel: int | None
     draw_picks: int | None
     per_tensor: bool
-    draw_ahead: bool
+    draw_ahead: int
 
 
 # By device type; any other than the CPU takes the GPU's (`geometry_of`). Tests and the step-cost benchmark may
 # give the CPU the GPU's geometry, to run or count a GPU's step there.
-GEOMETRIES = {"cpu": Geometry(1 << 20, 1 << 16, True, False), "cuda": Geometry(1 << 26, None, False, True)}
+GEOMETRIES = {"cpu": Geometry(1 << 20, 1 << 16, True, 0), "cuda": Geometry(1 << 26, None, False, 3)}
 
 
 def geometry_of(device: torch.device) -> Geometry:

@@ -190,14 +190,15 @@ def host_uniforms(generator: torch.Generator, count: int, device: torch.device) 
     return torch.rand(count, generator=generator, out=host)
 
 
-_drawer: ThreadPoolExecutor | None = None  # the thread that draws masks ahead (`MaskSampler.draw_ahead`)
+_drawers: ThreadPoolExecutor | None = None  # the threads that draw masks ahead (`MaskSampler.draw_ahead`)
 
 
-def _draw_thread() -> ThreadPoolExecutor:
-    global _drawer
-    if _drawer is None:
-        _drawer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slamb-masks")
-    return _drawer
+def _draw_threads(count: int) -> ThreadPoolExecutor:
+    """The process's pool of `count` threads (its first caller's count) that draw masks ahead."""
+    global _drawers
+    if _drawers is None:
+        _drawers = ThreadPoolExecutor(max_workers=count, thread_name_prefix="slamb-masks")
+    return _drawers
 
 
 # ------------------------------------------------------------------------------------------ one chunk's mask
@@ -304,16 +305,15 @@ class MaskSampler:
         self.draws = _draws(mask, chunks, k, device, draw_picks)
         self.generator = torch.Generator()  # on the host whatever the device: see `mask_uniforms`
         self.cyclic: list[list[Mask]] | None = None  # per chunk, per phase
-        # (seed, step, the host uniforms of each draw) being drawn by `draw_ahead`
-        self._ahead: tuple[int, int, Future[list[Tensor]]] | None = None
+        # per (seed, step) the host uniforms of each draw, being drawn by `draw_ahead`
+        self._ahead: dict[tuple[int, int], Future[list[Tensor]]] = {}
 
     def masks(self, seed: int, step: int) -> list[Mask]:
         """Every chunk's mask at `step`."""
         if self.mask == "cyclic":
             return self._cyclic_masks(seed, step)
-        ahead, self._ahead = self._ahead, None
-        drawn = ahead[2].result() if ahead is not None else None  # waited for even if unused: the generator is free
-        if drawn is not None and ahead[:2] == (seed, step):
+        drawn = self._drawn_ahead(seed, step)
+        if drawn is not None:
             per_draw = [uniforms.to(self.device, non_blocking=True) for uniforms in drawn]
         else:
             self.generator.manual_seed(mask_seed(seed, step))
@@ -329,22 +329,36 @@ class MaskSampler:
                       for r, sizes, runs, v in zip(rows.split(draw.picks), draw.sizes, draw.runs, valids, strict=True)]
         return masks
 
-    def draw_ahead(self, seed: int, step: int) -> None:
-        """Start drawing the random numbers of the masks of `step`, on a thread of their own, for the `masks` call
-        that asks for them.
+    def draw_ahead(self, seed: int, step: int, depth: int) -> None:
+        """Start drawing the random numbers of the masks of the `depth` steps from `step`, those not yet under way,
+        each on a thread of its own, for the `masks` calls that ask for them.
 
-        The host's draw (about 2 million numbers at BERT-Large: 9 ms of one CPU core) then runs beside the host
-        work that launches the rest of the step and the next forward and backward pass, not before it: torch's draw
-        releases the GIL. Masks are pure functions of (seed, step), so a draw that goes unused (a loaded state,
-        another step) changes nothing.
+        The host's draw (about 2 million numbers at BERT-Large: 9 ms of one CPU core, 13 ms on an H100's host) then
+        runs beside the host work that launches the rest of the step and the next forward and backward pass, not
+        before it: torch's draw releases the GIL. A step's numbers come from one serial generator, so a draw cannot
+        be split; the draws of several steps run at once instead, so that steps which follow each other faster
+        than one draw (an optimizer timed alone) still find theirs drawn. Masks are pure functions of (seed, step),
+        so a draw that goes unused (a loaded state, another step) changes nothing.
         """
-        if self.mask != "cyclic":
-            self._ahead = (seed, step, _draw_thread().submit(self._host_draws, seed, step))
+        if self.mask == "cyclic":
+            return
+        for ahead in range(step, step + depth):
+            if (seed, ahead) not in self._ahead:
+                self._ahead[seed, ahead] = _draw_threads(depth).submit(self._host_draws, seed, ahead)
+
+    def _drawn_ahead(self, seed: int, step: int) -> list[Tensor] | None:
+        """The host uniforms of `step` if `draw_ahead` started them (waited for); drops the draws of earlier steps
+        and of other seeds."""
+        future = self._ahead.pop((seed, step), None)
+        for key in [key for key in self._ahead if key[0] != seed or key[1] < step]:
+            self._ahead.pop(key).cancel()  # one already running finishes on its own generator and is dropped
+        return future.result() if future is not None else None
 
     def _host_draws(self, seed: int, step: int) -> list[Tensor]:
-        """Each draw's uniforms at `step`, on the host (what `masks` would draw)."""
-        self.generator.manual_seed(mask_seed(seed, step))
-        return [host_uniforms(self.generator, draw.uniforms, self.device) for draw in self.draws]
+        """Each draw's uniforms at `step`, on the host (what `masks` would draw), from a generator of its own: the
+        draws of several steps run at once."""
+        generator = torch.Generator().manual_seed(mask_seed(seed, step))
+        return [host_uniforms(generator, draw.uniforms, self.device) for draw in self.draws]
 
     def _cyclic_masks(self, seed: int, step: int) -> list[Mask]:
         """Phase t mod n_c of a fixed random partition of each masked tensor into n_c = floor(1/k) near-equal parts.

@@ -262,7 +262,7 @@ class SLAMB(torch.optim.Optimizer):
             # the dense fp32 average of every parameter, in tensor-aligned buckets of at most bucket_mb
             average_tensors_([slot.param for slot in layout.slots], self.comm, max(1, self.bucket_bytes // 4))
         if layout.geometry.draw_ahead:
-            self._sampler.draw_ahead(glob["seed"], step + 1)
+            self._sampler.draw_ahead(glob["seed"], step + 1, layout.geometry.draw_ahead)
         return loss
 
     def replicas_agree_after(self, step: int) -> bool:
@@ -303,9 +303,12 @@ class SLAMB(torch.optim.Optimizer):
         norms = self._local_directions(layout, chunk, mask, scratch, factor, eps, decay_in_norms, adapt, fused)
         local_norms = None
         always = len(chunk.slots) - len(chunk.masked)
-        if self.comm.distributed or (adapt and chunk.masked):
-            layout.gather(chunk, mask, scratch.compact)  # the local momentum at S_t
-            self._denominators(layout, chunk, mask, scratch, eps, fused)
+        moments_at_mask = self.comm.distributed or (adapt and chunk.masked)  # the local m and v at S_t
+        if fused == "triton":
+            _triton_gather(layout, chunk, mask, scratch, adapt, moments_at_mask)
+        elif moments_at_mask:
+            layout.gather(chunk, mask, scratch.compact)
+            self._denominators(layout, chunk, mask, scratch, eps)
         if adapt and chunk.masked:  # the stale norms' terms, from the local direction (see `_trust_ratios`)
             local_sums = self._fresh_direction(chunk, mask, scratch, factor, eps, decay_in_norms, fused)
             local_total = (norms[1][always:] if norms is not None
@@ -374,15 +377,12 @@ class SLAMB(torch.optim.Optimizer):
 
         `fused` ("compiled" or "triton"): one fused pass instead (`_fused_local_pass`), which also returns the norms
         of the weights and of the local direction per slot (eagerly, None); the weights at S_t gathered from the
-        tensors."""
+        tensors (with "triton" after the pass, with m and v: `_triton_gather`)."""
         for s in chunk.slots:
             if s.param.grad is not None and s.param.grad.is_sparse:
                 raise RuntimeError("SLAMB does not support sparse gradients")
-        if adapt and fused == "triton":
-            from optim.slamb._triton import triton_gather_weights  # imports triton: `triton_refusal` allowed it
-
-            triton_gather_weights(chunk, mask, scratch.weights)
-        elif adapt and (fused or not decay_in_norms):  # before the pass: a GPU's gather copies weights to the buffer
+        if adapt and (fused == "compiled" or (fused is None and not decay_in_norms)):
+            # before the pass: a GPU's gather copies weights to the buffer
             layout.gather_weights(chunk, mask, scratch.weights, staged=False, direct=fused is not None)
         if fused:
             return self._fused_local_pass(chunk, factor, eps, decay_in_norms, fused)
@@ -423,15 +423,10 @@ class SLAMB(torch.optim.Optimizer):
             direction_norms.append(u)
         return torch.cat(weight_norms), torch.cat(direction_norms)
 
-    def _denominators(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, eps: float,
-                      fused: str | None) -> None:
+    def _denominators(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, eps: float) -> None:
         """sqrt(v) + eps' at S_t, laid out as the compact vector (the always-synced part only where it is averaged).
-        `fused` "triton": the masked part's v only, whose square root the kernels take as they read it."""
+        The Triton kernels take the masked part's v instead (`_triton_gather`), and its square root as they read it."""
         a = chunk.split - chunk.start
-        if fused == "triton":
-            if chunk.masked:
-                mask.select(layout.region(layout.exp_avg_sq, chunk), scratch.denominators[a:])
-            return
         if a and self.comm.distributed:
             torch.sqrt(layout.exp_avg_sq[chunk.start:chunk.split], out=scratch.denominators[:a]).add_(eps)
         if chunk.masked:
@@ -701,6 +696,18 @@ class SLAMB(torch.optim.Optimizer):
             self._sampler = MaskSampler(self.mask, self.compress_ratio, self._layout.chunks, self._layout.device,
                                         self._layout.geometry.draw_picks)
         return self._layout
+
+
+def _triton_gather(layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, weights: bool, moments: bool) -> None:
+    """The Triton step's values at S_t, after the local pass: the masked weights (`weights`) and the local m and v
+    (`moments`: m's always-synced part copied, the masked rows of m and of v gathered) in one row gather."""
+    from optim.slamb._triton import triton_gather_at_mask  # imports triton: `triton_refusal` allowed it
+
+    a = chunk.split - chunk.start
+    if moments:
+        scratch.compact[:a].copy_(layout.exp_avg[chunk.start:chunk.split])
+    triton_gather_at_mask(chunk, mask, scratch.weights if weights else None,
+                          (scratch.compact[a:], scratch.denominators[a:]) if moments else None)
 
 
 def _local_pass(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],

@@ -143,21 +143,28 @@ def test_mask_uniforms_are_the_same_bits_for_any_thread_count_and_split():
 
 
 @pytest.mark.parametrize("mask", ["stratified", "bernoulli"])
-def test_masks_drawn_ahead_on_their_thread_are_the_masks_of_their_step(monkeypatch, mask):
-    """A GPU's layout draws the next step's random numbers on a thread of their own (`MaskSampler.draw_ahead`): the
-    masks asked for are those of their step, and a draw ahead for another step (a loaded state) changes nothing."""
+def test_masks_drawn_ahead_on_their_threads_are_the_masks_of_their_step(monkeypatch, mask):
+    """A GPU's layout draws the next steps' random numbers on threads of their own, several steps at once
+    (`MaskSampler.draw_ahead`): the masks asked for are those of their step, and a draw ahead for other steps (a
+    loaded state) or another seed changes nothing and is dropped once its step has passed."""
     monkeypatch.setitem(_layout.GEOMETRIES, "cpu", _layout.GEOMETRIES["cuda"])
     optimizer = _slamb(SMALL_MLP(), mask=mask)
     optimizer._ensure_layout()
     seed, sampler = optimizer.state["slamb"]["seed"], optimizer._sampler
-    drawn_now = [optimizer.sync_masks(step) for step in (3, 4)]
-    sampler.draw_ahead(seed, 3)
-    assert sampler._ahead is not None and sampler._ahead[1] == 3
-    drawn_ahead = optimizer.sync_masks(3)
-    sampler.draw_ahead(seed, 9)  # not the step asked for next: drawn, waited for and dropped
-    for now, other in zip(drawn_now, (drawn_ahead, optimizer.sync_masks(4)), strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(now, other, strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(*drawn_now, strict=True))
+    drawn_now = [optimizer.sync_masks(step) for step in (3, 4, 5)]
+    sampler.draw_ahead(seed, 3, 3)
+    sampler.draw_ahead(seed + 1, 4, 1)  # another seed's
+    assert set(sampler._ahead) == {(seed, 3), (seed, 4), (seed, 5), (seed + 1, 4)}
+    drawn_ahead = [optimizer.sync_masks(3)]
+    assert set(sampler._ahead) == {(seed, 4), (seed, 5)}
+    sampler.draw_ahead(seed, 9, 2)  # not the steps asked for next: kept until their step has passed
+    drawn_ahead += [optimizer.sync_masks(step) for step in (4, 5)]
+    assert set(sampler._ahead) == {(seed, 9), (seed, 10)}
+    optimizer.sync_masks(11)
+    assert not sampler._ahead
+    for now, ahead in zip(drawn_now, drawn_ahead, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(now, ahead, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(*drawn_now[:2], strict=True))
 
 
 @pytest.mark.parametrize("mask", ["stratified", "bernoulli", "cyclic"])
