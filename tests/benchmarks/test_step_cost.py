@@ -189,6 +189,28 @@ def test_an_indexed_op_moves_the_slices_its_index_names():
     assert moved["repeat"] == source[:2].nbytes + index.nbytes + rows.nbytes
 
 
+def test_the_triton_row_gather_moves_the_rows_it_selects():
+    """SLAMB's row gather (`gather_rows`, counted on meta) reads of each list only the selected coordinates, in that
+    list's dtype (bf16 weights, fp32 m and v), and the rows' indices once for every list; it writes each output."""
+    pytest.importorskip("triton")
+    from optim.slamb._triton import gather_rows
+
+    def meta(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    weights = [meta(64, 16, dtype=torch.bfloat16), meta(32, 16, dtype=torch.bfloat16)]
+    moments = [meta(64, 16), meta(32, 16), meta(64, 16), meta(32, 16)]  # m, then v
+    rows, selected = meta(10, dtype=torch.int64), (6 + 4) * 16  # 6 rows of the first tensor, 4 of the second
+    outs = [meta(selected) for _ in range(3)]
+    with StepTraffic() as traffic:
+        gather_rows(weights + moments, rows, outs, [6 * 16, 4 * 16], [0, 6], [0, 0], [4, 4], True)
+    assert traffic.ops == traffic.launches == 1
+    assert traffic.bytes == selected * (2 + 4 + 4) + rows.nbytes + 3 * selected * 4
+    with StepTraffic() as traffic:  # m and v alone
+        gather_rows(moments, rows, outs[1:], [6 * 16, 4 * 16], [0, 6], [0, 0], [4, 4], False)
+    assert traffic.bytes == selected * (4 + 4) + rows.nbytes + 2 * selected * 4
+
+
 def test_a_copy_reads_its_source_and_writes_its_destination():
     source, destination = torch.randn(1000), torch.empty(1000)
     with StepTraffic() as traffic:
