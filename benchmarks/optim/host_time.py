@@ -2,6 +2,7 @@
 
     python -m benchmarks.optim.host_time --optimizers slamb --triton
     python -m benchmarks.optim.host_time --size tiny --optimizers slamb --repeats 3
+    python -m benchmarks.optim.host_time --optimizers slamb --triton --gap-ms 0 --ahead 1   # steps back to back
 
 A GPU step whose kernels are short is bound by the host that launches them. Its parameters here live on the meta
 device, so every op costs its Python and dispatch time and no arithmetic, on a GPU's layout (chunks, one mask draw,
@@ -44,13 +45,14 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def host_times(name: str, size: str, triton: bool, gap: float, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Main-thread seconds per step of optimizer `name`, with SLAMB's masks drawn ahead on their thread and in the
-    step (the same for the others)."""
+def host_times(name: str, size: str, triton: bool, gap: float, warmup: int, repeats: int,
+               ahead_steps: int) -> dict[str, list[float]]:
+    """Main-thread seconds per step of optimizer `name`, with SLAMB's masks of `ahead_steps` steps drawn ahead on
+    their threads and drawn in the step (the same for the others)."""
     geometry = _layout.GEOMETRIES["cuda"]
     steppers = {}
     with gpu_chunks():
-        for label, ahead in (("drawn ahead", geometry.draw_ahead), ("drawn in the step", 0)):
+        for label, ahead in (("drawn ahead", ahead_steps), ("drawn in the step", 0)):
             model = bert_parameters(size, torch.device("meta"))
             grads = {p: p.grad for p in model.parameters() if p.requires_grad}
             world = 2 if get_optimizer_spec(name).grad_sync == "self" else 1
@@ -80,15 +82,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizers", nargs="+", default=["slamb"], help="registered names")
     parser.add_argument("--triton", action="store_true", help="triton=True where the optimizer takes it")
     parser.add_argument("--gap-ms", type=float, default=20.0, help="other host work between steps")
+    parser.add_argument("--ahead", type=int, default=_layout.GEOMETRIES["cuda"].draw_ahead,
+                        help="steps whose masks are drawn ahead, each on a thread (default: a GPU's)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
+    if args.ahead < 1:
+        parser.error(f"--ahead: {args.ahead}; draw at least one step ahead (drawn in the step is the reference)")
     print(f"main-thread time per optimizer step, BERT-{args.size} shapes on the meta device (a GPU's layout), "
-          f"{args.gap_ms:g} ms of other host work between steps | torch {torch.__version__} | min and median of "
-          f"{args.repeats} after {args.warmup}")
+          f"{args.gap_ms:g} ms of other host work between steps, masks of {args.ahead} steps drawn ahead | torch "
+          f"{torch.__version__} | min and median of {args.repeats} after {args.warmup}")
     print(f"{'optimizer':<15} {'triton':>6} {'masks':<18} {'min ms':>8} {'median ms':>10} {'min x ref':>10}")
     for name in args.optimizers:
-        times = host_times(name, args.size, args.triton, args.gap_ms / 1e3, args.warmup, args.repeats)
+        times = host_times(name, args.size, args.triton, args.gap_ms / 1e3, args.warmup, args.repeats, args.ahead)
         reference = min(times["drawn in the step"])
         for label, seconds in times.items():
             print(f"{name:<15} {kernel_options(name, triton=args.triton).get('triton', False)!s:>6} {label:<18} "
