@@ -79,9 +79,10 @@ PARTS = [  # in order of what matters most when the budget runs short
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--optimizers",
           "lamb", "--warmup", "1", "--repeats", "1", "--profile", "5"), r"copy bandwidth \d+ GB/s"),
     # The Triton kernels (`triton=True`, the presets' choice on a GPU), beside the aten steps of `bandwidth`, with the
-    # top kernels and the host's top functions (the steps a host bounds: SLAMB's waits for its mask draw). On one H100
-    # at d74660f (34 s), x the bound: LAMB 6.95 (1.75 with the host's layout check fixed since), SLAMB 5.45, 1-bit LAMB
-    # 3.22, 0/1 Adam 2.24; 1-bit Adam 2.46 after. The first step compiles the kernels (seconds).
+    # top kernels and the host's top functions (the steps a host bounds). On one H100 at d74660f (34 s), x the bound:
+    # LAMB 6.95 (1.75 with the host's layout check fixed since), SLAMB 5.45 (its steps waited for a 13 ms mask draw;
+    # since 217d325 three draws run at once and one Triton launch gathers w, m and v at S_t), 1-bit LAMB 3.22, 0/1
+    # Adam 2.24; 1-bit Adam 2.46 after. The first step compiles the kernels (seconds).
     Part("step_triton", "LAMB, SLAMB and the 1-bit family in their Triton kernels against the memory-bandwidth "
          "bound, BERT-Large",
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--triton", "--optimizers", "lamb",
