@@ -7,7 +7,7 @@
 - The values at S_t (`gather_rows`): the masked slots' selected rows of the weights (read from the tensors
   themselves), of m and of v, in one launch that reads the mask's rows once, where the aten ops take an index_select
   per tensor for the weights and one per span for m and for v (on an H100 torch's row gather moved a tenth of
-  BERT-Large's m and v at about 240 GB/s: 2.6 of the 8.6 ms of the kernels' step).
+  BERT-Large's m and v at about 240 GB/s: 2.6 of the 8.55 ms of the kernels' step).
 - The trust ratios: `fresh_direction_sums` forms the masked slots' direction at S_t (before and after the average)
   with per-block sums of its squares and of the weights' there, and `trust_ratios` turns those and the local pass's
   norms into every slot's phi_F and phi_U in one launch (the aten ops: about 30 small ops per chunk).
@@ -189,8 +189,8 @@ def _(sources, rows, outs, sizes, row_start, bases, shifts, weights):
     return None
 
 
-def triton_gather_at_mask(chunk: Chunk, mask: Mask, weights: Tensor | None, moments: tuple[Tensor, Tensor] | None,
-                          ) -> None:
+def triton_gather_at_mask(chunk: Chunk, mask: Mask, weights: Tensor | None,
+                          moments: tuple[Tensor, Tensor] | None) -> None:
     """The masked slots' values at S_t in fp32, in one launch that reads the mask's rows once: their weights into
     `weights` (what `Layout.gather_weights` gathers) and their m and v into `moments` (the masked parts of the
     compact vector and of the denominators: what `Layout.gather` and `Mask.select` gather), each where given."""
