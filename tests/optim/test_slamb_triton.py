@@ -26,6 +26,7 @@ from torch import nn
 from core.options import InvalidOption
 from optim import SLAMB
 from optim.comm import Comm
+from optim.mirror_comm import MirrorComm
 
 pytest.importorskip("triton")
 
@@ -59,6 +60,18 @@ def test_decayed_tensors_synced_whole(wd_in_trust_ratio):
     mlp_steps(eager, slamb(eager, None, **options), range(SLAMB_STEPS))
     mlp_steps(fused, slamb(fused, "triton", **options), range(SLAMB_STEPS))
     assert_weights_close(eager, fused)
+
+
+def test_unadapted_masked_tensors_gather_m_and_v_alone():
+    """No decay and no trust ratio (NVLAMB's plain Adam step) on 2 ranks: the row gather at S_t takes m and v without
+    the weights, and the steps stay those of the aten ops."""
+    eager, fused = slamb_model(), slamb_model()
+    for model, mode in ((eager, {}), (fused, {"triton": True})):
+        mlp_steps(model, SLAMB(model.parameters(), lr=1e-2, weight_decay=0.0, always_adapt=False, compress_ratio=0.2,
+                               min_compress_numel=1000, sync_interval=3, comm=MirrorComm(2), **mode),
+                  range(SLAMB_STEPS))
+    assert_weights_close(eager, fused)
+    assert any(not torch.equal(p, q) for p, q in zip(eager.parameters(), fused.parameters(), strict=True))
 
 
 def test_one_process_takes_the_ratios_from_its_local_sums():

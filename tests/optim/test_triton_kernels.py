@@ -82,6 +82,9 @@ def launches() -> list:
             model = small_mlp(60, 201, 30)
             mlp_steps(model, SLAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, compress_ratio=0.2, rescale=rescale,
                                    min_compress_numel=1000, comm=MirrorComm(2), triton=True), range(2))
+        model = small_mlp(60, 201, 30)  # no decay, no trust ratio: m and v gathered at S_t without the weights
+        mlp_steps(model, SLAMB(model.parameters(), lr=1e-2, weight_decay=0.0, always_adapt=False, compress_ratio=0.2,
+                               min_compress_numel=1000, comm=MirrorComm(2), triton=True), range(2))
         for cls in (OneBitAdam, OneBitLAMB):
             model = small_mlp(8, 16, 4)
             mlp_steps(model, cls(param_groups_weight_decay(model, 0.01), lr=1e-2, freeze_step=2, comm=MirrorComm(2),
@@ -105,6 +108,8 @@ def _launch_key(fn, args, constexprs) -> tuple:
 def test_every_kernel_was_launched(launches):
     launched = {(fn.__module__, fn.__qualname__) for fn, _, _ in launches}
     assert launched == {(module, name) for module, names in KERNELS.items() for name in names}
+    gathers = {(c["WEIGHTS"], c["MOMENTS"]) for fn, _, c in launches if fn.__qualname__ == "_gather"}
+    assert gathers == {(1, True), (0, True)}  # SLAMB's row gather with the weights and without them
 
 
 def test_every_launch_compiles_for_a_gpu(launches):
