@@ -297,6 +297,10 @@ class StepTraffic(TorchDispatchMode):
     so `bytes` is the memory traffic of unfused kernels: what a GPU moves for the same ops, caches aside. Views move
     nothing and launch nothing, and allocations (`empty`) write nothing and launch nothing; collectives (c10d) are
     the network's, not the step's memory traffic, and are left out of every count.
+
+    `host_tensors` counts the CPU tensors those ops take. Where the parameters live on another device (meta, a GPU's
+    stand-in) that is host work the device waits for, and per tensor: a 0-d step count per parameter, added to in a
+    foreach op, is one op but a host loop over every parameter.
     """
 
     def __init__(self) -> None:
@@ -304,6 +308,7 @@ class StepTraffic(TorchDispatchMode):
         self.ops = 0
         self.launches = 0
         self.bytes = 0
+        self.host_tensors = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -319,7 +324,9 @@ class StepTraffic(TorchDispatchMode):
         self.launches += cuda_launches(schema.name, named)
         for argument in schema.arguments:
             value = named[argument.name]
-            size = sum(t.nbytes for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+            tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+            self.host_tensors += sum(t.device.type == "cpu" for t in tensors)
+            size = sum(t.nbytes for t in tensors)
             mutated = argument.alias_info is not None and argument.alias_info.is_write
             reads = not ((write_only and mutated) or argument.name == "out"  # copy_ reads its source, not self
                          or argument.name in _WRITE_ONLY_ARGUMENTS.get(schema.name, ()))

@@ -85,9 +85,10 @@ class LAMB(torch.optim.Optimizer):
     :math:`t`, not with the number of updates it has received itself.
 
     State per parameter: ``exp_avg`` (:math:`m`), ``exp_avg_sq`` (:math:`v`) and ``step``, the number of
-    updates this tensor has received (a 0-d float32 CPU tensor, as in `torch.optim.Adam`). That count is
-    bookkeeping only: the update never reads it. `state_dict()` holds all of these and, in its
-    ``param_groups``, each group's ``step``, so a resumed run continues exactly.
+    updates this tensor has received, a Python int: bookkeeping only, which the update never reads. (Counted in
+    0-d CPU tensors, as `torch.optim.Adam` does, it took a host op per tensor per step, about 1 ms of a BERT-Large
+    step that a GPU waits for; `load_state_dict` turns such saved counts into ints.) `state_dict()` holds all of
+    these and, in its ``param_groups``, each group's ``step``, so a resumed run continues exactly.
 
     Checkpoints of the earlier LAMB, which counted :math:`t` per parameter, have no group ``step``:
     `load_state_dict` sets it to the largest per-parameter ``step`` of the group (the number of `step()`
@@ -140,16 +141,15 @@ class LAMB(torch.optim.Optimizer):
             group.setdefault("foreach", None)
             group.setdefault("compiled", False)
             group.setdefault("triton", False)
-            if "step" not in group:  # written when the step was counted per parameter: see the class docstring
-                counts = [float(self.state[p]["step"]) for p in group["params"] if "step" in self.state.get(p, {})]
-                if counts:
-                    group["step"] = int(max(counts))
+            counted = [self.state[p] for p in group["params"] if "step" in self.state.get(p, {})]
+            for entry in counted:  # saved as 0-d tensors before the counts were ints
+                entry["step"] = int(entry["step"])
+            if "step" not in group and counted:  # written when t was counted per parameter: see the class docstring
+                group["step"] = max(entry["step"] for entry in counted)
 
-    def _init_group(
-        self, group: dict[str, Any]
-    ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
-        """The group's tensors that have gradients, creating their state on first use."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    def _init_group(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+        """The group's tensors that have gradients, creating their state on first use and counting this update."""
+        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -157,15 +157,15 @@ class LAMB(torch.optim.Optimizer):
                 raise RuntimeError("LAMB does not support sparse gradients")
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)  # on the CPU: reading it is no sync
+                state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        return params, grads, exp_avgs, exp_avg_sqs, steps
+            state["step"] += 1
+        return params, grads, exp_avgs, exp_avg_sqs
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -181,12 +181,12 @@ class LAMB(torch.optim.Optimizer):
 
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1  # apex: once per call, for every group
-            params, grads, exp_avgs, exp_avg_sqs, state_steps = self._init_group(group)
+            params, grads, exp_avgs, exp_avg_sqs = self._init_group(group)
             if not params:
                 continue
             beta1, beta2 = group["betas"]
             lamb(
-                params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                params, grads, exp_avgs, exp_avg_sqs,
                 step=group["step"],
                 grad_divisor=grad_divisor,
                 lr=group["lr"],
@@ -209,7 +209,6 @@ def lamb(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    state_steps: list[Tensor],
     *,
     step: int,
     grad_divisor: Tensor | None,
@@ -227,8 +226,7 @@ def lamb(
 ) -> None:
     """Functional LAMB over one param group (see `LAMB`); `grad_divisor` is NVLAMB's pre-normalisation.
 
-    `step` is the group's 1-based step count, which every bias correction uses (apex `FusedLAMB`);
-    `state_steps` are the per-tensor update counts, incremented here and otherwise unused.
+    `step` is the group's 1-based step count, which every bias correction uses (apex `FusedLAMB`).
     """
     if not params:
         return
@@ -253,11 +251,11 @@ def lamb(
     )
     if not (uniform if foreach is None else foreach):
         corrections = bias_corrections(step, beta1, beta2, bias_correction)
-        _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, corrections=corrections, **options)
+        _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, corrections=corrections, **options)
         return
     for chunk in foreach_chunks(params):
         _multi_tensor_lamb(
-            params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk], state_steps[chunk],
+            params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk],
             step=step, bias_correction=bias_correction, compiled=compiled, triton=triton, **options,
         )
 
@@ -289,8 +287,13 @@ def _dense(tensor: Tensor) -> bool:
 def _uniform(params: list[Tensor], *lists: list[Tensor]) -> bool:
     """One device and dtype, and each parameter's gradient and moments laid out as it is: the fused Adam kernel
     pairs elements by their place in memory (a channels_last weight with a contiguous gradient would mix them)."""
+    device, dtype = params[0].device, params[0].dtype
     tensors = [*params, *(t for tensors in lists for t in tensors)]
-    return len({(t.device, t.dtype) for t in tensors}) <= 1 and all(
+    if not all(t.dtype == dtype and t.device == device for t in tensors):
+        return False
+    # Contiguous tensors of one shape share their layout: one C++ call each, where comparing strides builds tuples
+    # (together half a millisecond of each BERT-Large step on a host that a GPU waits for).
+    return all(t.is_contiguous() for t in tensors) or all(
         t.stride() == p.stride() for tensors in lists for p, t in zip(params, tensors, strict=True))
 
 
@@ -299,7 +302,6 @@ def _single_tensor_lamb(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    state_steps: list[Tensor],
     *,
     grad_divisor: Tensor | None,
     lr: float,
@@ -313,8 +315,7 @@ def _single_tensor_lamb(
 ) -> None:
     """The reference: one tensor at a time, in the order of the update rule."""
     bias_correction1, bias_correction2 = corrections  # the group's: one step count for all its tensors
-    for p, grad, exp_avg, exp_avg_sq, count in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True):
-        count += 1
+    for p, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         if grad_divisor is not None:
             grad = grad / grad_divisor  # a new tensor: p.grad stays as the caller left it
         adam_moments_(exp_avg, exp_avg_sq, grad, beta1, beta2)
@@ -331,7 +332,6 @@ def _multi_tensor_lamb(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    state_steps: list[Tensor],
     *,
     grad_divisor: Tensor | None,
     lr: float,
@@ -339,10 +339,9 @@ def _multi_tensor_lamb(
     triton: bool,
     **update: Any,
 ) -> None:
-    """The update counts, NVLAMB's pre-normalisation, then `lamb_update_` (a fixed number of ops per chunk), or, for
+    """NVLAMB's pre-normalisation, then `lamb_update_` (a fixed number of ops per chunk), or, for
     trust-ratio tensors, `compiled_lamb_update_` (`compiled`) or the Triton kernels (`triton`, dense tensors), with
     the pre-normalisation in their first pass."""
-    torch._foreach_add_(state_steps, 1)
     if triton and update["adapt"] and all(_dense(p) for p in params):
         from optim._triton_lamb import triton_lamb_update_  # imports triton: only where `triton_refusal` allowed it
 

@@ -23,6 +23,9 @@ since inductor compiles for real devices only: ops are the aten ops the dispatch
 a compiled graph runs, bytes theirs plus the bytes inductor counts for each compiled graph at every call of it
 (`CompiledTraffic`). Optimizers without the option are counted as they are, and say so in the `compiled` column.
 
+`host tensors` (on meta only) counts the CPU tensors the step's ops take: per-tensor host work that a GPU's step
+waits for, however few the ops (a foreach op over a 0-d count per parameter is a loop on the host).
+
 `--triton` counts the steps with `triton=True` (the Triton kernels of LAMB, SLAMB and the 1-bit family) on the meta
 device: each kernel is a torch custom op, which the dispatch mode counts as one op and one launch moving the tensors
 it takes and mutates; on meta tensors it runs no kernel, so no GPU is needed. The `triton` column says which rows
@@ -164,6 +167,7 @@ def count_step(name: str, size: str, world_size: int, device: torch.device, comp
     floor = bytes_touched(params, optimizer)
     return {"optimizer": name, "compiled": compiled, "triton": triton, "device": device.type, "ranks": world_size,
             "tensors": len(params), "ops": traffic.ops, "launches": traffic.launches,
+            "host tensors": traffic.host_tensors if device.type == "meta" else None,
             "GB moved": traffic.bytes / 1e9, "GB floor": floor / 1e9, "x floor": traffic.bytes / floor}
 
 

@@ -140,7 +140,7 @@ def test_state_dict_round_trip_continues_exactly(foreach):
         lambda: small_mlp(8, 16, 4), lambda m: LAMB(param_groups_weight_decay(m, 0.01), **kwargs), range(5),
         range(5, 10))
     state = resumed_optimizer.state[resumed[0].weight]
-    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"].item() == 10
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"] == 10
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
 
@@ -272,7 +272,7 @@ def test_bias_correction_counts_steps_per_group_as_apex(config, foreach):
     assert [group["step"] for group in optimizer.param_groups] == [LATE_STEPS] * len(LATE_GROUPS)
     for name, p in params.items():
         updates = LATE_STEPS - LATE_START if name.endswith("_late") else LATE_STEPS
-        assert optimizer.state[p]["step"].item() == updates
+        assert optimizer.state[p]["step"] == updates
 
 
 def _late_checkpoint(foreach: bool) -> dict:
@@ -310,10 +310,13 @@ def test_state_dict_round_trip_with_late_gradients_continues_exactly(foreach):
 @pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
 def test_checkpoint_with_per_parameter_steps_resumes_with_the_largest(foreach):
     """A state_dict of the LAMB that counted steps per parameter has no group `step`; each group takes the
-    largest of its tensors' counts, which is exact while some tensor of the group had a gradient every step."""
+    largest of its tensors' counts, which is exact while some tensor of the group had a gradient every step. That
+    LAMB saved the counts as 0-d float tensors; they come back as ints."""
     saved = _late_checkpoint(foreach)
     for group in saved["optimizer"]["param_groups"]:
         del group["step"]
+    for entry in saved["optimizer"]["state"].values():
+        entry["step"] = torch.tensor(float(entry["step"]))
     params, optimizer = _resume_late(saved, foreach)
     # Groups 0 and 1 had a tensor with a gradient at every step; group 2's only tensor started late.
     assert [group["step"] for group in optimizer.param_groups] == [LATE_START + 2, LATE_START + 2, 2]
@@ -323,6 +326,8 @@ def test_checkpoint_with_per_parameter_steps_resumes_with_the_largest(foreach):
     for name, p in params.items():
         if name != "x_late":
             assert torch.equal(p, straight[name]), name
+        count = optimizer.state[p]["step"]
+        assert type(count) is int and count == (LATE_STEPS - LATE_START if name.endswith("_late") else LATE_STEPS)
 
     # A group none of whose tensors has state gets no step: it counts from 1, as a new group.
     fresh = _late_lamb({name: nn.Parameter(w) for name, w in _late_initial_weights().items()}, "nvlamb_clipped",

@@ -31,7 +31,7 @@ def test_triton_lamb_matches_the_aten_ops(config):
 
 def _functional_step(tensors: list[list[torch.Tensor]], triton: bool, **options) -> None:
     params, grads, exp_avgs, exp_avg_sqs = tensors
-    functional_lamb(params, grads, exp_avgs, exp_avg_sqs, [torch.zeros(()) for _ in params], step=3, grad_divisor=None,
+    functional_lamb(params, grads, exp_avgs, exp_avg_sqs, step=3, grad_divisor=None,
          lr=0.1, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, bias_correction=True, trust_clip=False,
          always_adapt=False, foreach=True, triton=triton, **options)
 
