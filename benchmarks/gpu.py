@@ -82,11 +82,13 @@ PARTS = [  # in order of what matters most when the budget runs short
     # top kernels and the host's top functions (the steps a host bounds). On one H100 at d74660f (34 s), x the bound:
     # LAMB 6.95 (1.75 with the host's layout check fixed since), SLAMB 5.45 (its steps waited for a 13 ms mask draw;
     # since 217d325 three draws run at once and one Triton launch gathers w, m and v at S_t), 1-bit LAMB 3.22, 0/1
-    # Adam 2.24; 1-bit Adam 2.46 after. The first step compiles the kernels (seconds).
-    Part("step_triton", "LAMB, SLAMB and the 1-bit family in their Triton kernels against the memory-bandwidth "
-         "bound, BERT-Large",
+    # Adam 2.24; 1-bit Adam 2.46 after. AdamW's kernel (`triton: false` in its preset until this row is seen against
+    # torch's fused kernel's in `bandwidth`, 1.32x there) is new since. The first step compiles the kernels (seconds).
+    Part("step_triton", "LAMB, SLAMB, AdamW and the 1-bit family in their Triton kernels against the "
+         "memory-bandwidth bound, BERT-Large",
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "large", "--triton", "--optimizers", "lamb",
-          "slamb", "onebit_lamb", "zero_one_adam", "onebit_adam", "--profile", "10", "--host-profile", "8"), 150,
+          "slamb", "adamw", "onebit_lamb", "zero_one_adam", "onebit_adam", "--profile", "10", "--host-profile", "8"),
+         150,
          ("python", "-m", "benchmarks.optim.bandwidth_bound", "--size", "tiny", "--device", "cpu", "--triton",
           "--optimizers", "lamb", "--warmup", "0", "--repeats", "1"), r"copy bandwidth \d+ GB/s"),
     # The slowest tests listed (--durations). A test to each worker as it frees (`--dist load`, where the project's

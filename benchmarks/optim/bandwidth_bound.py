@@ -18,7 +18,7 @@ time in.
 
 `--compiled` times the optimizers that take `compiled=True` with it (their math compiled by inductor; the warm-up
 steps compile it), the others as they are; the `compiled` column says which. `--triton` does the same with
-`triton=True` (the Triton kernels of LAMB, SLAMB and the 1-bit family: CUDA only), in the `triton` column.
+`triton=True` (the Triton kernels of LAMB, SLAMB, AdamW and the 1-bit family: CUDA only), in the `triton` column.
 """
 
 from __future__ import annotations

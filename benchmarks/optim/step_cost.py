@@ -26,10 +26,10 @@ a compiled graph runs, bytes theirs plus the bytes inductor counts for each comp
 `host tensors` (on meta only) counts the CPU tensors the step's ops take: per-tensor host work that a GPU's step
 waits for, however few the ops (a foreach op over a 0-d count per parameter is a loop on the host).
 
-`--triton` counts the steps with `triton=True` (the Triton kernels of LAMB, SLAMB and the 1-bit family) on the meta
-device: each kernel is a torch custom op, which the dispatch mode counts as one op and one launch moving the tensors
-it takes and mutates; on meta tensors it runs no kernel, so no GPU is needed. The `triton` column says which rows
-have it.
+`--triton` counts the steps with `triton=True` (the Triton kernels of LAMB, SLAMB, AdamW and the 1-bit family) on
+the meta device: each kernel is a torch custom op, which the dispatch mode counts as one op and one launch moving the
+tensors it takes and mutates; on meta tensors it runs no kernel, so no GPU is needed. The `triton` column says which
+rows have it.
 """
 
 from __future__ import annotations

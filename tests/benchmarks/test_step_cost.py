@@ -51,6 +51,7 @@ COMPILED_CEILINGS = {
 }
 # With `triton=True` (`step_cost --triton`, counted on meta), for the optimizers that take it.
 TRITON_CEILINGS = {
+    "adamw": 1.05,  # target 1.2, met: 1.00, one kernel per chunk (torch's fused kernel moves the same bytes)
     "lamb": 1.45,  # target 1.6, met: 1.43, the moments with the norms' block sums, then the update formed again
     # target 2.0, met: 1.82 here, 1.81 at BERT-Large: the local pass 7, the update 3 (the rows' coefficients formed
     # as it adds), the aten work at S_t
@@ -106,12 +107,18 @@ def test_every_triton_ceiling_names_an_optimizer_with_the_option():
 def test_triton_kernels_within_the_ceiling_in_launches_flat_in_the_tensors(name):
     """Each kernel counts as one op and one launch that moves the tensors it takes and mutates, whatever their
     number: at 4 layers the step dispatches as many ops as at 2, and launches at most one kernel more per 8 tensors
-    (torch's multi-tensor route for the aten ops left, a launch per few dozen tensors each), not one per tensor."""
+    (torch's multi-tensor route for the aten ops left, a launch per few dozen tensors each), not one per tensor. They
+    move fewer bytes than the aten ops in fewer launches, unless the aten step already moves the floor in one fused
+    kernel per chunk (torch's AdamW): then as few, the kernel's gain being the bandwidth it reaches, which no count
+    shows."""
     pytest.importorskip("triton")
     shallow, deep = _count(name, SHALLOW, triton=True), _count(name, DEEP, triton=True)
     assert shallow["triton"] and shallow["device"] == "meta"
     assert shallow["x floor"] <= TRITON_CEILINGS[name], shallow
-    assert shallow["x floor"] < CEILINGS[name] and shallow["launches"] < _count(name, SHALLOW)["launches"]
+    aten = _count(name, SHALLOW)
+    at_the_floor = aten["x floor"] < 1.001
+    fewer = (lambda a, b: a <= b) if at_the_floor else (lambda a, b: a < b)
+    assert fewer(shallow["x floor"], aten["x floor"]) and fewer(shallow["launches"], aten["launches"]), (shallow, aten)
     added = deep["tensors"] - shallow["tensors"]
     assert added > 0 and deep["ops"] == shallow["ops"], (shallow, deep)
     assert deep["host tensors"] == shallow["host tensors"], (shallow, deep)

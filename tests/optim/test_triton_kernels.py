@@ -19,6 +19,7 @@ import torch
 from helpers.mlp import mlp_steps, small_mlp
 
 from optim import LAMB, SLAMB, OneBitAdam, OneBitLAMB, ZeroOneAdam, param_groups_weight_decay
+from optim.adamw import adamw
 from optim.mirror_comm import MirrorComm
 
 triton = pytest.importorskip("triton")
@@ -30,7 +31,8 @@ KERNELS = {"optim._triton": ("_moments_and_sums", "_reduce_sums"), "optim._trito
            "optim._triton_compressed": ("_square_sums", "_rms", "_compress", "_decode"),
            "optim._triton_tensorwise": ("_per_tensor",),
            "optim._triton_onebit_lamb": ("_refresh_and_stats", "_tensor_stats", "_apply"),
-           "optim._triton_zero_one_adam": ("_sync_error", "_sync_weights")}  # the kernels launched
+           "optim._triton_zero_one_adam": ("_sync_error", "_sync_weights"),
+           "optim._triton_adamw": ("_adamw",)}  # the kernels launched
 COMPILE = """
 import importlib, json, sys
 import triton, triton.language as tl
@@ -61,7 +63,8 @@ class _Recording:
 
 @pytest.fixture(scope="module")
 def launches() -> list:
-    """The kernel launches of LAMB's steps (pre-normalised, with a clipped ratio, in bf16), of SLAMB's (both rescale
+    """The kernel launches of LAMB's and AdamW's steps (LAMB's pre-normalised, with a clipped ratio; both in fp32 and
+    bf16), of SLAMB's (both rescale
     forms) and of the 1-bit family's compressed steps (1-bit Adam compresses `x + error`, 1-bit LAMB its fed-back
     error, 0/1 Adam's syncs feed q into the error and form the weights again)."""
     recorded: list = []
@@ -73,11 +76,15 @@ def launches() -> list:
         for options in (dict(max_grad_norm=0.05), dict(max_grad_norm=None, trust_clip=True)):
             model = small_mlp(8, 16, 4)
             mlp_steps(model, LAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, triton=True, **options), range(2))
-        model = small_mlp(8, 16, 4).to(torch.bfloat16)
-        optimizer = LAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, triton=True)
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        optimizer.step()
+        for make in (lambda m: LAMB(param_groups_weight_decay(m, 0.01), lr=1e-2, triton=True),
+                     lambda m: adamw(param_groups_weight_decay(m, 0.01), lr=1e-2, triton=True)):
+            model = small_mlp(8, 16, 4).to(torch.bfloat16)
+            optimizer = make(model)
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            optimizer.step()
+        model = small_mlp(8, 16, 4)
+        mlp_steps(model, adamw(param_groups_weight_decay(model, 0.01), lr=1e-2, triton=True), range(2))
         for rescale in ("sum_of_products", "product_of_interpolations"):  # coefficients formed in the update, or read
             model = small_mlp(60, 201, 30)
             mlp_steps(model, SLAMB(param_groups_weight_decay(model, 0.01), lr=1e-2, compress_ratio=0.2, rescale=rescale,
