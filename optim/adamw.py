@@ -26,8 +26,9 @@ class AdamW(torch.optim.AdamW):
 
     `triton`: True takes the kernel (or a ValueError names why it cannot run), None takes it on the CUDA tensors of
     an A100, H100 or newer GPU and torch's step elsewhere, False keeps torch's step. The kernel needs each param
-    group's tensors on one device and dtype, dense, with gradients laid out as their parameters, and none of
-    `amsgrad`, `maximize`, `capturable`, `differentiable`; where one group falls short, torch steps every group.
+    group's tensors on one device and dtype (fp32, bf16 or fp16), contiguous, its gradients dense, and none of
+    `amsgrad`, `maximize`, `capturable`, `differentiable`; where one group falls short, torch steps every group
+    (with `triton=True`, a ValueError says why).
     The state is torch's (a 0-d float32 step count per parameter on its device, as for torch's fused kernel), so a
     checkpoint resumes on either path; the weights agree with torch's fused step within 1e-5 relative.
     """
