@@ -13,11 +13,12 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from core.options import require
 from optim._math import closure_loss
 from optim._registry import OptimSpec, register_optimizer
-from optim.flat import foreach_chunks
+from optim.flat import dense, foreach_chunks, same_layout
 from optim.option_checks import check_adam_hyperparameters, check_triton, use_triton
 
 # AdamW's options that the Triton kernel does not take, with the value it needs
 _KERNEL_NEEDS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class AdamW(torch.optim.AdamW):
@@ -26,9 +27,10 @@ class AdamW(torch.optim.AdamW):
 
     `triton`: True takes the kernel (or a ValueError names why it cannot run), None takes it on the CUDA tensors of
     an A100, H100 or newer GPU and torch's step elsewhere, False keeps torch's step. The kernel needs each param
-    group's tensors on one device and dtype (fp32, bf16 or fp16), contiguous, its gradients dense, and none of
-    `amsgrad`, `maximize`, `capturable`, `differentiable`; where one group falls short, torch steps every group
-    (with `triton=True`, a ValueError says why).
+    group's tensors on one device and dtype (fp32, bf16 or fp16), each parameter dense (contiguous, or transposed)
+    with its gradient and moments laid out as it is, and none of `amsgrad`, `maximize`, `capturable`,
+    `differentiable`; where one group falls short, torch steps every group (with `triton=True`, a ValueError says
+    why).
     The state is torch's (a 0-d float32 step count per parameter on its device, as for torch's fused kernel), so a
     checkpoint resumes on either path; the weights agree with torch's fused step within 1e-5 relative.
     """
@@ -87,15 +89,17 @@ class AdamW(torch.optim.AdamW):
         for params in stepped:
             if not params:
                 continue
-            device, dtype = params[0].device, params[0].dtype
-            if dtype not in (torch.float32, torch.bfloat16, torch.float16) or any(p.grad.is_sparse for p in params):
+            grads = [p.grad for p in params]
+            if params[0].dtype not in _KERNEL_DTYPES or any(g.is_sparse for g in grads):
                 return "takes dense fp32, bf16 or fp16 gradients"
-            states = [self.state[p] for p in params if self.state.get(p)]  # a new state is made to fit
-            moments = [s[key] for s in states for key in ("exp_avg", "exp_avg_sq")]
-            if not all(t.device == device and t.dtype == dtype for t in (*params, *moments)) or not all(
-                    t.is_contiguous() for t in (*params, *moments, *(p.grad for p in params))):
-                return "needs each group's tensors on one device and dtype, contiguous"
-            if not all(s["step"].device == device and s["step"].dtype == torch.float32 for s in states):
+            states = [self.state.get(p) for p in params]  # a state not made yet is made in its parameter's layout
+            moments = [[s[key] if s else p for p, s in zip(params, states, strict=True)]
+                       for key in ("exp_avg", "exp_avg_sq")]
+            if not same_layout(params, grads, *moments) or not all(dense(p) for p in params):
+                return ("needs each group's tensors on one device and dtype, dense, with gradients and moments laid "
+                        "out as their parameters")
+            device = params[0].device
+            if not all(s["step"].device == device and s["step"].dtype == torch.float32 for s in states if s):
                 return "needs the step counts on the parameters' device in float32 (torch's fused layout)"
         return None
 

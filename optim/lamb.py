@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from core.options import require
 from optim._compiled import CompiledMath, device_scalars, graph_chunks
@@ -23,7 +22,7 @@ from optim._math import (
     trust_ratio,
 )
 from optim._registry import OptimSpec, register_optimizer, run_check
-from optim.flat import foreach_chunks
+from optim.flat import dense, foreach_chunks, same_layout
 from optim.option_checks import check_adam_hyperparameters, check_flags, check_triton, use_triton
 
 
@@ -230,7 +229,7 @@ def lamb(
     """
     if not params:
         return
-    uniform = _uniform(params, grads, exp_avgs, exp_avg_sqs)
+    uniform = same_layout(params, grads, exp_avgs, exp_avg_sqs)
     if foreach and not uniform:
         raise ValueError("LAMB(foreach=True) needs each group's tensors on one device and dtype, with gradients laid "
                          "out as their parameters; try None")
@@ -275,26 +274,6 @@ def check_lamb_options(options: dict[str, Any]) -> None:
     check_triton(options)
     require(not (options["triton"] and foreach is False), "triton", True,
             "needs the multi-tensor path: set foreach to true or null, or triton to false")
-
-
-def _dense(tensor: Tensor) -> bool:
-    """Whether `tensor`'s elements fill one block of memory, as the Triton kernels read them. Contiguity, a C++
-    check, decides first: torch 2.11's general check builds a NamedTuple class per call, 15 ms a BERT-Large step on
-    an H100's host (3x the step's kernels)."""
-    return tensor.is_contiguous() or is_non_overlapping_and_dense_or_false(tensor)
-
-
-def _uniform(params: list[Tensor], *lists: list[Tensor]) -> bool:
-    """One device and dtype, and each parameter's gradient and moments laid out as it is: the fused Adam kernel
-    pairs elements by their place in memory (a channels_last weight with a contiguous gradient would mix them)."""
-    device, dtype = params[0].device, params[0].dtype
-    tensors = [*params, *(t for tensors in lists for t in tensors)]
-    if not all(t.dtype == dtype and t.device == device for t in tensors):
-        return False
-    # Contiguous tensors of one shape share their layout: one C++ call each, where comparing strides builds tuples
-    # (together half a millisecond of each BERT-Large step on a host that a GPU waits for).
-    return all(t.is_contiguous() for t in tensors) or all(
-        t.stride() == p.stride() for tensors in lists for p, t in zip(params, tensors, strict=True))
 
 
 def _single_tensor_lamb(
@@ -342,7 +321,7 @@ def _multi_tensor_lamb(
     """NVLAMB's pre-normalisation, then `lamb_update_` (a fixed number of ops per chunk), or, for
     trust-ratio tensors, `compiled_lamb_update_` (`compiled`) or the Triton kernels (`triton`, dense tensors), with
     the pre-normalisation in their first pass."""
-    if triton and update["adapt"] and all(_dense(p) for p in params):
+    if triton and update["adapt"] and all(dense(p) for p in params):
         from optim._triton_lamb import triton_lamb_update_  # imports triton: only where `triton_refusal` allowed it
 
         corrections = bias_corrections(update.pop("step"), update["beta1"], update["beta2"],

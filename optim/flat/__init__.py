@@ -7,6 +7,8 @@
 - `FlatState` (`_state`): named buffers over a layout on one device, each parameter's view in the optimizer's
   `state` (so `state_dict()` saves views, no copy), loaded in place chunk by chunk (`load_`, with
   `pop_flat_entries` to keep torch's loader from copying them first), and their bytes (`nbytes`).
+- `dense` and `same_layout` (`_tensor_lists`): whether lists of tensors can be stepped by one multi-tensor kernel
+  (the DDP optimizers' Triton steps check their groups with them).
 - Collectives go through `optim.comm.Comm`; the one replica average is `optim.comm.average_tensors_`.
 
 An optimizer places its slots (`FlatLayout.packed`, or its own placement), adds its buffers, and writes its step
@@ -15,6 +17,7 @@ as ops over segments, chunks and per-tensor lists of views.
 
 from optim.flat._layout import Bucket, Chunk, FlatLayout, Piece, Slot, foreach_chunks, runs
 from optim.flat._state import FlatState, copy_in_chunks_, pop_flat_entries
+from optim.flat._tensor_lists import dense, same_layout
 
-__all__ = ["Bucket", "Chunk", "FlatLayout", "FlatState", "Piece", "Slot", "copy_in_chunks_", "foreach_chunks",
-           "pop_flat_entries", "runs"]
+__all__ = ["Bucket", "Chunk", "FlatLayout", "FlatState", "Piece", "Slot", "copy_in_chunks_", "dense",
+           "foreach_chunks", "pop_flat_entries", "runs", "same_layout"]

@@ -116,13 +116,29 @@ def test_options_the_kernel_does_not_take_are_refused_or_left_to_torch(option):
 
 
 def test_a_tensor_the_kernel_cannot_take_is_an_error_with_true():
-    """A transposed weight is not contiguous: with `true`, the step names why; the optimizer left nothing half done."""
+    """A transposed weight with a contiguous gradient: their elements do not pair by place in memory. With `true`,
+    the step names why; the optimizer left nothing half done."""
     weight = nn.Parameter(torch.ones(3, 4).t())
     optimizer = adamw([weight], triton=True, **OPTIONS)
     weight.grad = torch.ones(4, 3)
-    with pytest.raises(ValueError, match=r"AdamW\(triton=True\) needs each group's tensors .* contiguous"):
+    with pytest.raises(ValueError, match=r"AdamW\(triton=True\) needs each group's tensors .* dense, with gradients "
+                                         r"and moments laid out as their parameters"):
         optimizer.step()
     assert not optimizer.state and torch.equal(weight, torch.ones(4, 3))
+
+
+def test_a_transposed_weight_with_a_transposed_gradient_steps_in_the_kernel():
+    """Dense but not contiguous, gradient and moments laid out alike: the kernel reads each as one block of memory,
+    as LAMB's kernels do, and agrees with torch's fused step."""
+    weights = [nn.Parameter(torch.randn(5, 7, generator=torch.Generator().manual_seed(3)).t()) for _ in range(2)]
+    optimizers = [adamw([w], triton=triton, **OPTIONS) for w, triton in zip(weights, (False, True), strict=True)]
+    for step in range(3):
+        grad = torch.randn(5, 7, generator=torch.Generator().manual_seed(step)).t()
+        for weight, optimizer in zip(weights, optimizers, strict=True):
+            weight.grad = grad.clone().t().contiguous().t()  # the transposed layout, as autograd gives a .t() weight
+            optimizer.step()
+    assert not weights[1].is_contiguous() and optimizers[1].state[weights[1]]["exp_avg"].stride() == (1, 7)
+    torch.testing.assert_close(weights[1], weights[0], rtol=RTOL, atol=0)
 
 
 @pytest.mark.gpu
