@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.config import TINY, compose
-from helpers.runs import run_train
+from helpers.runs import popen_train, run_train
 
 from train.metrics import read_metrics
 from train.precision import set_deterministic
@@ -49,11 +49,13 @@ def test_deterministic_gpu_resume_repeats_the_loss_series_exactly(tmp_path, prec
     # dynamic masking, so the CUDA random stream and the data position must both be restored.
     args = [*TINY, "trainer.device=cuda", "trainer.deterministic=true", f"precision={precision}",
             "trainer.max_steps=10", "trainer.checkpoint_every=0", "data.masking=dynamic"]
-    reference = run_train([*args, f"hydra.run.dir={tmp_path / 'ref'}"])
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    # The reference beside the first part (two processes' start-up in one's time, the GPU command's longest tests)
+    reference = popen_train([*args, f"hydra.run.dir={tmp_path / 'ref'}"])
     for steps_this_run in ("trainer.steps_this_run=4", "trainer.steps_this_run=null"):  # stopped at 4, resumed
         part = run_train([*args, steps_this_run, f"hydra.run.dir={tmp_path / 'resumed'}"])
         assert part.returncode == 0, part.stderr[-3000:]
     assert "resumed from" in part.stdout + part.stderr
+    _, errors = reference.communicate(timeout=300)
+    assert reference.returncode == 0, errors[-3000:]
     assert _series(tmp_path / "resumed") == _series(tmp_path / "ref")  # bit-identical floats, every step once
     assert len(_series(tmp_path / "ref")) == 10
