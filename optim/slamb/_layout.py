@@ -145,6 +145,9 @@ class Chunk:
     row_first: Tensor
     row_shift: Tensor
     always_at: Tensor  # per always-synced slot, on the device, its first element counted from the chunk's start
+    params: list[Tensor]  # per slot its parameter: the step's lists of them, built once
+    contiguous: bool  # every parameter contiguous, as the fused passes (compiled or Triton) read them
+    one_dtype: bool  # every parameter of one dtype, as the Triton kernels read them
     # Views, built once (so a step dispatches no per-tensor view): per slot its m, v and direction (the work
     # buffer's direction space), shaped like it; per masked slot its direction's rows and its rows' coefficients
     # (a column of the coefficient buffer, which holds the chunk's masked rows from its first).
@@ -252,6 +255,8 @@ class Layout:
             row_first=column([0 if s.always else s.row - rows[1] for s in slots]),
             row_shift=column([-1 if s.always else s.row_size.bit_length() - 1 for s in slots]),
             always_at=column([s.offset - start for s in slots if s.always]),
+            params=[s.param for s in slots], contiguous=all(s.param.is_contiguous() for s in slots),
+            one_dtype=len({s.param.dtype for s in slots}) == 1,
             exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
             directions=[s.flat(self.work, start).view_as(s.param) for s in slots],
             direction_rows=[s.flat(self.work, start).view(-1, s.row_size) for s in masked],
@@ -318,7 +323,7 @@ class Layout:
             direction = self.work[:chunk.padded]
             if not staged:
                 always = len(chunk.slots) - len(chunk.masked)
-                torch._foreach_copy_(chunk.directions[always:], [s.param for s in chunk.masked])
+                torch._foreach_copy_(chunk.directions[always:], chunk.params[always:])
             mask.select(direction, out)
             return
         parts = out.split(mask.sizes)

@@ -197,7 +197,7 @@ def triton_gather_at_mask(chunk: Chunk, mask: Mask, weights: Tensor | None,
     if not chunk.masked or (weights is None and moments is None):
         return
     always = len(chunk.slots) - len(chunk.masked)
-    sources = [s.param for s in chunk.masked] if weights is not None else []
+    sources = chunk.params[always:] if weights is not None else []
     if moments is not None:
         sources += chunk.exp_avgs[always:] + chunk.exp_avg_sqs[always:]
     outs = ([weights] if weights is not None else []) + list(moments or ())

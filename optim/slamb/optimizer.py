@@ -297,10 +297,13 @@ class SLAMB(torch.optim.Optimizer):
 
         # A chunk with a frozen or strided (channels_last) tensor steps eagerly: the fused passes take every tensor,
         # the update through row views; the Triton kernels take the chunk's weights in one dtype.
-        fusable = all(s.param.grad is not None and s.param.is_contiguous() for s in chunk.slots)
+        grads = [p.grad for p in chunk.params]
+        if any(g is not None and g.is_sparse for g in grads):
+            raise RuntimeError("SLAMB does not support sparse gradients")
+        fusable = chunk.contiguous and all(g is not None for g in grads)
         fused = ("compiled" if self.compiled and fusable else
-                 "triton" if self.triton and fusable and len({s.param.dtype for s in chunk.slots}) == 1 else None)
-        norms = self._local_directions(layout, chunk, mask, scratch, factor, eps, decay_in_norms, adapt, fused)
+                 "triton" if self.triton and fusable and chunk.one_dtype else None)
+        norms = self._local_directions(layout, chunk, mask, scratch, grads, factor, eps, decay_in_norms, adapt, fused)
         local_norms = None
         always = len(chunk.slots) - len(chunk.masked)
         moments_at_mask = self.comm.distributed or (adapt and chunk.masked)  # the local m and v at S_t
@@ -333,13 +336,13 @@ class SLAMB(torch.optim.Optimizer):
         else:  # NVLAMB's plain Adam step: both ratios exactly 1, never clamped (no norms taken)
             fresh = stale = torch.ones(len(chunk.slots), device=layout.work.device)
         if weight_decay != 0 and not self.wd_in_trust_ratio:
-            torch._foreach_add_(chunk.directions, [s.param for s in chunk.slots], alpha=weight_decay / scale)
+            torch._foreach_add_(chunk.directions, chunk.params, alpha=weight_decay / scale)
 
         lr_fresh, lr_stale = lr * unit, lr * unit / math.sqrt(self.world_size)
         if fused == "triton" and self.rescale == "sum_of_products":  # the clamps and coefficients formed as it adds
             from optim.slamb._triton import slamb_apply_rescaled  # imports triton: `triton_refusal` allowed it
 
-            slamb_apply_rescaled([s.param for s in chunk.slots], chunk.directions, fresh, stale, chunk.one_d,
+            slamb_apply_rescaled(chunk.params, chunk.directions, fresh, stale, chunk.one_d,
                                  layout.scaled_freshness[chunk.rows[1]:chunk.rows[2]], chunk.row_first,
                                  chunk.row_shift, *self.trust_ratio_bounds, self.clamp_1d, adapt, lr_fresh, lr_stale,
                                  to_freshness)
@@ -367,10 +370,11 @@ class SLAMB(torch.optim.Optimizer):
         mask.fill(scaled, synced)
         return 1.0 / synced  # r = q / synced (1 to fp32 rounding where synced now), in the coefficients
 
-    def _local_directions(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch, factor: float,
-                          eps: float, decay_in_norms: bool, adapt: bool,
+    def _local_directions(self, layout: Layout, chunk: Chunk, mask: Mask, scratch: Scratch,
+                          grads: list[Tensor | None], factor: float, eps: float, decay_in_norms: bool, adapt: bool,
                           fused: str | None) -> tuple[Tensor, Tensor] | None:
-        """m, v and the direction buffer of the chunk's slots from the local gradients, by one call of torch's fused
+        """m, v and the direction buffer of the chunk's slots from their gradients `grads` (None where a slot has
+        none, which `fused` excludes), by one call of torch's fused
         Adam kernel; and the masked weights at S_t, which the fresh weight norms and, with the decay in the norms,
         the fresh direction need. With the decay in the norms the weights are copied into the buffer first, which
         serves their gather too.
@@ -378,36 +382,32 @@ class SLAMB(torch.optim.Optimizer):
         `fused` ("compiled" or "triton"): one fused pass instead (`_fused_local_pass`), which also returns the norms
         of the weights and of the local direction per slot (eagerly, None); the weights at S_t gathered from the
         tensors (with "triton" after the pass, with m and v: `_triton_gather`)."""
-        for s in chunk.slots:
-            if s.param.grad is not None and s.param.grad.is_sparse:
-                raise RuntimeError("SLAMB does not support sparse gradients")
         if adapt and (fused == "compiled" or (fused is None and not decay_in_norms)):
             # before the pass: a GPU's gather copies weights to the buffer
             layout.gather_weights(chunk, mask, scratch.weights, staged=False, direct=fused is not None)
         if fused:
-            return self._fused_local_pass(chunk, factor, eps, decay_in_norms, fused)
+            return self._fused_local_pass(chunk, grads, factor, eps, decay_in_norms, fused)
         if decay_in_norms:
-            torch._foreach_copy_(chunk.directions, [s.param for s in chunk.slots])
+            torch._foreach_copy_(chunk.directions, chunk.params)
             layout.gather_weights(chunk, mask, scratch.weights, staged=True)
         else:
             scratch.direction.zero_()
-        active = [i for i, s in enumerate(chunk.slots) if s.param.grad is not None]
+        active = [i for i, g in enumerate(grads) if g is not None]
         if active:
             beta1, beta2 = self.param_groups[chunk.group]["betas"]
             fused_add_adam_direction_(
-                [chunk.directions[i] for i in active], [_grad(chunk.slots[i].param) for i in active],
+                [chunk.directions[i] for i in active], [_fp32_contiguous(grads[i]) for i in active],
                 [chunk.exp_avgs[i] for i in active], [chunk.exp_avg_sqs[i] for i in active],
                 scale=factor, step=0, beta1=beta1, beta2=beta2, eps=eps, bias_correction=False)
         return None
 
-    def _fused_local_pass(self, chunk: Chunk, factor: float, eps: float, decay_in_norms: bool,
+    def _fused_local_pass(self, chunk: Chunk, grads: list[Tensor], factor: float, eps: float, decay_in_norms: bool,
                           fused: str) -> tuple[Tensor, Tensor]:
         """`_local_directions`' moments and direction buffer in compiled passes of a few slots each, or in Triton
         kernels over the chunk (`fused`), with the norms per slot of the weights and of the buffer: 4 tensor-sized
         reads and 3 writes (eagerly 11)."""
         beta1, beta2 = self.param_groups[chunk.group]["betas"]
-        params = [s.param for s in chunk.slots]
-        grads = [_grad(p) for p in params]
+        params, grads = chunk.params, [_fp32_contiguous(g) for g in grads]
         if fused == "triton":
             from optim.slamb._triton import triton_local_pass  # imports triton: only where `triton_refusal` allowed it
 
@@ -481,13 +481,13 @@ class SLAMB(torch.optim.Optimizer):
         if a and fused == "triton":
             from optim.slamb._triton import always_directions  # imports triton: `triton_refusal` allowed it
 
-            always_sums = always_directions([s.param for s in chunk.slots[:always]], chunk.directions[:always],
+            always_sums = always_directions(chunk.params[:always], chunk.directions[:always],
                                             scratch.compact[:a], layout.exp_avg_sq[chunk.start:chunk.split],
                                             chunk.always_at, factor, eps, decay_in_norms)
         elif a:
             direction = scratch.direction[:a]
             if decay_in_norms:
-                torch._foreach_copy_(chunk.directions[:always], [s.param for s in chunk.slots[:always]])
+                torch._foreach_copy_(chunk.directions[:always], chunk.params[:always])
                 direction.addcdiv_(scratch.compact[:a], scratch.denominators[:a], value=factor)
             else:
                 torch.div(scratch.compact[:a], scratch.denominators[:a], out=direction)
@@ -526,7 +526,7 @@ class SLAMB(torch.optim.Optimizer):
             return ratios[0], ratios[1]
         w_total = weight_norms
         if w_total is None:
-            w_total = torch.stack(torch._foreach_norm([s.param for s in chunk.slots], 2, dtype=torch.float32))
+            w_total = torch.stack(torch._foreach_norm(chunk.params, 2, dtype=torch.float32))
         if not chunk.masked:  # every coordinate is fresh: phi_U is the fallback, and is never used
             u_total = torch.stack(torch._foreach_norm(chunk.directions)) * unit
             return trust_ratio(w_total, u_total), torch.full_like(w_total, self.stale_ratio_fallback)
@@ -565,7 +565,7 @@ class SLAMB(torch.optim.Optimizer):
         if fused == "triton":
             from optim.slamb._triton import slamb_apply  # imports triton: only where `triton_refusal` allowed it
 
-            slamb_apply([s.param for s in chunk.slots], chunk.directions, fresh_coef, layout.coef, chunk.row_first,
+            slamb_apply(chunk.params, chunk.directions, fresh_coef, layout.coef, chunk.row_first,
                         chunk.row_shift)
             return
         if fused == "compiled":
@@ -744,9 +744,9 @@ def _fresh_norms(mask: Mask, scratch: Scratch) -> Tensor:
     return torch.stack(torch._foreach_norm(fresh.split(mask.sizes)))
 
 
-def _grad(param: Tensor) -> Tensor:
-    """The parameter's gradient in fp32, laid out as its moments' views (contiguous), as the fused kernel reads it."""
-    return param.grad.float().contiguous()
+def _fp32_contiguous(grad: Tensor) -> Tensor:
+    """A gradient in fp32, laid out as its moments' views (contiguous), as the fused kernel reads it."""
+    return grad.float().contiguous()
 
 
 def check_slamb_options(options: dict[str, Any]) -> None:
