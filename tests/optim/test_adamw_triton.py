@@ -141,6 +141,32 @@ def test_a_transposed_weight_with_a_transposed_gradient_steps_in_the_kernel():
     torch.testing.assert_close(weights[1], weights[0], rtol=RTOL, atol=0)
 
 
+@pytest.mark.parametrize("unfit", ["counts", "moments"])
+def test_loaded_state_the_kernel_cannot_take_is_checked_once_after_the_load(unfit):
+    """A loaded state that `_state` did not make: float64 step counts (torch keeps a non-fused run's as saved), or a
+    moment laid out apart from its weight. With `true` the next step names it and steps nothing; a fit load steps."""
+    weight = nn.Parameter(torch.ones(4, 3))
+    optimizer = adamw([weight], triton=True, fused=False, **OPTIONS)
+    weight.grad = torch.ones(4, 3)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    state = saved["state"][0]
+    if unfit == "counts":
+        state["step"] = state["step"].double()
+    else:
+        state["exp_avg"] = state["exp_avg"].t().contiguous().t()
+    before = weight.detach().clone()
+    optimizer.load_state_dict(saved)
+    message = "step counts on the parameters' device in float32" if unfit == "counts" else "moments laid out"
+    with pytest.raises(ValueError, match=rf"AdamW\(triton=True\) needs .*{message}"):
+        optimizer.step()
+    assert torch.equal(weight, before)
+    optimizer.load_state_dict(optimizer.state_dict() | {"state": {0: {
+        key: value.float().contiguous() for key, value in optimizer.state_dict()["state"][0].items()}}})
+    optimizer.step()
+    assert not torch.equal(weight, before)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_compiled_kernel_matches_torchs_fused_step_on_a_gpu():
