@@ -1,5 +1,5 @@
 """Whether lists of tensors can be stepped by one multi-tensor kernel that reads each tensor as one block of memory
-(the Triton kernels of `optim._triton`, torch's fused and foreach ops): checked on the host before every such step,
+(the Triton kernels of `optim._triton`, torch's fused and foreach ops): checked on the host before such steps,
 so each check is one C++ call per tensor where it can be."""
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class Geometry:
 # By device type; any other than the CPU takes the GPU's (`geometry_of`). Tests and the step-cost benchmark may
 # give the CPU the GPU's geometry, to run or count a GPU's step there. A GPU's chunk costs about 0.7 ms of host time
 # (its launches, views and Python, measured on meta tensors), whatever its size: 2^27 elements cut BERT-Large into 4
-# chunks, not 7 (0.70x the host's time per step), for a work buffer of 713 MB, not 358 (about 5.3 bytes per element
+# chunks, not 7 (0.70-0.79x the host's time per step), for a work buffer of 713 MB, not 358 (about 5.3 bytes per element
 # of the chunk, whatever the model's size).
 GEOMETRIES = {"cpu": Geometry(1 << 20, 1 << 16, True, 0), "cuda": Geometry(1 << 27, None, False, 3)}
 
