@@ -42,7 +42,7 @@ class AdamW(torch.optim.AdamW):
         first = next((p for group in self.param_groups for p in group["params"]), None)
         self.triton = first is not None and use_triton(triton, first.device, "AdamW", obstacle=self._option_obstacle())
         self._asked = triton is True  # a step the kernel cannot take is then an error, not torch's step
-        self._states_unchecked = False  # True after a load: the loaded moments and counts are checked once
+        self._states_unchecked = False  # True after a load or torch's step: their state is checked once
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -53,6 +53,7 @@ class AdamW(torch.optim.AdamW):
         if obstacle is not None and self._asked:
             raise ValueError(f"AdamW(triton=True) {obstacle}; set triton=False")
         if not self.triton or obstacle is not None or not any(stepped):
+            self._states_unchecked = True  # torch's non-fused step, for one, keeps its new counts on the host
             return super().step(closure)
         loss = closure_loss(closure)
         from optim._triton_adamw import triton_adamw_  # imports triton: only where `triton_refusal` allowed it
@@ -93,9 +94,9 @@ class AdamW(torch.optim.AdamW):
 
     def _tensor_obstacle(self, stepped: list[list[Tensor]]) -> str | None:
         """Why the kernel cannot step the groups' parameters `stepped`, or None. The gradients are checked every
-        step; the moments and counts once after a load, the only way to state that `_state` did not make in its
-        parameter's layout: 0.43x the host time of checking all four lists every step (0.37 against 0.85 ms at
-        BERT-Large, on meta tensors, where the step took about 2.5)."""
+        step; the moments and counts once after a load or a step of torch's, the only ways to state that `_state`
+        did not make in its parameter's layout: 0.43x the host time of checking all four lists every step (0.37
+        against 0.85 ms at BERT-Large, on meta tensors, where the step took about 2.5)."""
         for params in stepped:
             if not params:
                 continue
@@ -112,7 +113,7 @@ class AdamW(torch.optim.AdamW):
         return None
 
     def _state_obstacle(self) -> str | None:
-        """Why the kernel cannot step the groups' loaded moments and counts, or None."""
+        """Why the kernel cannot step the moments and counts the groups hold, or None."""
         for group in self.param_groups:
             params = [p for p in group["params"] if self.state.get(p)]
             if not params:

@@ -183,3 +183,23 @@ def test_the_compiled_kernel_matches_torchs_fused_step_on_a_gpu():
             optimizer.step()
     assert_weights_close(models[0], models[1])
     assert all(torch.equal(p, q) for p, q in zip(models[1].parameters(), models[2].parameters(), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_state_made_by_torchs_step_is_checked_before_the_kernel_reads_it():
+    """With null on a GPU, a step the kernel cannot take (a gradient laid out apart from its weight) is torch's, and
+    torch's non-fused step keeps its new step counts on the host, where the kernel cannot read them: the next steps
+    stay torch's, bit for bit those of torch's AdamW."""
+    weights = [nn.Parameter(torch.ones(4, 3, device="cuda")) for _ in range(2)]
+    ours = adamw([weights[0]], triton=None, fused=False, **OPTIONS)
+    if not ours.triton:
+        pytest.skip("the kernel takes an A100, H100 or newer GPU")
+    reference = torch.optim.AdamW([weights[1]], fused=False, **OPTIONS)
+    for step in range(3):
+        grad = torch.full((4, 3), 0.5 + step, device="cuda")
+        for weight, optimizer in zip(weights, (ours, reference), strict=True):
+            weight.grad = grad.t().contiguous().t() if step == 0 else grad.clone()  # first: strides (1, 4)
+            optimizer.step()
+    assert ours.state[weights[0]]["step"].device.type == "cpu"
+    assert torch.equal(weights[0], weights[1])
