@@ -374,10 +374,9 @@ class SLAMB(torch.optim.Optimizer):
                           grads: list[Tensor | None], factor: float, eps: float, decay_in_norms: bool, adapt: bool,
                           fused: str | None) -> tuple[Tensor, Tensor] | None:
         """m, v and the direction buffer of the chunk's slots from their gradients `grads` (None where a slot has
-        none, which `fused` excludes), by one call of torch's fused
-        Adam kernel; and the masked weights at S_t, which the fresh weight norms and, with the decay in the norms,
-        the fresh direction need. With the decay in the norms the weights are copied into the buffer first, which
-        serves their gather too.
+        none, which `fused` excludes), by one call of torch's fused Adam kernel; and the masked weights at S_t, which
+        the fresh weight norms and, with the decay in the norms, the fresh direction need. With the decay in the
+        norms the weights are copied into the buffer first, which serves their gather too.
 
         `fused` ("compiled" or "triton"): one fused pass instead (`_fused_local_pass`), which also returns the norms
         of the weights and of the local direction per slot (eagerly, None); the weights at S_t gathered from the
