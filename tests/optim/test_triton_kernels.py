@@ -64,9 +64,8 @@ class _Recording:
 @pytest.fixture(scope="module")
 def launches() -> list:
     """The kernel launches of LAMB's and AdamW's steps (LAMB's pre-normalised, with a clipped ratio; both in fp32 and
-    bf16), of SLAMB's (both rescale
-    forms) and of the 1-bit family's compressed steps (1-bit Adam compresses `x + error`, 1-bit LAMB its fed-back
-    error, 0/1 Adam's syncs feed q into the error and form the weights again)."""
+    bf16), of SLAMB's (both rescale forms) and of the 1-bit family's compressed steps (1-bit Adam compresses
+    `x + error`, 1-bit LAMB its fed-back error, 0/1 Adam's syncs feed q into the error and form the weights again)."""
     recorded: list = []
     with pytest.MonkeyPatch.context() as patch:
         for module, names in KERNELS.items():
