@@ -7,12 +7,21 @@ blocks are compiled in a copy that shares every parameter and buffer with the mo
 evaluation, EMA and the averaged replicas run it (and copies of it) as they did beside a whole-model compile, and
 compile nothing of their own (eval mode, no_grad and their batch shapes would each add graphs). Other models are
 compiled whole.
+
+The copy's forward builds its graphs' guards with every parameter's `requires_grad` checked on each call. JointSpar
+switches the parameters of the layers it did not draw to `requires_grad=False` between steps, and by default dynamo
+skips the guards of a tensor held in a module's dict whose entries did not change. Torch builds without the fix
+(pytorch/pytorch#177158; 2.11.0 among them) then run a region's graph traced with its layer frozen after the layer
+was drawn: the layer gets no gradient, and a step whose drawn layers are all such regions has a loss without a
+`grad_fn` (an H100 run of 2.11.0 failed so).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +41,19 @@ def compiled_for_training(name: str, model: nn.Module,
     twin = copy.deepcopy(model, memo=shared)
     for region in regions(twin):
         region.compile()
+    twin.forward = _guarding_requires_grad(twin.forward)
     return wrap(twin)
+
+
+def _guarding_requires_grad(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward` with the guards that dynamo builds and checks as it runs covering each parameter's
+    `requires_grad` (the module docstring says why)."""
+    @functools.wraps(forward)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(skip_tensor_guards_with_matching_dict_tags=False):
+            return forward(*args, **kwargs)
+
+    return guarded
 
 
 def compiles_by_regions(name: str) -> bool:

@@ -53,3 +53,25 @@ def test_a_model_without_regions_is_compiled_whole_around_its_wrapper():
     wrapper = nn.Sequential(model)
     compiled = compiled_for_training("swin", model, lambda module: wrapper)
     assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule) and compiled._orig_mod is wrapper
+
+
+@pytest.mark.slow
+def test_a_layer_switched_trainable_between_calls_gets_its_gradient_from_the_compiled_copy():
+    """JointSpar's pattern: each call only some layers require gradients. Calls alternate which encoder layer alone
+    is trainable, so a region's graph traced with its layer frozen is reused only if the guards miss the switch
+    (torch without pytorch/pytorch#177158): its layer then gets no gradient, or the loss none at all."""
+    torch.manual_seed(0)
+    model = create_model("bert_pretraining", **TINY_BERT)
+    batch = bert_pretraining_batch(32, 2, 0.25)
+    layers = model.bert.encoder.layer
+    torch._dynamo.reset()
+    trained = compiled_for_training("bert_pretraining", model)
+    for drawn in (1, 0, 1, 0):
+        for p in model.parameters():
+            p.requires_grad_(False)
+        layers[drawn].requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        get_task("bert_pretraining").step(trained, batch)["loss"].backward()
+        with_grads = {name for name, p in model.named_parameters() if p.grad is not None}
+        assert with_grads == {name for name, p in model.named_parameters() if p.requires_grad}
+        assert with_grads and all(name.startswith(f"bert.encoder.layer.{drawn}.") for name in with_grads)
