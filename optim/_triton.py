@@ -31,6 +31,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from optim.flat import FixedAddresses
+
 BLOCK = 2048  # elements per program of the elementwise kernels
 SUM_BLOCK = 1024  # block sums a program of the reduction adds per iteration
 _ADDRESS_TABLES = 64  # address tables kept per process (one per chunk and kind, more when gradients move)
@@ -56,9 +58,11 @@ _addresses: dict[tuple, tuple[Tensor, bool]] = {}
 
 def address_table(device: torch.device, *lists: Sequence[Tensor]) -> tuple[Tensor, bool]:
     """The lists' addresses, list after list, as one int64 vector on `device`, reused while they stay put (a
-    parameter and its state never move; a gradient may, when the trainer frees it between steps); and whether every
-    address is a multiple of 16 bytes."""
-    key = (device, *map(Tensor.data_ptr, itertools.chain.from_iterable(lists)))  # map: 0.75x a comprehension's time
+    gradient may move, when the trainer frees it between steps; a parameter should not, but nothing stops a caller);
+    and whether every address is a multiple of 16 bytes. A `FixedAddresses` list gives the addresses it read once."""
+    key = (device, *itertools.chain.from_iterable(  # map: 0.75x a comprehension's time
+        tensors.addresses if isinstance(tensors, FixedAddresses) else map(Tensor.data_ptr, tensors)
+        for tensors in lists))
     entry = _addresses.get(key)
     if entry is None:
         if len(_addresses) >= _ADDRESS_TABLES:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optim.flat import FlatLayout, FlatState, runs
+from optim.flat import FixedAddresses, FlatLayout, FlatState, runs
 from optim.slamb._masks import ROW_NUMEL, Mask, mask_size, row_size
 
 
@@ -149,11 +149,12 @@ class Chunk:
     contiguous: bool  # every parameter contiguous, as the fused passes (compiled or Triton) read them
     one_dtype: bool  # every parameter of one dtype, as the Triton kernels read them
     # Views, built once (so a step dispatches no per-tensor view): per slot its m, v and direction (the work
-    # buffer's direction space), shaped like it; per masked slot its direction's rows and its rows' coefficients
-    # (a column of the coefficient buffer, which holds the chunk's masked rows from its first).
-    exp_avgs: list[Tensor]
-    exp_avg_sqs: list[Tensor]
-    directions: list[Tensor]
+    # buffer's direction space), shaped like it, in lists that hold their addresses for the Triton kernels; per
+    # masked slot its direction's rows and its rows' coefficients (a column of the coefficient buffer, which holds
+    # the chunk's masked rows from its first).
+    exp_avgs: FixedAddresses
+    exp_avg_sqs: FixedAddresses
+    directions: FixedAddresses
     direction_rows: list[Tensor]
     coefs: list[Tensor]
 
@@ -257,8 +258,8 @@ class Layout:
             always_at=column([s.offset - start for s in slots if s.always]),
             params=[s.param for s in slots], contiguous=all(s.param.is_contiguous() for s in slots),
             one_dtype=len({s.param.dtype for s in slots}) == 1,
-            exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
-            directions=[s.flat(self.work, start).view_as(s.param) for s in slots],
+            exp_avgs=FixedAddresses(exp_avgs), exp_avg_sqs=FixedAddresses(exp_avg_sqs),
+            directions=FixedAddresses([s.flat(self.work, start).view_as(s.param) for s in slots]),
             direction_rows=[s.flat(self.work, start).view(-1, s.row_size) for s in masked],
             coefs=[self.coef[s.row - rows[1]:s.row - rows[1] + s.rows].view(-1, 1) for s in masked])
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim.flat import FlatLayout, FlatState, Slot, pop_flat_entries, runs
+from optim.flat import FixedAddresses, FlatLayout, FlatState, Slot, pop_flat_entries, runs
 
 SHAPES = [torch.Size((3, 5)), torch.Size((7,)), torch.Size((2, 2)), torch.Size((6,))]
 GROUPS = [0, 0, 1, 0]  # tensor 2 is of group 1: it splits group 0's run
@@ -138,3 +138,19 @@ def test_a_buffer_with_a_fill_loads_it_where_nothing_was_saved():
     state = {p: {} for p in params}  # as torch's loader leaves it
     flat.expose("freshness", params, state)
     assert state[params[1]]["freshness"].data_ptr() == flat["freshness"].data_ptr() + 2 * 2
+
+
+def test_fixed_addresses_give_the_kernels_the_table_of_the_tensors_they_hold():
+    pytest.importorskip("triton")
+    from optim._triton import address_table
+
+    views = list(torch.zeros(40).split(4))
+    fixed = FixedAddresses(views)
+    part = fixed[2:5]
+    assert isinstance(part, FixedAddresses) and list(part) == views[2:5] and fixed[3] is views[3]
+    assert part.addresses == tuple(v.data_ptr() for v in views[2:5])
+    grads = [torch.ones(4)]
+    table, _ = address_table(torch.device("cpu"), grads, part)
+    assert table.tolist() == [grads[0].data_ptr(), *part.addresses]
+    moved = [torch.ones(4)]  # a plain list is read again: a gradient that moved gets its own table
+    assert address_table(torch.device("cpu"), moved, part)[0].tolist() == [moved[0].data_ptr(), *part.addresses]
