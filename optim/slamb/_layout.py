@@ -57,11 +57,12 @@ class Geometry:
 
 
 # By device type; any other than the CPU takes the GPU's (`geometry_of`). Tests and the step-cost benchmark may
-# give the CPU the GPU's geometry, to run or count a GPU's step there. A GPU's chunk costs about 0.7 ms of host time
-# (its launches, views and Python, measured on meta tensors), whatever its size: 2^27 elements cut BERT-Large into 4
-# chunks, not 7 (0.70-0.79x the host's time per step), for a work buffer of 713 MB, not 358 (about 5.3 bytes per element
-# of the chunk, whatever the model's size).
-GEOMETRIES = {"cpu": Geometry(1 << 20, 1 << 16, True, 0), "cuda": Geometry(1 << 27, None, False, 3)}
+# give the CPU the GPU's geometry, to run or count a GPU's step there. A GPU's step is bound by its host, and each
+# chunk costs host time (its launches, views and Python) whatever its size: 2^29 elements hold BERT-Large's decayed
+# tensors in one chunk (2 chunks a step). On one H100 (torch 2.11) its Triton step took 6.13 ms, 3.73 ms of it on the
+# host, where 2^28 (3 chunks) took 7.04 and 6.49 ms and 2^27 (4 chunks) 7.14 and 7.07 ms. The work buffer is about
+# 5.3 bytes per element of the largest chunk: 1.8 GB at BERT-Large, at most 2.8 GB for any model.
+GEOMETRIES = {"cpu": Geometry(1 << 20, 1 << 16, True, 0), "cuda": Geometry(1 << 29, None, False, 3)}
 
 
 def geometry_of(device: torch.device) -> Geometry:

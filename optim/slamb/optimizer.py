@@ -148,7 +148,7 @@ class SLAMB(torch.optim.Optimizer):
 
     `optim.slamb.reference` is this step one tensor at a time, for every rank in one process; the tests hold this
     class to it. Mechanics (the terms are defined in `optim.slamb._layout`): the flat buffers are cut into chunks
-    (a GPU: 2^27 elements, a CPU: 2^20), each stepped whole (`_step_chunk`): torch's fused Adam kernel forms m, v
+    (a GPU: 2^29 elements, a CPU: 2^20), each stepped whole (`_step_chunk`): torch's fused Adam kernel forms m, v
     and the direction in one pass, the chunk's momentum at S_t is all-reduced and the direction there formed again
     from it, then the ratios and the update. Each masked tensor starts at a multiple of 16 elements (at most 15
     zero elements of padding per tensor, never gathered, sent or normed) and a chunk places its masked tensors by

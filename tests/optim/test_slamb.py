@@ -169,7 +169,7 @@ def test_masks_drawn_ahead_on_their_threads_are_the_masks_of_their_step(monkeypa
 
 @pytest.mark.parametrize("mask", ["stratified", "bernoulli", "cyclic"])
 def test_masks_do_not_depend_on_the_chunking(monkeypatch, mask):
-    """Chunks are 2^20 elements on a CPU and 2^27 on a GPU: the masks must not change with them."""
+    """Chunks are 2^20 elements on a CPU and 2^29 on a GPU: the masks must not change with them."""
     masks = []
     for numel in (_layout.GEOMETRIES["cuda"].chunk_numel, 4000):
         monkeypatch.setitem(_layout.GEOMETRIES, "cpu", replace(_layout.GEOMETRIES["cpu"], chunk_numel=numel))
