@@ -402,25 +402,29 @@ def compiled_lamb_update_(
     The first pass reads g, m, v and w, writes m and v and reduces the norms (6); the second reads w, m and v and
     writes w (4), forming the update again rather than storing it.
     """
-    # t = inf: both corrections exactly 1 (beta ** inf = 0), bias correction off without another graph
-    t, rate = device_scalars(params[0].device, float(step) if bias_correction else math.inf, lr)
+    # The corrections are formed on the host and enter as 0-d tensors (values, not the step count): inductor's CPU
+    # loop computed beta ** t in double precision for every 8 elements it formed from them.
+    bias_correction1, bias_correction2 = bias_corrections(step, constants["beta1"], constants["beta2"], bias_correction)
+    corrections = device_scalars(params[0].device, bias_correction1, math.sqrt(bias_correction2))
+    rate, = device_scalars(params[0].device, lr)
     max_ratio = constants.pop("max_ratio")
     for run in graph_chunks(params):
-        ratios = _LAMB_MOMENTS_AND_RATIOS(params[run], grads[run], exp_avgs[run], exp_avg_sqs[run], grad_divisor, t,
-                                          max_ratio=max_ratio, **constants)
-        _LAMB_APPLY(params[run], exp_avgs[run], exp_avg_sqs[run], ratios, rate, t, **constants)
+        ratios = _LAMB_MOMENTS_AND_RATIOS(params[run], grads[run], exp_avgs[run], exp_avg_sqs[run], grad_divisor,
+                                          *corrections, max_ratio=max_ratio, **constants)
+        _LAMB_APPLY(params[run], exp_avgs[run], exp_avg_sqs[run], ratios, rate, *corrections, **constants)
 
 
-def _lamb_direction(w: Tensor, m: Tensor, v: Tensor, t: Tensor, *, beta1: float, beta2: float, eps: float,
+def _lamb_direction(w: Tensor, m: Tensor, v: Tensor, bias_correction1: Tensor, root_correction2: Tensor, eps: float,
                     weight_decay: float) -> Tensor:
-    """LAMB's update `u` at the 1-based step `t` (a 0-d tensor), as `_single_tensor_lamb` forms it."""
-    update = adam_direction(m, v, 1.0 - beta1**t, 1.0 - beta2**t, eps)
+    """LAMB's update `u` as `_single_tensor_lamb` forms it, from the corrections `1 - beta1**t` and
+    `sqrt(1 - beta2**t)` (0-d tensors)."""
+    update = (m / bias_correction1).div_((v.sqrt() / root_correction2).add_(eps))  # `adam_direction`'s order
     return update.add_(w, alpha=weight_decay) if weight_decay != 0 else update
 
 
 def _lamb_moments_and_ratios(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                             exp_avg_sqs: list[Tensor], grad_divisor: Tensor | None, t: Tensor, *,
-                             max_ratio: float | None, **constants: float) -> Tensor:
+                             exp_avg_sqs: list[Tensor], grad_divisor: Tensor | None, bias_correction1: Tensor,
+                             root_correction2: Tensor, *, max_ratio: float | None, **constants: float) -> Tensor:
     """First pass: the moments written, each tensor's trust ratio from the norms of its weights and update."""
     weight_norms, update_norms = [], []
     for w, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
@@ -428,15 +432,19 @@ def _lamb_moments_and_ratios(params: list[Tensor], grads: list[Tensor], exp_avgs
             g = g / grad_divisor
         adam_moments_(m, v, g, constants["beta1"], constants["beta2"])
         weight_norms.append(torch.linalg.vector_norm(w))
-        update_norms.append(torch.linalg.vector_norm(_lamb_direction(w, m, v, t, **constants)))
+        update = _lamb_direction(w, m, v, bias_correction1, root_correction2, constants["eps"],
+                                 constants["weight_decay"])
+        update_norms.append(torch.linalg.vector_norm(update))
     return trust_ratio(torch.stack(weight_norms), torch.stack(update_norms), max_ratio)
 
 
 def _lamb_apply(params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], ratios: Tensor,
-                lr: Tensor, t: Tensor, **constants: float) -> None:
+                lr: Tensor, bias_correction1: Tensor, root_correction2: Tensor, **constants: float) -> None:
     """Second pass: `w -= lr * ratio * u`, the update formed again from the moments the first pass wrote."""
     for w, m, v, ratio in zip(params, exp_avgs, exp_avg_sqs, ratios.unbind(), strict=True):
-        w.sub_(_lamb_direction(w, m, v, t, **constants).mul_(ratio * lr))
+        update = _lamb_direction(w, m, v, bias_correction1, root_correction2, constants["eps"],
+                                 constants["weight_decay"])
+        w.sub_(update.mul_(ratio * lr))
 
 
 # Store each new moment once and let the norms read it in the same loop: by default inductor recomputes the moments
