@@ -111,9 +111,10 @@ def _powers_of_a_tensor(graphs: list[torch.fx.GraphModule]) -> list[str]:
 
 
 def test_compiled_passes_take_their_step_dependent_scalars_from_the_host(monkeypatch):
-    """A scalar that a pass forms from a tensor is formed again for every element: inductor's CPU loop evaluated
-    LAMB's `beta ** t` in two double-precision `pow` calls per 8 elements, and its compiled BERT-base step took 6.5x
-    its memory bound (1.06x with the corrections formed on the host). No graph raises anything to a tensor power."""
+    """A scalar that a pass forms from a 0-d tensor may be formed again for every few elements: inductor's CPU loop
+    evaluated LAMB's `beta ** t` in two double-precision `pow` calls per 8 elements, and its compiled BERT-base step
+    took 6.8x its memory bound (1.07x with the corrections formed on the host). No graph raises anything to a tensor
+    power."""
     graphs = _recorded_graphs(monkeypatch)
     model = small_mlp(8, 16, 4)
     mlp_steps(model, _lamb(model, True, lr=1e-2), range(2))
