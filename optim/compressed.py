@@ -115,9 +115,32 @@ def _bits(packed: Tensor) -> Tensor:
 
 
 def _traced_bits(packed: Tensor) -> Tensor:
-    """`_bits` for the passes inductor compiles: a comparison, which it fuses into the pass on any CPU. Its C++ for a
-    bool view of bytes fails to compile where the CPU has AVX2 but not AVX-512 (torch 2.14.1)."""
-    return _bit_values(packed) != 0
+    """`_bits` for the passes inductor compiles: shifts of int32 and a comparison, which it fuses into the pass on any
+    CPU. Its C++ for a bool view of bytes fails to compile where the CPU has AVX2 but not AVX-512, and its loop for
+    shifts of uint8 (which AVX2 lacks) took 20x as long (torch 2.14.1)."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.int32, device=packed.device)
+    return torch.bitwise_right_shift(packed.to(torch.int32).unsqueeze(-1), shifts).bitwise_and(1) != 0
+
+
+_SIGNED_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _traced_signbit(z: Tensor) -> Tensor:
+    """`torch.signbit` for the passes inductor compiles: the bits as a signed integer, below 0. Inductor's CPU loop
+    takes `signbit` one element at a time, through a buffer, and the compiled compression took 3.4x as long (torch
+    2.14.1)."""
+    return z.view(_SIGNED_OF_SIZE[z.element_size()]) < 0
+
+
+def _traced_packing(negative: Tensor) -> Tensor:
+    """`_pack_negative_` for the passes inductor compiles: the 8 flags of a byte as its columns, shifted and joined
+    in int32, one elementwise loop over the bytes. Inductor's CPU loop for a sum over each 8 shifted uint8 took 65x
+    as long (torch 2.14.1)."""
+    bits = torch.logical_not(negative).view(-1, 8).to(torch.int32)
+    packed = torch.bitwise_left_shift(bits[:, 0], 7)
+    for k in range(1, 8):
+        packed = packed.bitwise_or(torch.bitwise_left_shift(bits[:, k], 7 - k))
+    return packed.to(torch.uint8)
 
 
 def _decode_into(out: Tensor, packed: Tensor, scales: Tensor, zeroed: Tensor | None = None,
@@ -188,7 +211,7 @@ def compress_(z: Tensor, error: Tensor, packed: Tensor | None = None) -> Tensor:
 # ------------------------------------------------------------------------------------------ compiled compression
 # The compressions as inductor compiles them (`compiled=True`): a pass that reduces the norm of the compressed vector,
 # reading what it is the sum of, and one that reads them again to write the error and the sign bits; the sum is never
-# stored. Inductor packs the signs (a reduction over each 8) in a loop of its own that reads the summands once more:
+# stored. Inductor packs the signs in a loop of its own over the bytes that reads the summands once more:
 # about 7 reads and writes of the vector (`x + error`), where the aten ops write the sum, its sign bits as bytes,
 # their packing and the error (about 8).
 
@@ -196,11 +219,9 @@ def compress_(z: Tensor, error: Tensor, packed: Tensor | None = None) -> Tensor:
 def _compress_into_(z: Tensor, error: Tensor, packed: Tensor) -> Tensor:
     """`compress_`'s arithmetic for a traced `z` (never stored): `error = z - scale * sign(z)`, `packed` its signs."""
     scale = torch.linalg.vector_norm(z) / math.sqrt(z.numel())
-    negative = torch.signbit(z)
+    negative = _traced_signbit(z)
     error.copy_(z - torch.where(negative, -scale, scale))
-    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=z.device)
-    packed.copy_(torch.bitwise_left_shift(torch.logical_not(negative).view(-1, 8).to(torch.uint8), shifts)
-                 .sum(-1, dtype=torch.uint8))
+    packed.copy_(_traced_packing(negative))
     return scale.reshape(1)
 
 
