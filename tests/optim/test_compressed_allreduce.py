@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers.distributed_harness import run_on_ranks
 
+from optim import compressed
 from optim._math import FOREACH_CHUNK_NUMEL
 from optim.comm import Comm, average_tensors_
 from optim.compressed import (
@@ -48,13 +49,17 @@ def test_both_zeros_count_as_plus_one():
     assert torch.equal(error, z - scale * signs)
 
 
+@pytest.mark.parametrize("looked_up_on_the_cpu", [True, False])
 @pytest.mark.parametrize("block", [8, 64, None])
-def test_decoding_from_the_bits_is_the_table_look_up_bit_for_bit(monkeypatch, block):
-    """The decoders compute `+-scale` from the unpacked bits (a table look-up's gather crawls on a GPU): the values
-    of `unpack_signs` times each row's scale, signed zeros included, for any scale, in blocks or whole; a zeroed
-    element +0.0; and the server's weighted sum that of the looked-up rows, in rank order."""
+def test_decoding_is_the_table_look_up_bit_for_bit(monkeypatch, block, looked_up_on_the_cpu):
+    """The decoders look the signs up in a table times the scale (a CPU) or compute `+-scale` from the unpacked bits
+    (a GPU, where a table look-up's gather crawls): either way the values of `unpack_signs` times each row's scale,
+    signed zeros included, for any scale, in blocks or whole; a zeroed element +0.0; and the server's weighted sum
+    that of the looked-up rows, in rank order."""
     if block is not None:
         monkeypatch.setitem(FOREACH_CHUNK_NUMEL, "cpu", block)
+    if not looked_up_on_the_cpu:
+        monkeypatch.setattr(compressed, "TABLE_DECODING_DEVICES", frozenset())
     generator = torch.Generator().manual_seed(0)
     packed = torch.randint(0, 256, (4, 16), dtype=torch.uint8, generator=generator)
     scales = torch.tensor([[0.75], [-1.5], [0.0], [-0.0]])
