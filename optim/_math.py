@@ -58,15 +58,17 @@ def adam_moments_(exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, beta1: floa
 
 
 def adam_direction(
-    exp_avg: Tensor, exp_avg_sq: Tensor, bias_correction1: float | Tensor, bias_correction2: float | Tensor,
+    exp_avg: Tensor, exp_avg_sq: Tensor, bias_correction1: float | Tensor, root_correction2: float | Tensor,
     eps: float,
 ) -> Tensor:
-    """Adam's update `m_hat / (sqrt(v_hat) + eps)`, `m_hat = m / bc1`, `v_hat = v / bc2` (a new tensor).
+    """Adam's update `m_hat / (sqrt(v_hat) + eps)`, `m_hat = m / bc1`, `v_hat = v / bc2` (a new tensor), from bc1 and
+    `root_correction2 = sqrt(bc2)`.
 
-    The corrections are numbers, or 0-d tensors in a compiled step (where a number would be baked into the graph).
+    The corrections are numbers, or 0-d tensors in a compiled step, formed on the host: a number would be baked into
+    the graph, and a correction formed inside a pass from the step count would be formed again for every few
+    elements (inductor's CPU loop).
     """
-    root2 = bias_correction2.sqrt() if isinstance(bias_correction2, Tensor) else math.sqrt(bias_correction2)
-    denom = (exp_avg_sq.sqrt() / root2).add_(eps)
+    denom = (exp_avg_sq.sqrt() / root_correction2).add_(eps)
     return (exp_avg / bias_correction1).div_(denom)
 
 

@@ -298,7 +298,7 @@ def _single_tensor_lamb(
         if grad_divisor is not None:
             grad = grad / grad_divisor  # a new tensor: p.grad stays as the caller left it
         adam_moments_(exp_avg, exp_avg_sq, grad, beta1, beta2)
-        update = adam_direction(exp_avg, exp_avg_sq, bias_correction1, bias_correction2, eps)
+        update = adam_direction(exp_avg, exp_avg_sq, bias_correction1, math.sqrt(bias_correction2), eps)
         if weight_decay != 0:
             update.add_(p, alpha=weight_decay)
         if adapt:
@@ -405,8 +405,7 @@ def compiled_lamb_update_(
     # The corrections are formed on the host and enter as 0-d tensors (values, not the step count): inductor's CPU
     # loop computed beta ** t in double precision for every 8 elements it formed from them.
     bias_correction1, bias_correction2 = bias_corrections(step, constants["beta1"], constants["beta2"], bias_correction)
-    corrections = device_scalars(params[0].device, bias_correction1, math.sqrt(bias_correction2))
-    rate, = device_scalars(params[0].device, lr)
+    *corrections, rate = device_scalars(params[0].device, bias_correction1, math.sqrt(bias_correction2), lr)
     max_ratio = constants.pop("max_ratio")
     for run in graph_chunks(params):
         ratios = _LAMB_MOMENTS_AND_RATIOS(params[run], grads[run], exp_avgs[run], exp_avg_sqs[run], grad_divisor,
@@ -418,7 +417,7 @@ def _lamb_direction(w: Tensor, m: Tensor, v: Tensor, bias_correction1: Tensor, r
                     weight_decay: float) -> Tensor:
     """LAMB's update `u` as `_single_tensor_lamb` forms it, from the corrections `1 - beta1**t` and
     `sqrt(1 - beta2**t)` (0-d tensors)."""
-    update = (m / bias_correction1).div_((v.sqrt() / root_correction2).add_(eps))  # `adam_direction`'s order
+    update = adam_direction(m, v, bias_correction1, root_correction2, eps)
     return update.add_(w, alpha=weight_decay) if weight_decay != 0 else update
 
 

@@ -4,6 +4,7 @@ steps."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -27,11 +28,6 @@ from helpers.round_trip import resumed_alongside
 from torch import nn
 from torch._dynamo.utils import counters
 
-import optim.compressed
-import optim.lamb
-import optim.onebit_lamb
-import optim.slamb.optimizer
-import optim.zero_one_adam
 from core.options import InvalidOption
 from optim import LAMB, SLAMB, OneBitAdam, param_groups_weight_decay
 from optim._compiled import TENSORS_PER_GRAPH, CompiledMath, graph_chunks
@@ -97,7 +93,8 @@ def _recorded_graphs(monkeypatch: pytest.MonkeyPatch) -> list[torch.fx.GraphModu
         return gm.forward
 
     monkeypatch.setattr(torch, "compile", lambda fn, **options: compile_(fn, backend=record, fullgraph=True))
-    for module in (optim.lamb, optim.onebit_lamb, optim.zero_one_adam, optim.compressed, optim.slamb.optimizer):
+    modules = [module for name, module in list(sys.modules.items()) if name.split(".")[0] == "optim"]
+    for module in modules:  # every compiled function of the optimizers, however many modules hold one
         for math_ in vars(module).values():
             if isinstance(math_, CompiledMath):
                 monkeypatch.setattr(math_, "_compiled", None)
